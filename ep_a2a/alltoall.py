@@ -1,0 +1,416 @@
+"""The public all-to-all: dispatch and combine over a symmetric workspace (NVLinkOneSided).
+
+    group = ep_a2a.LocalGroup([0] * 8)                 # or ProcessGroup(bootstrap, device)
+    a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=256, top_k=8, num_experts=256,
+                             payloads=[ep_a2a.PayloadSpec("hidden", (7168,), "bfloat16")],
+                             combine_hidden_size=7168)
+    r = a2a.ranks[0]                                    # one per rank living in this process
+    ids, (hidden,) = r.dispatch(topk_ids, [x], runtime_max_tokens_per_rank=T_hat)
+    r.combine_input(T_hat)   # [ep_size, T_hat, hidden] in the workspace: the MoE writes here
+    y = r.combine(partial, T_hat)                       # [local_num_tokens, hidden]
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from cuda.bindings import driver as _drv
+
+from .driver.errors import CudaError, EpA2AError, call
+from .driver.launch import Launch, occupancy
+from .driver.module import load
+from .driver.stream import is_capturing, stream_handle
+from .driver.tensor import Tensor, as_dtype as lookup_dtype, as_tensor
+from .driver.vmm import HostMapped
+from .errors import error_from_record
+from .layout import (A2AParams, ErrorRecord, MAX_PAYLOADS, MAX_RANKS, MAX_TOP_K, WorkspaceLayout)
+from .symmetric import SymmetricWorkspace
+
+PROTOCOLS = ("fence", "sentinel", "auto")
+COMBINE_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+_CUDA = 2  # DLPack kDLCUDA
+
+
+@dataclass(frozen=True)
+class PayloadSpec:
+    """One dispatch payload: `shape` and `dtype` of one token's data (any bytes: BF16 hidden
+    states, FP8 with scales, packed FP4, router weights, opaque uint8)."""
+    name: str
+    shape: tuple
+    dtype: str = "uint8"
+
+    @property
+    def bytes_per_token(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * lookup_dtype(self.dtype).itemsize
+
+
+class StateError(EpA2AError):
+    """dispatch/combine called out of order, or on a closed all-to-all."""
+
+
+def _vec(nbytes: int, *addresses: int) -> int:
+    """The widest vector (16, 8, 4, 2, 1 bytes) that divides the size and every address."""
+    for w in (16, 8, 4, 2):
+        if nbytes % w == 0 and all(a % w == 0 for a in addresses):
+            return w
+    return 1
+
+
+class MoeAlltoAll:
+    """Dispatch/combine for every rank of `group` that lives in this process (built collectively).
+
+    Args:
+      max_tokens_per_rank: most tokens any rank passes in one step (sizes the workspace).
+      top_k, num_experts: routing; experts are split over ranks in contiguous blocks, the
+        first `num_experts % ep_size` ranks owning one more.
+      payloads: PayloadSpec of each dispatched tensor besides the expert ids (at most 8).
+      combine_hidden_size, combine_dtype: the partial results combine reduces (bf16, fp16
+        or fp32; accumulated in fp32).
+      protocol: "fence" (this release), "sentinel", "auto".
+      timeout_s / first_timeout_s: how long a kernel waits for a peer before it records who
+        was missing and traps; the first steps get the longer one (peers may still be
+        loading). validate_expert_ids: copy the ids to the host and check their range
+        before launching (skipped while a graph is being captured; off, out-of-range ids
+        are dropped by the kernel).
+    """
+
+    def __init__(self, group, *, max_tokens_per_rank: int, top_k: int, num_experts: int, payloads=(),
+                 combine_hidden_size: int, combine_dtype: str = "bfloat16", protocol: str = "fence",
+                 timeout_s: float = 10.0, first_timeout_s: float = 60.0, validate_expert_ids: bool = True,
+                 pdl: bool = True, threads_per_block: int = 256):
+        ep = group.ep_size
+        _require(1 <= ep <= MAX_RANKS, "group", f"ep_size must be in 1..{MAX_RANKS}, got {ep}")
+        _require(1 <= top_k <= MAX_TOP_K, "top_k", f"must be in 1..{MAX_TOP_K}, got {top_k}")
+        _require(num_experts >= 1, "num_experts", f"must be >= 1, got {num_experts}")
+        _require(1 <= max_tokens_per_rank < 2 ** 23, "max_tokens_per_rank", f"must be in 1..2**23-1, got {max_tokens_per_rank}")
+        _require(combine_hidden_size >= 1, "combine_hidden_size", f"must be >= 1, got {combine_hidden_size}")
+        _require(protocol in PROTOCOLS, "protocol", f"must be one of {PROTOCOLS}, got {protocol!r}")
+        _require(protocol == "fence", "protocol", "only 'fence' is implemented in this release")
+        cdt = lookup_dtype(combine_dtype)
+        _require(cdt.name in COMBINE_DTYPES, "combine_dtype", f"must be one of {tuple(COMBINE_DTYPES)}, got {cdt.name}")
+        payloads = tuple(payloads)
+        _require(len(payloads) <= MAX_PAYLOADS - 1, "payloads", f"at most {MAX_PAYLOADS - 1} payloads, got {len(payloads)}")
+        for p in payloads:
+            _require(isinstance(p, PayloadSpec), "payloads", f"expected PayloadSpec entries, got {type(p).__name__}")
+            _require(p.bytes_per_token > 0, "payloads", f"payload {p.name!r} has no bytes per token")
+        threads = int(threads_per_block)
+        _require(threads % 32 == 0 and 96 <= threads <= 512, "threads_per_block", "must be a multiple of 32 in 96..512")
+
+        self.group, self.ep_size, self.top_k, self.num_experts = group, ep, top_k, num_experts
+        self.max_tokens_per_rank, self.payload_specs, self.protocol = max_tokens_per_rank, payloads, protocol
+        self.combine_hidden_size, self.combine_dtype = combine_hidden_size, cdt
+        self.timeout_s, self.first_timeout_s = timeout_s, first_timeout_s
+        self.validate_expert_ids, self.pdl, self.threads = validate_expert_ids, pdl, threads
+        if not group.is_local:
+            group.agree((max_tokens_per_rank, top_k, num_experts, combine_hidden_size, cdt.itemsize,
+                         PROTOCOLS.index(protocol)) + tuple(p.bytes_per_token for p in payloads), "MoeAlltoAll arguments")
+        self.layout = WorkspaceLayout.build(ep, max_tokens_per_rank, top_k,
+                                            (4 * top_k,) + tuple(p.bytes_per_token for p in payloads),
+                                            combine_hidden_size * cdt.itemsize, sentinel=protocol != "fence")
+        self.workspace = SymmetricWorkspace(group, self.layout.size)
+        self.ranks = []
+        try:
+            for i, r in enumerate(group.ranks):
+                r.device.make_current()
+                call(_drv.cuMemsetD8Async, self.workspace.base(i), 0, self.workspace.size, r.stream.handle)
+                r.stream.synchronize()
+            # no peer may write into a workspace before its owner has cleared it
+            if not group.is_local:
+                group.bootstrap.barrier()
+            self.ranks = [RankAlltoAll(self, i, r) for i, r in enumerate(group.ranks)]
+        except BaseException:
+            self.close()
+            raise
+
+    # Convenience for one rank per process.
+    def _only(self) -> "RankAlltoAll":
+        if len(self.ranks) != 1:
+            raise StateError(f"this process holds {len(self.ranks)} ranks: call a2a.ranks[i].dispatch/combine")
+        return self.ranks[0]
+
+    def dispatch(self, *args, **kw):
+        return self._only().dispatch(*args, **kw)
+
+    def combine(self, *args, **kw):
+        return self._only().combine(*args, **kw)
+
+    def combine_input(self, *args, **kw):
+        return self._only().combine_input(*args, **kw)
+
+    def synchronize(self) -> None:
+        for r in self.ranks:
+            r.synchronize()
+
+    def check_errors(self) -> None:
+        """Raise the PeerError a kernel of this process recorded, if any."""
+        for r in self.ranks:
+            r.raise_recorded()
+
+    @property
+    def workspace_bytes_per_rank(self) -> int:
+        return self.workspace.size
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.close()
+        self.ranks = []
+        if getattr(self, "workspace", None) is not None:
+            self.workspace.close()
+            self.workspace = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _require(ok: bool, arg: str, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{arg}: {rule}")
+
+
+class RankAlltoAll:
+    """Dispatch and combine of one rank; all state lives on the device except a phase check."""
+
+    def __init__(self, a2a: MoeAlltoAll, index: int, rank):
+        self.a2a, self.index, self.rank, self.device = a2a, index, rank.rank, rank.device
+        self.default_stream = rank.stream.handle
+        L = a2a.layout
+        dev = self.device
+        self.base = a2a.workspace.base(index)
+        self.error = HostMapped(ctypes.sizeof(ErrorRecord), dev)
+        self.record = ErrorRecord.from_address(self.error.host_ptr)
+        ctypes.memset(self.error.host_ptr, 0, ctypes.sizeof(ErrorRecord))
+
+        p = self.params = A2AParams()
+        for q, b in enumerate(a2a.workspace.peers(index)):
+            p.peer_base[q] = b
+        p.error_record = self.error.device_ptr
+        for f in ("off_dispatch_flags", "off_tmax", "off_combine_flags", "off_epoch", "off_done", "off_counters",
+                  "off_records", "off_combine", "off_id_slots", "off_combine_slots"):
+            setattr(p, f, getattr(L, f))
+        p.combine_bytes = L.combine_bytes
+        p.rank, p.ep_size, p.top_k, p.num_experts = self.rank, a2a.ep_size, a2a.top_k, a2a.num_experts
+        p.experts_per_rank, p.experts_remainder = divmod(a2a.num_experts, a2a.ep_size)
+        p.max_tokens_per_rank = a2a.max_tokens_per_rank
+        p.num_payloads = len(L.payload_bytes)
+        for q, b in enumerate(L.payload_bytes):
+            p.payloads[q].recv_offset = L.off_recv[q]
+            p.payloads[q].bytes_per_token = b
+        p.combine_vec = _vec(L.combine_bytes, self.base + L.off_combine)
+
+        fence = load("fence", dev)
+        util = load("util", dev)
+        cname = "fence_combine_" + COMBINE_DTYPES[a2a.combine_dtype.name]
+        fd, fc = fence.function("fence_dispatch"), fence.function(cname)
+        occ = min(occupancy(fd, a2a.threads), occupancy(fc, a2a.threads))
+        # kernels of every rank sharing this GPU spin on each other: all must be resident
+        self.max_grid = max(1, occ * dev.sm_count // rank.ranks_on_device)
+        self._dispatch = Launch(dev, fd, [p], 1, a2a.threads, pdl=a2a.pdl)
+        self._combine = Launch(dev, fc, [p], 1, a2a.threads, pdl=a2a.pdl)
+        self._empty = Launch(dev, util.function("ep_empty"), [p], 1, a2a.threads, pdl=a2a.pdl)
+
+        self._out = _DeviceArray(dev, a2a.max_tokens_per_rank * L.combine_bytes)
+        self.steps = 0
+        self._dispatched_tmax = None   # runtime_max of the dispatch awaiting its combine
+        self._local_tokens = 0
+
+    # -- views into the workspace ------------------------------------------------------
+    def _view(self, offset: int, shape, dtype, stream) -> Tensor:
+        return Tensor(self.base + offset, tuple(shape), lookup_dtype(dtype), device=(_CUDA, self.device.ordinal),
+                      owner=self, stream=stream)
+
+    def dispatch_views(self, tmax: int, stream=None):
+        """(expert ids [ep, T^, top_k], [payload views [ep, T^, *shape]]) for runtime max T^."""
+        a, L = self.a2a, self.a2a.layout
+        ids = self._view(L.off_recv[0], (a.ep_size, tmax, a.top_k), "int32", stream)
+        views = [self._view(L.off_recv[q + 1], (a.ep_size, tmax) + tuple(s.shape), s.dtype, stream)
+                 for q, s in enumerate(a.payload_specs)]
+        return ids, views
+
+    def combine_input(self, runtime_max_tokens_per_rank: int) -> Tensor:
+        """Where the MoE writes its partial results for combine: [ep_size, T^, hidden]."""
+        a = self.a2a
+        self._check_tmax(runtime_max_tokens_per_rank)
+        return self._view(a.layout.off_combine, (a.ep_size, runtime_max_tokens_per_rank, a.combine_hidden_size),
+                          a.combine_dtype.name, None)
+
+    # -- the two phases -------------------------------------------------------------------
+    def dispatch(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None, stream=None):
+        """Push this rank's tokens to the ranks owning their experts.
+
+        token_selected_experts: int32 [local_num_tokens, top_k] on this rank's GPU (-1 = none).
+        payloads: one tensor [local_num_tokens, *spec.shape] of spec.dtype per PayloadSpec.
+        Returns (expert ids view [ep_size, T^, top_k], [payload views [ep_size, T^, ...]]):
+        slot j of region s holds the j-th token source s sent here; slots past its count
+        carry expert id -1. The views stay valid until the next dispatch.
+        """
+        a = self.a2a
+        self._check_open()
+        if self._dispatched_tmax is not None:
+            raise StateError(f"rank {self.rank}: dispatch called twice without combine")
+        tmax = runtime_max_tokens_per_rank
+        self._check_tmax(tmax)
+        s = self.default_stream if stream is None else stream_handle(stream)
+        ids = self._input(token_selected_experts, "token_selected_experts", (a.top_k,), "int32", None)
+        T = ids.shape[0]
+        _require(T <= tmax, "token_selected_experts",
+                 f"{T} local tokens exceed runtime_max_tokens_per_rank={tmax}")
+        payloads = list(payloads)
+        _require(len(payloads) == len(a.payload_specs), "payloads",
+                 f"expected {len(a.payload_specs)} tensors ({', '.join(p.name for p in a.payload_specs)}), got {len(payloads)}")
+        ins = [self._input(t, f"payloads[{q}] ({spec.name})", tuple(spec.shape), spec.dtype, T)
+               for q, (t, spec) in enumerate(zip(payloads, a.payload_specs))]
+        if a.validate_expert_ids and T and not is_capturing(s):
+            self._check_ids(ids, s)
+
+        p = self.params
+        p.local_num_tokens, p.runtime_max_tokens_per_rank = T, tmax
+        p.timeout_ns = int(1e9 * (a.first_timeout_s if self.steps < 4 else a.timeout_s))
+        for q, t in enumerate([ids] + ins):
+            d = p.payloads[q]
+            d.src = t.ptr
+            d.vec = _vec(d.bytes_per_token, t.ptr)
+        sanitize_blocks = -(-a.ep_size * tmax * a.top_k // (a.threads * 8))
+        self._dispatch.grid = max(1, min(self.max_grid, max(T, sanitize_blocks)))
+        self.device.make_current()
+        self._launch(self._dispatch, s)
+        self.steps += 1
+        self._dispatched_tmax, self._local_tokens = tmax, T
+        return self.dispatch_views(tmax, s)
+
+    def combine(self, partial, runtime_max_tokens_per_rank: int = None, stream=None, out=None) -> Tensor:
+        """Sum, for each local token, the partial results its target ranks computed.
+
+        partial: [ep_size, T^, hidden] (or [ep_size * T^, hidden]) of combine_dtype: the
+        view from combine_input() (zero copy) or any tensor on this GPU (staged into the
+        workspace first). Returns `out` or a [local_num_tokens, hidden] view of an
+        internal buffer valid until the next combine.
+        """
+        a = self.a2a
+        self._check_open()
+        tmax = runtime_max_tokens_per_rank
+        if self._dispatched_tmax is None:
+            raise StateError(f"rank {self.rank}: combine called without a dispatch before it")
+        _require(tmax == self._dispatched_tmax, "runtime_max_tokens_per_rank",
+                 f"combine got {tmax} but the dispatch of this step used {self._dispatched_tmax}")
+        s = self.default_stream if stream is None else stream_handle(stream)
+        H, T = a.combine_hidden_size, self._local_tokens
+        part = self._input(partial, "partial", (H,), a.combine_dtype.name, None)
+        _require(part.shape[0] == a.ep_size * tmax or (part.ndim == 3 and part.shape[:2] == (a.ep_size, tmax)),
+                 "partial", f"must be [ep_size={a.ep_size}, runtime_max_tokens_per_rank={tmax}, {H}], got {part.shape}")
+        if out is None:
+            out_t = Tensor(self._out.ptr, (T, H), a.combine_dtype, device=(_CUDA, self.device.ordinal), owner=self._out)
+        else:
+            out_t = self._input(out, "out", (H,), a.combine_dtype.name, T)
+        p = self.params
+        p.combine_out = out_t.ptr
+        p.combine_vec = _vec(a.layout.combine_bytes, out_t.ptr)
+        self._combine.grid = max(1, min(self.max_grid, T))
+        self.device.make_current()
+        dst = self.base + a.layout.off_combine
+        if part.ptr != dst:  # staged: the partial results live outside the workspace
+            call(_drv.cuMemcpyDtoDAsync, dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes, s)
+        self._launch(self._combine, s)
+        self._dispatched_tmax = None
+        out_t.stream = s
+        return out_t
+
+    def launch_empty(self, stream=None, grid: int = 1) -> None:
+        """The benchmark's latency floor: an empty kernel of the protocol kernels' shape."""
+        self._empty.grid = grid
+        self._launch(self._empty, self.default_stream if stream is None else stream_handle(stream))
+
+    # -- checks ------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.params is None:
+            raise StateError(f"rank {self.rank}: this all-to-all is closed")
+
+    def _check_tmax(self, tmax) -> None:
+        _require(isinstance(tmax, (int, np.integer)) and 1 <= tmax <= self.a2a.max_tokens_per_rank,
+                 "runtime_max_tokens_per_rank",
+                 f"must be an int in 1..max_tokens_per_rank={self.a2a.max_tokens_per_rank}, got {tmax!r}")
+
+    def _input(self, obj, name: str, inner: tuple, dtype: str, rows) -> Tensor:
+        if obj is None:
+            raise TypeError(f"{name}: expected a tensor, got None")
+        t = as_tensor(obj)
+        want = lookup_dtype(dtype)
+        if t.dtype != want:
+            raise TypeError(f"{name}: dtype must be {want.name}, got {t.dtype.name}")
+        if t.device != (_CUDA, self.device.ordinal):
+            raise ValueError(f"{name}: must be on cuda:{self.device.ordinal} (this rank's GPU), got device {t.device}")
+        if not t.is_contiguous:
+            raise ValueError(f"{name}: must be contiguous (row-major), got strides {t.strides} for shape {t.shape}")
+        if name == "partial":
+            flat = t.shape[-len(inner):] == inner and t.ndim in (2, 3)
+            if not flat:
+                raise ValueError(f"{name}: last dimension must be {inner}, got shape {t.shape}")
+            return t
+        if t.ndim != 1 + len(inner) or tuple(t.shape[1:]) != inner:
+            raise ValueError(f"{name}: shape must be [tokens, {', '.join(map(str, inner))}], got {list(t.shape)}")
+        if rows is not None and t.shape[0] != rows:
+            raise ValueError(f"{name}: has {t.shape[0]} rows but token_selected_experts has {rows}")
+        _require(t.shape[0] <= self.a2a.max_tokens_per_rank, name,
+                 f"{t.shape[0]} tokens exceed max_tokens_per_rank={self.a2a.max_tokens_per_rank}")
+        return t
+
+    def _check_ids(self, ids: Tensor, stream: int) -> None:
+        host = np.empty(ids.shape, np.int32)
+        call(_drv.cuStreamSynchronize, stream)
+        call(_drv.cuMemcpyDtoH, host.ctypes.data, ids.ptr, host.nbytes)
+        bad = (host < -1) | (host >= self.a2a.num_experts)
+        if bad.any():
+            i, k = map(int, np.argwhere(bad)[0])
+            raise ValueError(f"token_selected_experts: ids must be in 0..num_experts-1={self.a2a.num_experts - 1} "
+                             f"or -1 (no expert); token {i}, selection {k} is {int(host[i, k])}")
+
+    # -- errors --------------------------------------------------------------------------------
+    def _launch(self, launch: Launch, stream: int) -> None:
+        try:
+            launch(stream)
+        except CudaError as e:
+            self.raise_recorded(e)
+            raise
+
+    def raise_recorded(self, cause=None) -> None:
+        err = error_from_record(self.record)
+        if err is not None:
+            raise err from cause
+
+    def synchronize(self) -> None:
+        try:
+            self.device.make_current()
+            call(_drv.cuCtxSynchronize)
+        except CudaError as e:
+            self.raise_recorded(e)
+            raise
+
+    def close(self) -> None:
+        if self.params is None:
+            return
+        try:
+            self.synchronize()
+        finally:
+            self._out.close()
+            self.error.close()
+            self.params = None
+
+
+class _DeviceArray:
+    """A plain device allocation (cuMemAlloc) for buffers no peer needs to see."""
+
+    def __init__(self, device, nbytes: int):
+        device.make_current()
+        self.device, self.nbytes = device, max(1, nbytes)
+        self._p = call(_drv.cuMemAlloc, self.nbytes)
+        self.ptr = int(self._p)
+
+    def close(self) -> None:
+        if self._p is not None:
+            self.device.make_current()
+            call(_drv.cuMemFree, self._p)
+            self._p = None

@@ -1,0 +1,179 @@
+"""Run dispatch -> stand-in MoE -> combine on real ranks and check every byte against the
+NumPy reference. Used by the demo, the tests and the soak tool (one harness, one oracle)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import reference as ref
+from .alltoall import PayloadSpec
+from .driver.memory import copy_from_numpy, empty, from_numpy, to_numpy
+
+# payload formats (besides the int32 expert ids, always sent): name -> specs for a hidden size
+def payload_formats(hidden: int, top_k: int) -> dict:
+    w = PayloadSpec("weights", (top_k,), "float32")
+    return {
+        "bf16": [PayloadSpec("hidden", (hidden,), "bfloat16"), w],
+        "mxfp8": [PayloadSpec("hidden", (hidden,), "float8_e4m3fn"), PayloadSpec("scales", (-(-hidden // 32),), "uint8"), w],
+        "nvfp4": [PayloadSpec("hidden", (-(-hidden // 2),), "uint8"), PayloadSpec("scales", (-(-hidden // 16),), "float8_e4m3fn"), w],
+        "opaque": [PayloadSpec("blob", (hidden,), "uint8"), PayloadSpec("odd", (3,), "uint8"), w],
+    }
+
+
+_NP_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def random_payload(rng, spec: PayloadSpec, T: int) -> np.ndarray:
+    """Random data of spec's dtype, as raw bits where numpy has no such dtype. Never zeros."""
+    shape = (T,) + tuple(spec.shape)
+    if spec.dtype == "bfloat16":
+        x = rng.standard_normal(shape).astype(np.float32)
+        return ref.from_float32(x, "bfloat16")
+    if spec.dtype in ("float32", "float16"):
+        return rng.standard_normal(shape).astype(spec.dtype)
+    if spec.dtype == "int32":
+        return rng.integers(-2**31, 2**31 - 1, shape, dtype=np.int64).astype(np.int32)
+    from .driver.tensor import as_dtype as lookup
+    return rng.integers(0, 256, shape + (lookup(spec.dtype).itemsize,), dtype=np.uint8).view(
+        _NP_BITS[lookup(spec.dtype).itemsize]).reshape(shape)
+
+
+def routing(kind: str, rng, T: int, top_k: int, num_experts: int, ep_size: int, source: int = 0,
+            alpha: float = 1.2, invalid_fraction: float = 0.0) -> np.ndarray:
+    """int32 [T, top_k] expert ids: 'uniform', 'zipf' (popularity ~ 1/rank^alpha, distinct
+    experts per token) or 'perfect' (the paper's: the k selections of a token go to
+    consecutive ranks, spread evenly over their experts)."""
+    if T == 0:
+        return np.zeros((0, top_k), np.int32)
+    if kind == "perfect":
+        owner = ref.expert_owner(num_experts, ep_size)
+        first = np.searchsorted(owner, np.arange(ep_size))
+        per = np.bincount(owner, minlength=ep_size)
+        i = np.arange(T)[:, None]
+        k = np.arange(top_k)[None, :]
+        r = (i + source + k) % ep_size
+        nper = np.maximum(per[r], 1)
+        e = first[r] + ((i // ep_size + k // ep_size) % nper)
+        ids = e.astype(np.int32)
+    else:
+        k = min(top_k, num_experts)
+        if kind == "uniform":
+            logits = np.zeros(num_experts)
+        elif kind == "zipf":
+            logits = -alpha * np.log1p(rng.permutation(num_experts))
+        else:
+            raise ValueError(f"routing: unknown kind {kind!r}")
+        g = logits[None, :] - np.log(-np.log(rng.random((T, num_experts))))  # Gumbel top-k
+        ids = np.argsort(-g, axis=1)[:, :k].astype(np.int32)
+        if k < top_k:
+            ids = np.concatenate([ids, np.full((T, top_k - k), -1, np.int32)], axis=1)
+    if invalid_fraction:
+        ids = np.where(rng.random(ids.shape) < invalid_fraction, -1, ids).astype(np.int32)
+    return ids
+
+
+@dataclass
+class StepReport:
+    tokens: list
+    runtime_max: int
+    dispatch_bytes_checked: int = 0
+    combine_rows_checked: int = 0
+    mismatches: list = field(default_factory=list)
+
+
+def read_records(rank_a2a, T: int) -> np.ndarray:
+    """The (target, slot) records dispatch left on the device for combine: int [T, top_k, 2]."""
+    a = rank_a2a.a2a
+    raw = to_numpy(rank_a2a._view(a.layout.off_records, (T, a.top_k), "int32", None))
+    out = np.stack([np.where(raw >= 0, raw & 0xFF, -1), np.where(raw >= 0, raw >> 8, -1)], axis=-1)
+    return out.astype(np.int64)
+
+
+def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_copy=True, verify=True,
+             alpha=1.2, invalid_fraction=0.0) -> StepReport:
+    """One dispatch/combine step on the ranks of `a2a` that live in this process.
+
+    Every process draws the inputs of *all* ranks from `rng` (same seed everywhere in a
+    multi-process run), runs its own ranks, and checks what its own ranks received and
+    combined. The stand-in MoE writes random partial results into every slot (small
+    integers when `exact`, so sums are exact; random normals otherwise, still compared
+    bitwise since the reference sums in the kernels' order).
+    """
+    ep, top_k, E = a2a.ep_size, a2a.top_k, a2a.num_experts
+    local = {r.rank: r for r in a2a.ranks}
+    rep = StepReport(list(tokens), runtime_max)
+    ids_h = [routing(route, rng, tokens[s], top_k, E, ep, s, alpha, invalid_fraction) for s in range(ep)]
+    pay_h = [[random_payload(rng, spec, tokens[s]) for spec in a2a.payload_specs] for s in range(ep)]
+    H, cdt = a2a.combine_hidden_size, a2a.combine_dtype.name
+    shape = (ep, runtime_max, H)
+    draw = (lambda: rng.integers(-64, 65, shape).astype(np.float32)) if exact else \
+        (lambda: rng.standard_normal(shape).astype(np.float32))
+    partial_h = [ref.from_float32(draw(), cdt) for _ in range(ep)]
+
+    ins = {s: (from_numpy(ids_h[s], r.device, "int32"),
+               [from_numpy(x, r.device, spec.dtype) for x, spec in zip(pay_h[s], a2a.payload_specs)])
+           for s, r in local.items()}
+    views = {s: r.dispatch(ins[s][0], ins[s][1], runtime_max) for s, r in local.items()}
+    a2a.synchronize()
+    records = {s: read_records(r, tokens[s]) for s, r in local.items()}
+    if verify:
+        _check_dispatch(a2a, rep, ids_h, pay_h, records, views)
+
+    outs = {}
+    for s, r in local.items():
+        part = r.combine_input(runtime_max)
+        if zero_copy:
+            copy_from_numpy(part, partial_h[s])
+        else:
+            part = from_numpy(partial_h[s], r.device, cdt)
+        out = empty((tokens[s], H), cdt, r.device)
+        copy_from_numpy(out, np.full(out.nbytes, 0xFF, np.uint8))  # poison: NaN in every float format
+        outs[s] = r.combine(part, runtime_max, out=out)
+    a2a.synchronize()
+    if verify:
+        want = ref.combine(partial_h, [records.get(s, np.full((tokens[s], top_k, 2), -1)) for s in range(ep)], cdt)
+        for s in local:
+            got = to_numpy(outs[s])
+            if not np.array_equal(got.view(np.uint8), want[s].view(np.uint8)):
+                bad = np.argwhere((got != want[s]).reshape(tokens[s], -1).any(axis=1)).ravel()
+                rep.mismatches.append(f"combine rank {s}: {len(bad)} rows differ, first token {int(bad[0])}")
+            rep.combine_rows_checked += tokens[s]
+    return rep
+
+
+def _rows(*arrays) -> np.ndarray:
+    """Each row of the arrays (same first dimension) as one byte string, for set comparison."""
+    n = arrays[0].shape[0]
+    flat = np.concatenate([np.ascontiguousarray(a).reshape(n, -1).view(np.uint8) for a in arrays], axis=1)
+    return np.ascontiguousarray(flat).view(np.dtype((np.void, flat.shape[1]))).ravel()
+
+
+def _check_dispatch(a2a, rep, ids_h, pay_h, records, views) -> None:
+    """For every (source, local target) region: the occupied slots hold exactly the
+    reference's tokens (as a set for FENCE, whose slot order is nondeterministic; slot i =
+    token i for SENTINEL), bitwise in every payload; every other slot carries expert id -1.
+    The records of local sources name the reference's target ranks."""
+    ep, T_hat = a2a.ep_size, rep.runtime_max
+    received, ref_records = ref.dispatch(ids_h, pay_h, ep, a2a.num_experts, T_hat)
+    for s, rec in records.items():
+        if not np.array_equal(rec[..., 0], ref_records[s][..., 0]):
+            rep.mismatches.append(f"rank {s}: target ranks of its selections differ from the reference")
+    fence = a2a.protocol == "fence"
+    for t, (ids_v, pay_v) in views.items():
+        got_ids = to_numpy(ids_v)
+        got_pay = [to_numpy(v) for v in pay_v]
+        r = received[t]
+        for s in range(ep):
+            n = int(r["counts"][s])
+            tok = np.asarray(r["tokens"][s], np.int64)
+            slots = np.arange(n) if fence else tok
+            want = _rows(r["expert_ids"][s, :n], *[p[s, :n] for p in r["payloads"]])
+            got = _rows(got_ids[s, slots], *[p[s, slots] for p in got_pay])
+            same = np.array_equal(np.sort(got), np.sort(want)) if fence else np.array_equal(got, want)
+            if not same:
+                rep.mismatches.append(f"region {s}->{t}: the {n} received tokens differ from the reference")
+            rep.dispatch_bytes_checked += int(want.nbytes)
+            empty_slots = np.setdiff1d(np.arange(T_hat), slots)
+            if (got_ids[s, empty_slots] != -1).any():
+                rep.mismatches.append(f"region {s}->{t}: an empty slot carries a valid expert id")

@@ -1,0 +1,68 @@
+"""Kernel launches with the argument block packed once and updated in place.
+
+Packing arguments per call from Python costs ~14 µs a launch (GUIDE.md); here the
+kernelParams array of pointers is built once, callers mutate the ctypes objects it points
+to, and each launch is one cuLaunchKernelEx with a prebuilt CUlaunchConfig.
+"""
+from __future__ import annotations
+
+import ctypes
+
+from cuda.bindings import driver as _drv
+
+from .device import Device
+from .errors import check
+
+
+class Launch:
+    """`kernel` with fixed launch shape and argument objects (ctypes instances).
+
+    `args` stay owned here: change their fields (or `.value`) between launches. With
+    `pdl=True` (sm_90+) the launch allows programmatic dependent launch: the kernel may
+    start while the previous one in the stream finishes, and must `griddepcontrol.wait`
+    before reading what that one wrote.
+    """
+
+    def __init__(self, device: Device, function, args, grid, block, shared_bytes: int = 0, pdl: bool = False):
+        self.device, self.function, self.args = device, function, list(args)
+        self._ptrs = (ctypes.c_void_p * max(1, len(self.args)))(*[ctypes.addressof(a) for a in self.args])
+        self.params_address = ctypes.addressof(self._ptrs)
+        self.pdl = bool(pdl) and device.compute_capability[0] >= 9
+        cfg = _drv.CUlaunchConfig()
+        cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (grid, 1, 1) if isinstance(grid, int) else grid
+        cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (block, 1, 1) if isinstance(block, int) else block
+        cfg.sharedMemBytes = shared_bytes
+        if self.pdl:
+            attr = _drv.CUlaunchAttribute()
+            attr.id = _drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+            attr.value.programmaticStreamSerializationAllowed = 1
+            cfg.attrs = [attr]
+            cfg.numAttrs = 1
+        else:
+            cfg.numAttrs = 0
+        self.config = cfg
+
+    @property
+    def grid(self) -> int:
+        return self.config.gridDimX
+
+    @grid.setter
+    def grid(self, n: int) -> None:
+        self.config.gridDimX = n
+
+    def __call__(self, stream: int) -> None:
+        self.config.hStream = stream
+        err, = _drv.cuLaunchKernelEx(self.config, self.function, self.params_address, 0)
+        if err != _drv.CUresult.CUDA_SUCCESS:
+            check((err,), "cuLaunchKernelEx")
+
+
+def occupancy(function, block: int, shared_bytes: int = 0) -> int:
+    """Resident blocks per SM of `function` at `block` threads."""
+    return check(_drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, block, shared_bytes),
+                 "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+
+
+def launch_once(device: Device, function, args, grid, block, stream: int, shared_bytes: int = 0) -> None:
+    """A one-off launch (tests, initialisation): packs `args` (ctypes instances) for this call only."""
+    Launch(device, function, args, grid, block, shared_bytes)(stream)

@@ -1,0 +1,66 @@
+"""Cubins built ahead of time (`make`), chosen by compute capability, and their kernels."""
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+from cuda.bindings import driver as _drv
+
+from .device import Device
+from .errors import EpA2AError, call
+
+CUBIN_DIR = Path(__file__).resolve().parent.parent / "cubins"
+_NAME = re.compile(r"^(?P<stem>[A-Za-z0-9_]+)\.sm_(?P<arch>\d+)\.cubin$")
+
+
+class UnsupportedDeviceError(EpA2AError):
+    """No cubin was built for this GPU's architecture."""
+
+
+def built_cubins() -> dict:
+    """{source stem: sorted list of sm numbers} of the cubins present in the package."""
+    out: dict = {}
+    if CUBIN_DIR.is_dir():
+        for f in CUBIN_DIR.iterdir():
+            m = _NAME.match(f.name)
+            if m:
+                out.setdefault(m["stem"], []).append(int(m["arch"]))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def cubin_path(stem: str, device: Device) -> Path:
+    major, minor = device.compute_capability
+    arch = major * 10 + minor
+    path = CUBIN_DIR / f"{stem}.sm_{arch}.cubin"
+    if not path.is_file():
+        archs = built_cubins().get(stem)
+        if not archs:
+            raise UnsupportedDeviceError(f"no cubins for '{stem}' in {CUBIN_DIR}: run `make` to build them")
+        built = ", ".join(f"sm_{a}" for a in archs)
+        raise UnsupportedDeviceError(
+            f"{device.name} is sm_{arch}; ep_a2a's kernels were built for {built} only "
+            f"(rebuild with `make ARCHS=\"{arch}\"` if nvcc supports it)")
+    return path
+
+
+class Module:
+    """One cubin loaded into one device's primary context."""
+
+    def __init__(self, stem: str, device: Device):
+        self.device, self.stem = device, stem
+        device.make_current()
+        self.handle = call(_drv.cuModuleLoadData, cubin_path(stem, device).read_bytes())
+        self._functions: dict = {}
+
+    def function(self, name: str):
+        f = self._functions.get(name)
+        if f is None:
+            f = self._functions[name] = call(_drv.cuModuleGetFunction, self.handle, name.encode())
+        return f
+
+
+@functools.lru_cache(maxsize=None)
+def load(stem: str, device: Device) -> Module:
+    """The process-wide module of `stem` on `device` (loaded once, kept for the process)."""
+    return Module(stem, device)

@@ -1,0 +1,92 @@
+"""Ranks and groups: the same rank abstraction whether ranks share a process or not.
+
+* `LocalGroup(devices)`: several ranks in this process, one per entry of `devices`
+  (entries may repeat: several ranks on one GPU). This is how a single controller drives
+  every GPU of a node, and how the test suite runs EP on one H200.
+* `ProcessGroup(bootstrap, device)`: this process is one rank of a group whose processes
+  met through a Bootstrap (Unix socket, torch.distributed or MPI).
+"""
+from __future__ import annotations
+
+import struct
+
+from . import topology
+from .driver.device import Device, get_device
+from .driver.stream import Stream
+
+
+class Rank:
+    """One EP rank as seen from this process: its index, GPU and default stream.
+
+    Ranks of a LocalGroup must not share a stream: their kernels wait on each other, so
+    they have to run concurrently; each rank gets a non-blocking stream of its own.
+    """
+
+    def __init__(self, rank: int, ep_size: int, device: Device):
+        self.rank, self.ep_size, self.device = rank, ep_size, device
+        self.stream = Stream(device)
+        # ranks that share this GPU with us in this process (grids are capped by it)
+        self.ranks_on_device = 1
+
+    def __repr__(self) -> str:
+        return f"Rank({self.rank}/{self.ep_size}, cuda:{self.device.ordinal})"
+
+
+class Group:
+    ranks: list        # the ranks that live in this process
+    ep_size: int
+    bootstrap = None   # None for LocalGroup
+
+    @property
+    def is_local(self) -> bool:
+        return self.bootstrap is None
+
+    def close(self) -> None:
+        for r in self.ranks:
+            r.stream.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class LocalGroup(Group):
+    def __init__(self, devices, check_topology: bool = True):
+        devices = [int(d) for d in devices]
+        if not devices:
+            raise ValueError("devices: a LocalGroup needs at least one device")
+        self.ep_size = len(devices)
+        devs = [get_device(d) for d in devices]
+        if check_topology:
+            topology.check_nvlink([d.pci_bus_id for d in devs])
+        self.ranks = [Rank(i, self.ep_size, d) for i, d in enumerate(devs)]
+        for r in self.ranks:
+            r.ranks_on_device = devices.count(r.device.ordinal)
+
+    @property
+    def devices(self):
+        return sorted({r.device.ordinal for r in self.ranks})
+
+
+class ProcessGroup(Group):
+    def __init__(self, bootstrap, device: int, check_topology: bool = True):
+        self.bootstrap = bootstrap
+        self.ep_size = bootstrap.world_size
+        dev = get_device(int(device))
+        ids = [b.decode() for b in bootstrap.allgather(dev.pci_bus_id.encode())]
+        if check_topology:
+            topology.check_nvlink(ids)
+        self.ranks = [Rank(bootstrap.rank, self.ep_size, dev)]
+        self.ranks[0].ranks_on_device = ids.count(dev.pci_bus_id)
+        self.pci_bus_ids = ids
+
+    def agree(self, values: tuple, what: str) -> None:
+        """Raise unless every rank passed the same integers (construction arguments)."""
+        mine = struct.pack(f"<{len(values)}q", *values)
+        for r, other in enumerate(self.bootstrap.allgather(mine)):
+            if other != mine:
+                theirs = struct.unpack(f"<{len(other) // 8}q", other)
+                raise ValueError(f"{what}: rank {r} has {theirs}, rank {self.ranks[0].rank} has {values}; "
+                                 "every rank must construct with the same values")

@@ -1,0 +1,212 @@
+"""The one definition of the workspace layout and of the kernel parameter block.
+
+Python computes every offset here; the kernels read them from `A2AParams`, whose C
+declaration (kernels/generated/params.cuh) is generated from the ctypes structures below
+by `python -m ep_a2a.layout --header`, so the two sides cannot drift apart.
+
+A rank's workspace is one VMM allocation, mapped into every rank of the group. Its
+sections (each 256-byte aligned; offsets identical on every rank):
+
+  sync        peers write here: dispatch flags u64[ep_size] (step << 32 | slot count),
+              the sender's runtime_max_tokens_per_rank u32[ep_size], combine flags
+              u32[ep_size]; SENTINEL adds nothing here.
+  local       this rank only: step counter (epoch), finished-blocks counter, slot counters
+              u32[ep_size], and the (target rank, slot) record of every selection
+              i32[max_tokens_per_rank][top_k].
+  recv[p]     dispatch workspace of payload p: ep_size regions of runtime_max_tokens_per_rank
+              slots, packed with that runtime stride (so views are contiguous), sized for
+              max_tokens_per_rank. payload 0 is always the int32 expert ids.
+  combine     combine workspace: [ep_size, T^, combine bytes]. Its offset depends only on
+              construction arguments, never on runtime_max_tokens_per_rank: a later dispatch
+              must never overwrite combine data a peer may still be reading.
+  SENTINEL    landing[p] (same shape as recv[p]), expert-id slots I[2][ep_size][max][top_k],
+              combine slots M[max][ep_size][combine bytes]: all initialised to the sentinel.
+"""
+from __future__ import annotations
+
+import ctypes
+import sys
+from dataclasses import dataclass
+
+MAX_RANKS = 72          # one NVL72 domain
+MAX_PAYLOADS = 9        # expert ids + 8 user payloads
+MAX_TOP_K = 22
+ALIGN = 256
+SENTINEL_WORD = 0xFFFFFFFF      # landing and combine slots (payload words)
+SENTINEL_IDS = 0x88888888       # expert-id slots (differs from -1)
+
+# error-record kinds and phases (host-mapped memory, read after a trap)
+ERR_TIMEOUT, ERR_TMAX_MISMATCH = 1, 2
+PHASE_NAMES = {1: "dispatch", 2: "combine", 3: "sentinel-dispatch", 4: "sentinel-combine"}
+
+
+class PayloadDesc(ctypes.Structure):
+    _fields_ = [
+        ("src", ctypes.c_uint64),            # this rank's [local_num_tokens, bytes] input
+        ("recv_offset", ctypes.c_uint64),    # offset of recv[p] in every workspace
+        ("landing_offset", ctypes.c_uint64), # SENTINEL landing slots (0 for FENCE)
+        ("bytes_per_token", ctypes.c_uint32),
+        ("vec", ctypes.c_uint32),            # widest aligned vector: 16, 8, 4, 2 or 1 bytes
+        ("sentinel_kind", ctypes.c_uint32),  # how SENTINEL escapes this payload's words
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+class A2AParams(ctypes.Structure):
+    _fields_ = [
+        ("peer_base", ctypes.c_uint64 * MAX_RANKS),  # every rank's workspace, as mapped here
+        ("error_record", ctypes.c_uint64),           # host-mapped ErrorRecord (survives a trap)
+        ("combine_in", ctypes.c_uint64),             # unused: combine reads peers' workspaces
+        ("combine_out", ctypes.c_uint64),            # [local_num_tokens, hidden] output
+        ("timeout_ns", ctypes.c_uint64),
+        ("off_dispatch_flags", ctypes.c_uint64),
+        ("off_tmax", ctypes.c_uint64),
+        ("off_combine_flags", ctypes.c_uint64),
+        ("off_epoch", ctypes.c_uint64),
+        ("off_done", ctypes.c_uint64),
+        ("off_counters", ctypes.c_uint64),
+        ("off_records", ctypes.c_uint64),
+        ("off_combine", ctypes.c_uint64),
+        ("off_id_slots", ctypes.c_uint64),           # SENTINEL expert-id slots (two sets)
+        ("off_combine_slots", ctypes.c_uint64),      # SENTINEL combine slots
+        ("combine_bytes", ctypes.c_uint32),          # hidden * element size
+        ("combine_vec", ctypes.c_uint32),
+        ("rank", ctypes.c_int32),
+        ("ep_size", ctypes.c_int32),
+        ("top_k", ctypes.c_int32),
+        ("num_experts", ctypes.c_int32),
+        ("experts_per_rank", ctypes.c_int32),        # floor(num_experts / ep_size)
+        ("experts_remainder", ctypes.c_int32),       # the first ranks own one more
+        ("local_num_tokens", ctypes.c_int32),
+        ("runtime_max_tokens_per_rank", ctypes.c_int32),
+        ("max_tokens_per_rank", ctypes.c_int32),
+        ("num_payloads", ctypes.c_int32),
+        ("payloads", PayloadDesc * MAX_PAYLOADS),
+    ]
+
+
+class ErrorRecord(ctypes.Structure):
+    """What a kernel leaves for the host before it traps (or, in abort mode, returns)."""
+    _fields_ = [
+        ("kind", ctypes.c_uint32),       # 0: none, ERR_TIMEOUT, ERR_TMAX_MISMATCH
+        ("rank", ctypes.c_int32),        # the rank that waited
+        ("phase", ctypes.c_int32),       # PHASE_NAMES
+        ("peer", ctypes.c_int32),        # the rank it waited for
+        ("epoch", ctypes.c_uint32),      # the step it waited for
+        ("observed", ctypes.c_uint32),   # what it last read
+        ("expected", ctypes.c_uint32),
+        ("pad", ctypes.c_uint32),
+    ]
+
+
+def align(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Byte offsets of every section of one rank's workspace (identical on every rank)."""
+    ep_size: int
+    max_tokens_per_rank: int
+    top_k: int
+    payload_bytes: tuple          # bytes per token of each payload, payload 0 = expert ids
+    combine_bytes: int
+    sentinel: bool
+    off_dispatch_flags: int = 0
+    off_tmax: int = 0
+    off_combine_flags: int = 0
+    off_epoch: int = 0
+    off_done: int = 0
+    off_counters: int = 0
+    off_records: int = 0
+    off_recv: tuple = ()
+    off_combine: int = 0
+    off_landing: tuple = ()
+    off_id_slots: int = 0
+    off_combine_slots: int = 0
+    size: int = 0
+
+    @classmethod
+    def build(cls, ep_size, max_tokens_per_rank, top_k, payload_bytes, combine_bytes, sentinel=True):
+        P, T = ep_size, max_tokens_per_rank
+        o = {}
+        cur = 0
+
+        def take(name, nbytes):
+            nonlocal cur
+            o[name] = cur
+            cur = align(cur + nbytes)
+            return o[name]
+
+        take("off_dispatch_flags", 8 * P)
+        take("off_tmax", 4 * P)
+        take("off_combine_flags", 4 * P)
+        take("off_epoch", 4)
+        take("off_done", 4)
+        take("off_counters", 4 * P)
+        take("off_records", 4 * T * top_k)
+        recv = tuple(take(f"recv{i}", P * T * b) for i, b in enumerate(payload_bytes))
+        take("off_combine", P * T * combine_bytes)
+        landing, ids, cslots = (), 0, 0
+        if sentinel:
+            landing = tuple(take(f"land{i}", P * T * b) for i, b in enumerate(payload_bytes) if i)
+            landing = (0,) + landing  # expert ids travel in the id slots, not in a landing slot
+            ids = take("off_id_slots", 2 * P * T * 4 * top_k)
+            cslots = take("off_combine_slots", T * P * combine_bytes)
+        fields = {k: v for k, v in o.items() if k.startswith("off_")}
+        return cls(ep_size=P, max_tokens_per_rank=T, top_k=top_k, payload_bytes=tuple(payload_bytes),
+                   combine_bytes=combine_bytes, sentinel=sentinel, off_recv=recv, off_landing=landing,
+                   size=max(cur, ALIGN), **fields)
+
+    def sentinel_ranges(self):
+        """(offset, nbytes, word) ranges that SENTINEL needs initialised before the first step."""
+        if not self.sentinel:
+            return []
+        P, T = self.ep_size, self.max_tokens_per_rank
+        out = [(self.off_landing[i], P * T * b, SENTINEL_WORD) for i, b in enumerate(self.payload_bytes) if i]
+        out.append((self.off_id_slots, 2 * P * T * 4 * self.top_k, SENTINEL_IDS))
+        out.append((self.off_combine_slots, T * P * self.combine_bytes, SENTINEL_WORD))
+        return out
+
+    def expert_major_bytes(self, num_local_experts: int) -> int:
+        """Receive bytes an expert-major layout would need for the same setting (paper §3.2)."""
+        per_token = sum(self.payload_bytes) + self.combine_bytes
+        return self.ep_size * self.max_tokens_per_rank * min(self.top_k, num_local_experts) * per_token
+
+
+# ---------------------------------------------------------------------------------------
+# C header generation (make runs this; kernels include the result)
+_CTYPES_TO_C = {ctypes.c_uint64: "unsigned long long", ctypes.c_uint32: "unsigned int",
+                ctypes.c_int32: "int"}
+
+
+def _c_struct(st) -> str:
+    lines = [f"struct {st.__name__} {{"]
+    for name, typ in st._fields_:
+        if hasattr(typ, "_length_"):
+            base, n = typ._type_, typ._length_
+            cname = _CTYPES_TO_C.get(base, base.__name__)
+            lines.append(f"  {cname} {name}[{n}];")
+        else:
+            lines.append(f"  {_CTYPES_TO_C[typ]} {name};")
+    lines.append("};")
+    lines.append(f"static_assert(sizeof({st.__name__}) == {ctypes.sizeof(st)}, \"layout.py and the kernels disagree\");")
+    return "\n".join(lines)
+
+
+def c_header() -> str:
+    consts = {"MAX_RANKS": MAX_RANKS, "MAX_PAYLOADS": MAX_PAYLOADS, "MAX_TOP_K": MAX_TOP_K,
+              "SENTINEL_WORD": f"0x{SENTINEL_WORD:08X}u", "SENTINEL_IDS": f"0x{SENTINEL_IDS:08X}u",
+              "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_TMAX_MISMATCH": ERR_TMAX_MISMATCH}
+    parts = ["// Generated by `python -m ep_a2a.layout --header` from ep_a2a/layout.py. Do not edit.",
+             "#pragma once"]
+    parts += [f"#define EP_{k} {v}" for k, v in consts.items()]
+    parts += [_c_struct(s) for s in (PayloadDesc, A2AParams, ErrorRecord)]
+    return "\n".join(parts) + "\n"
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--header"]:
+        sys.stdout.write(c_header())
+    else:
+        sys.exit("usage: python -m ep_a2a.layout --header")

@@ -1,0 +1,116 @@
+"""NumPy reference model of dispatch and combine: the oracle of the tests and the CPU
+fallback of the demo. Plain loops over tokens, written for clarity, not speed."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def expert_owner(num_experts: int, ep_size: int) -> np.ndarray:
+    """Rank of every expert: contiguous blocks, the first num_experts % ep_size ranks own one more."""
+    base, rem = divmod(num_experts, ep_size)
+    sizes = [base + (1 if r < rem else 0) for r in range(ep_size)]
+    return np.repeat(np.arange(ep_size, dtype=np.int32), sizes)
+
+
+def targets_of(ids_row: np.ndarray, owner: np.ndarray) -> list:
+    """Distinct target ranks of one token, in the order of their first selection."""
+    out = []
+    for e in ids_row:
+        if 0 <= e < len(owner) and owner[e] not in out:
+            out.append(int(owner[e]))
+    return out
+
+
+def dispatch(expert_ids, payloads, ep_size: int, num_experts: int, runtime_max_tokens_per_rank: int):
+    """expert_ids[s]: int32 [T_s, top_k]; payloads[s]: list of arrays [T_s, ...] of rank s.
+
+    Returns (received, records):
+      received[t] = {"expert_ids": int32 [ep, T^, top_k] (-1 past each count),
+                     "payloads": [arrays [ep, T^, ...] (zeros past each count)],
+                     "counts": int [ep], "tokens": [list of source token indices per region]}
+      records[s] = int [T_s, top_k, 2]: (target rank, slot) of each selection, (-1, -1)
+      where it sends nothing (invalid id or a rank the token already reaches).
+    Slot j of region s on rank t is the j-th token of s (in token order) that reaches t:
+    SENTINEL's order when every token is sent; FENCE fills the same set in any order.
+    """
+    owner = expert_owner(num_experts, ep_size)
+    tmax = runtime_max_tokens_per_rank
+    top_k = expert_ids[0].shape[1]
+    received = []
+    for t in range(ep_size):
+        received.append({
+            "expert_ids": np.full((ep_size, tmax, top_k), -1, np.int32),
+            "payloads": [np.zeros((ep_size, tmax) + p.shape[1:], p.dtype) for p in payloads[0]],
+            "counts": np.zeros(ep_size, np.int64),
+            "tokens": [[] for _ in range(ep_size)],
+        })
+    records = []
+    for s in range(ep_size):
+        ids = expert_ids[s]
+        assert ids.shape[0] <= tmax, "more tokens than runtime_max_tokens_per_rank"
+        rec = np.full(ids.shape + (2,), -1, np.int64)
+        for i, row in enumerate(ids):
+            seen = {}
+            for k, e in enumerate(row):
+                if not 0 <= e < num_experts:
+                    continue
+                t = int(owner[e])
+                if t in seen:
+                    continue
+                r = received[t]
+                slot = int(r["counts"][s])
+                r["counts"][s] += 1
+                r["tokens"][s].append(i)
+                r["expert_ids"][s, slot] = row
+                for q, p in enumerate(payloads[s]):
+                    r["payloads"][q][s, slot] = p[i]
+                seen[t] = slot
+                rec[i, k] = (t, slot)
+        records.append(rec)
+    return received, records
+
+
+def tree_sum(vectors: list, width: int) -> np.ndarray:
+    """fp32 sum in the kernels' order: pairwise trees over groups of 8 (absent members +0),
+    group sums added in order. An empty list sums to zeros."""
+    acc = np.zeros(width, np.float32)
+    for c in range(0, max(len(vectors), 1), 8):
+        g = [np.asarray(v, np.float32) for v in vectors[c:c + 8]]
+        g += [np.zeros(width, np.float32)] * (8 - len(g))
+        while len(g) > 1:
+            g = [g[j] + g[j + 1] for j in range(0, len(g), 2)]
+        acc = g[0] if c == 0 else acc + g[0]
+    return acc
+
+
+def combine(partials, records, dtype) -> list:
+    """partials[t]: [ep, T^, hidden] partial results on target t (numpy, any float dtype,
+    bfloat16 given as uint16 bits with dtype='bfloat16'); records from dispatch().
+    Returns, per source rank, its [T_s, hidden] output in `dtype` (uint16 bits for bf16)."""
+    out = []
+    for s, rec in enumerate(records):
+        T = rec.shape[0]
+        hidden = partials[0].shape[-1]
+        res = np.zeros((T, hidden), np.float32)
+        for i in range(T):
+            vecs = [to_float32(partials[t][s, slot], dtype) for t, slot in rec[i] if t >= 0]
+            res[i] = tree_sum(vecs, hidden)
+        out.append(from_float32(res, dtype))
+    return out
+
+
+def to_float32(x: np.ndarray, dtype) -> np.ndarray:
+    if str(dtype) == "bfloat16":
+        return (np.asarray(x, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(x).astype(np.float32)
+
+
+def from_float32(x: np.ndarray, dtype) -> np.ndarray:
+    """fp32 -> dtype with round-to-nearest-even (bf16 as uint16 bits, like __float2bfloat16_rn)."""
+    x = np.asarray(x, np.float32)
+    if str(dtype) == "bfloat16":
+        b = x.view(np.uint32)
+        rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        nan = np.isnan(x)
+        return np.where(nan, (b >> 16) | 0x40, rounded).astype(np.uint16)
+    return x.astype(np.dtype(dtype))

@@ -1,0 +1,105 @@
+"""A symmetric workspace: one VMM region per rank, every region mapped in every rank."""
+from __future__ import annotations
+
+import ctypes
+import os
+
+from cuda.bindings import driver as _drv
+
+from .driver.errors import call
+from .driver.vmm import Allocation, DeviceBuffer, Mapping, VmmOptions
+
+
+class SymmetricWorkspace:
+    """`nbytes` of device memory per rank of `group`, mapped into every rank.
+
+    `peers(r)[q]` is the address at which local rank `r` reaches rank `q`'s region;
+    `peer_table(r)` is the same list as a device array of u64 (for users' kernels).
+    In a LocalGroup all ranks share one address space, so a region is mapped once, with
+    access granted to every GPU of the group. In a ProcessGroup each rank exports its
+    allocation as a POSIX fd, the fds travel through the bootstrap (SCM_RIGHTS) and every
+    rank imports and maps the others'.
+    """
+
+    def __init__(self, group, nbytes: int):
+        self.group, self._own, self._imported, self._tables = group, [], [], []
+        self._peers: list = []
+        try:
+            if group.is_local:
+                access = tuple(sorted({r.device.ordinal for r in group.ranks}))
+                self._own = [DeviceBuffer(nbytes, r.device, VmmOptions(access_devices=access)) for r in group.ranks]
+                bases = [b.ptr for b in self._own]
+                self._peers = [bases for _ in group.ranks]
+            else:
+                self._init_process(group, nbytes)
+            self.size = self._own[0].size
+            for i, r in enumerate(group.ranks):
+                self._tables.append(self._upload_table(r.device, self._peers[i]))
+        except BaseException:
+            self.close()
+            raise
+
+    def _init_process(self, group, nbytes: int) -> None:
+        rank = group.ranks[0]
+        buf = DeviceBuffer(nbytes, rank.device)
+        self._own = [buf]
+        sizes = {int.from_bytes(b, "little") for b in group.bootstrap.allgather(buf.size.to_bytes(8, "little"))}
+        if len(sizes) != 1:
+            raise ValueError(f"workspace sizes differ between ranks: {sorted(sizes)}")
+        fd = buf.allocation.export_fd()
+        try:
+            received = group.bootstrap.allgather_fds([fd])
+        finally:
+            os.close(fd)
+        bases = []
+        for q, fds in enumerate(received):
+            if q == rank.rank:
+                for f in fds:
+                    os.close(f)
+                bases.append(buf.ptr)
+                continue
+            alloc = Allocation.import_fd_and_close(fds[0], buf.size, rank.device)
+            try:
+                m = Mapping(alloc, access_devices=(rank.device,))
+            except BaseException:
+                alloc.close()
+                raise
+            self._imported.append((m, alloc))
+            bases.append(m.ptr)
+        self._peers = [bases]
+
+    @staticmethod
+    def _upload_table(device, bases):
+        device.make_current()
+        arr = (ctypes.c_uint64 * len(bases))(*bases)
+        ptr = call(_drv.cuMemAlloc, ctypes.sizeof(arr))
+        call(_drv.cuMemcpyHtoD, ptr, arr, ctypes.sizeof(arr))
+        return ptr
+
+    def peers(self, local_index: int = 0) -> list:
+        return self._peers[local_index]
+
+    def base(self, local_index: int = 0) -> int:
+        return self._own[local_index].ptr
+
+    def peer_table(self, local_index: int = 0) -> int:
+        return int(self._tables[local_index])
+
+    def close(self) -> None:
+        for i, t in enumerate(self._tables):
+            self.group.ranks[i].device.make_current()
+            call(_drv.cuMemFree, t)
+        self._tables = []
+        for m, a in self._imported:
+            m.close()
+            a.close()
+        self._imported = []
+        for b in self._own:
+            b.close()
+        self._own = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

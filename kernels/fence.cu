@@ -1,0 +1,157 @@
+// NVLinkOneSided, FENCE protocol (paper §4.1, Algorithm 1).
+//
+// One thread block per token (grid-stride over tokens: grids are capped so that the
+// kernels of every rank sharing a GPU are co-resident, since they spin on each other).
+#include "moe_common.cuh"
+
+namespace {
+EP_DEVICE char* workspace(const A2AParams& p, int r) { return reinterpret_cast<char*>(p.peer_base[r]); }
+}
+
+extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_constant__ A2AParams p) {
+  __shared__ int s_target[EP_MAX_TOP_K];
+  __shared__ int s_slot[EP_MAX_TOP_K];
+  __shared__ int s_ntargets;
+  __shared__ int s_last;
+  __shared__ unsigned s_count[EP_MAX_RANKS];  // C[s][r]: slots source r filled in our region
+
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
+  char* const ws = workspace(p, s);
+  unsigned* const cnt = reinterpret_cast<unsigned*>(ws + p.off_counters);
+  unsigned* const done = reinterpret_cast<unsigned*>(ws + p.off_done);
+  int* const records = reinterpret_cast<int*>(ws + p.off_records);
+
+  griddep_wait();
+  const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch) + 1;
+
+  // Algorithm 1, lines 2-6: pick a slot on every distinct target rank, push the token.
+  for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {
+    if (threadIdx.x < 32) {
+      const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k);
+      const int lane = threadIdx.x;
+      int rec = -1;
+      if (sel.first) {
+        const int slot = atomicAdd(&cnt[sel.target], 1u);
+        const int j = __popc(sel.firsts & ((1u << lane) - 1));
+        s_target[j] = sel.target;
+        s_slot[j] = slot;
+        rec = pack_record(slot, sel.target);
+      }
+      if (lane < p.top_k) records[i * p.top_k + lane] = rec;
+      if (lane == 0) s_ntargets = __popc(sel.firsts);
+    }
+    __syncthreads();
+    const int nt = s_ntargets;
+    for (int q = 0; q < p.num_payloads; ++q) {
+      const PayloadDesc& d = p.payloads[q];
+      const Targets tg{p.peer_base, s_target, s_slot, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
+      push_payload(d.vec, reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
+                   tg, d.bytes_per_token);
+    }
+    __syncthreads();
+  }
+
+  // Lines 7-12: the last block to finish publishes for the whole rank.
+  //
+  // Why one system-scope fence by the last block covers every block's remote stores: each
+  // block's stores are ordered before its release increment of `done` (bar.sync, then
+  // atom.release by thread 0); the last block's acquire of `done` synchronizes with every
+  // one of those releases, so all those stores precede, in causality order, the
+  // fence.acq_rel.sys that each publishing lane executes next (cumulativity); a peer that
+  // reads our flag with ld.acquire.sys therefore observes every token we pushed to it.
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (s_last && threadIdx.x < 32) {
+    ld_acquire_gpu(done);  // every publishing lane acquires, not only thread 0
+    for (int r = threadIdx.x; r < p.ep_size; r += 32) {
+      reinterpret_cast<unsigned*>(workspace(p, r) + p.off_tmax)[s] = tmax;
+    }
+    fence_release_sys();
+    for (int r = threadIdx.x; r < p.ep_size; r += 32) {
+      const unsigned c = cnt[r];
+      cnt[r] = 0;
+      st_relaxed_sys(reinterpret_cast<uint64_t*>(workspace(p, r) + p.off_dispatch_flags) + s,
+                     (static_cast<uint64_t>(step) << 32) | c);
+    }
+    if (threadIdx.x == 0) {
+      *done = 0;
+      *reinterpret_cast<unsigned*>(ws + p.off_epoch) = step;  // every block read it already
+    }
+  }
+
+  // Line 11, in every block (the sanitize below is spread over the grid): wait for the
+  // flags of all source ranks; each carries that source's slot count for our region.
+  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) {
+    const uint64_t* f = reinterpret_cast<const uint64_t*>(ws + p.off_dispatch_flags) + r;
+    Deadline dl;
+    uint64_t v;
+    while (static_cast<int>(static_cast<unsigned>((v = ld_acquire_sys(f)) >> 32) - step) < 0)
+      if (dl.expired(p.timeout_ns)) fail_and_trap(p, EP_ERR_TIMEOUT, 1, r, step, unsigned(v >> 32), step);
+    s_count[r] = static_cast<unsigned>(v);
+    const unsigned peer_tmax = reinterpret_cast<const unsigned*>(ws + p.off_tmax)[r];
+    if (peer_tmax != static_cast<unsigned>(tmax))
+      fail_and_trap(p, EP_ERR_TMAX_MISMATCH, 1, r, step, peer_tmax, tmax);
+  }
+  __syncthreads();
+  // Only now may the next kernel launch early: its blocks then wait on work that finishes
+  // unconditionally, so they can never crowd out a peer's kernel we are still waiting for.
+  griddep_launch_dependents();
+
+  // Lines 13-15: slots past each source's count get invalid expert ids.
+  int* const ids = reinterpret_cast<int*>(ws + p.payloads[0].recv_offset);
+  const size_t region = static_cast<size_t>(tmax) * p.top_k;
+  const size_t total = region * p.ep_size;
+  for (size_t x = blockIdx.x * blockDim.x + threadIdx.x; x < total; x += gridDim.x * blockDim.x) {
+    const int r = static_cast<int>(x / region);
+    if (x - r * region >= static_cast<size_t>(s_count[r]) * p.top_k) ids[x] = -1;
+  }
+}
+
+// Lines 16-23. T: the element type of the partial results (bf16, fp16, fp32).
+template <typename T>
+__device__ void fence_combine(const A2AParams& p) {
+  __shared__ const char* s_src[EP_MAX_TOP_K];
+  __shared__ int s_n;
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
+  char* const ws = workspace(p, s);
+  const int* const records = reinterpret_cast<const int*>(ws + p.off_records);
+
+  griddep_wait();
+  const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch);
+
+  if (blockIdx.x == 0 && threadIdx.x < 32) {
+    // Our partial results were written by earlier kernels of this stream (MoE compute or the
+    // staging copy); the release fence makes them visible to peers before our flag is.
+    fence_release_sys();
+    for (int r = threadIdx.x; r < p.ep_size; r += 32)
+      st_relaxed_sys(reinterpret_cast<unsigned*>(workspace(p, r) + p.off_combine_flags) + s, step);
+  }
+  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x)
+    wait_step(p, reinterpret_cast<const unsigned*>(ws + p.off_combine_flags) + r, step, 2, r);
+  __syncthreads();  // the pollers' acquires order the whole block's pulls (bar.sync is cumulative)
+  griddep_launch_dependents();
+
+  for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int rec = lane < p.top_k ? records[i * p.top_k + lane] : -1;
+      const unsigned valid = __ballot_sync(0xffffffffu, rec >= 0);
+      if (rec >= 0) {
+        const int j = __popc(valid & ((1u << lane) - 1));
+        s_src[j] = workspace(p, record_target(rec)) + p.off_combine +
+                   (static_cast<size_t>(s) * tmax + record_slot(rec)) * p.combine_bytes;
+      }
+      if (lane == 0) s_n = __popc(valid);
+    }
+    __syncthreads();
+    reduce_token<T>(p.combine_vec, s_src, s_n,
+                    reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes,
+                    p.combine_bytes);
+    __syncthreads();
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(512) fence_combine_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16>(p); }
+extern "C" __global__ void __launch_bounds__(512) fence_combine_f16(const __grid_constant__ A2AParams p) { fence_combine<__half>(p); }
+extern "C" __global__ void __launch_bounds__(512) fence_combine_f32(const __grid_constant__ A2AParams p) { fence_combine<float>(p); }

@@ -1,0 +1,164 @@
+// Pieces shared by the FENCE and SENTINEL kernels: expert -> rank, slot records, vector
+// copies and the pairwise reduction of combine.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include "ptx.cuh"
+
+// Experts are split over ranks in contiguous blocks; the first `experts_remainder` ranks
+// own one more.
+EP_DEVICE int rank_of_expert(const A2AParams& p, int e) {
+  const int big = p.experts_remainder * (p.experts_per_rank + 1);
+  if (e < big) return e / (p.experts_per_rank + 1);
+  return p.experts_remainder + (e - big) / p.experts_per_rank;
+}
+
+// One selection's record for combine: -1 (no slot: invalid expert, or a second expert of a
+// rank the token already reaches) or (slot << 8 | target rank).
+EP_DEVICE int pack_record(int slot, int target) { return (slot << 8) | target; }
+EP_DEVICE int record_target(int rec) { return rec & 0xff; }
+EP_DEVICE int record_slot(int rec) { return rec >> 8; }
+
+template <int W> struct VecT;
+template <> struct VecT<16> { using T = uint4; };
+template <> struct VecT<8> { using T = uint2; };
+template <> struct VecT<4> { using T = unsigned int; };
+template <> struct VecT<2> { using T = unsigned short; };
+template <> struct VecT<1> { using T = unsigned char; };
+
+// Warp 0 of a block turns token i's top_k expert ids into its distinct target ranks, in
+// the order of their first selection. Returns, in lanes < top_k, this selection's target
+// or -1, and whether this lane is the first selection of its target.
+struct Selection { int target; bool first; unsigned firsts; };
+EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token) {
+  const int lane = threadIdx.x & 31;
+  int t = -1;
+  if (lane < p.top_k) {
+    const int e = ids_of_token[lane];
+    // ids past num_experts (only possible when the host check is off) are dropped, never followed
+    t = (e >= 0 && e < p.num_experts) ? rank_of_expert(p, e) : -1;
+  }
+  const unsigned same = __match_any_sync(0xffffffffu, t);
+  const bool first = lane < p.top_k && t >= 0 && (__ffs(same) - 1) == lane;
+  return {t, first, __ballot_sync(0xffffffffu, first)};
+}
+
+// Each thread loads a vector of the token once and stores it to every target (the stores
+// of one token are in flight together); U vectors per thread per round for ILP.
+// Destination of target j: dst_base[j] + dst_stride * 0 ... computed from shared arrays so
+// that no per-thread pointer array lands in local memory.
+struct Targets {
+  const unsigned long long* peer_base;  // A2AParams::peer_base
+  const int* target;                    // shared: distinct target ranks of the token
+  const int* slot;                      // shared: slot taken on each
+  int n;
+  size_t region_slot0;                  // source rank * runtime_max_tokens_per_rank
+  unsigned long long offset;            // section offset in every workspace
+  EP_DEVICE char* dst(int j, unsigned bytes) const {
+    return reinterpret_cast<char*>(peer_base[target[j]]) + offset + (region_slot0 + slot[j]) * bytes;
+  }
+};
+
+template <int W>
+EP_DEVICE void push_vectors(const char* src, const Targets& tg, unsigned bytes) {
+  using T = typename VecT<W>::T;
+  constexpr int U = 4;
+  const unsigned n = bytes / W;
+  const T* s = reinterpret_cast<const T*>(src);
+  for (unsigned base = threadIdx.x; base < n; base += blockDim.x * U) {
+    T x[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned v = base + u * blockDim.x;
+      if (v < n) x[u] = s[v];
+    }
+    for (int j = 0; j < tg.n; ++j) {
+      T* d = reinterpret_cast<T*>(tg.dst(j, bytes));
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const unsigned v = base + u * blockDim.x;
+        if (v < n) d[v] = x[u];
+      }
+    }
+  }
+}
+
+EP_DEVICE void push_payload(unsigned vec, const char* src, const Targets& tg, unsigned bytes) {
+  switch (vec) {
+    case 16: push_vectors<16>(src, tg, bytes); break;
+    case 8: push_vectors<8>(src, tg, bytes); break;
+    case 4: push_vectors<4>(src, tg, bytes); break;
+    case 2: push_vectors<2>(src, tg, bytes); break;
+    default: push_vectors<1>(src, tg, bytes); break;
+  }
+}
+
+template <typename T> EP_DEVICE float to_float(T x);
+template <> EP_DEVICE float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <> EP_DEVICE float to_float<__half>(__half x) { return __half2float(x); }
+template <> EP_DEVICE float to_float<float>(float x) { return x; }
+template <typename T> EP_DEVICE T from_float(float x);
+template <> EP_DEVICE __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <> EP_DEVICE __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> EP_DEVICE float from_float<float>(float x) { return x; }
+
+// The reduction of combine, in fp32: the partial results of a token's targets (in the order
+// of their first selection) are summed as a pairwise tree over groups of 8 (absent members
+// read +0), and the group sums are added in order. reference.py mirrors this order exactly.
+template <typename T, int W>
+EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned bytes) {
+  using V = typename VecT<W>::T;
+  constexpr int E = W / sizeof(T);
+  const unsigned nv = bytes / W;
+  for (unsigned v = threadIdx.x; v < nv; v += blockDim.x) {
+    float acc[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] = 0.f;
+    for (int c = 0; c < n || c == 0; c += 8) {
+      union { V raw; T el[E]; } in[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        if (c + k < n) in[k].raw = __ldcg(reinterpret_cast<const V*>(src[c + k]) + v);
+      }
+      // First tree level straight from the loaded vectors keeps the live registers low.
+      float x[4][E];
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int e = 0; e < E; ++e)
+          x[k][e] = (c + 2 * k < n ? to_float<T>(in[2 * k].el[e]) : 0.f) +
+                    (c + 2 * k + 1 < n ? to_float<T>(in[2 * k + 1].el[e]) : 0.f);
+#pragma unroll
+      for (int e = 0; e < E; ++e) x[0][e] = (x[0][e] + x[1][e]) + (x[2][e] + x[3][e]);
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] = (c == 0) ? x[0][e] : acc[e] + x[0][e];
+    }
+    union { V raw; T el[E]; } o;
+#pragma unroll
+    for (int e = 0; e < E; ++e) o.el[e] = from_float<T>(acc[e]);
+    reinterpret_cast<V*>(out)[v] = o.raw;
+  }
+}
+
+template <typename T>
+EP_DEVICE void reduce_token(unsigned vec, const char* const* src, int n, char* out, unsigned bytes) {
+  if constexpr (sizeof(T) == 4) {
+    if (vec == 16) reduce_vectors<T, 16>(src, n, out, bytes);
+    else if (vec == 8) reduce_vectors<T, 8>(src, n, out, bytes);
+    else reduce_vectors<T, 4>(src, n, out, bytes);
+  } else {
+    if (vec == 16) reduce_vectors<T, 16>(src, n, out, bytes);
+    else if (vec == 8) reduce_vectors<T, 8>(src, n, out, bytes);
+    else if (vec == 4) reduce_vectors<T, 4>(src, n, out, bytes);
+    else reduce_vectors<T, 2>(src, n, out, bytes);
+  }
+}
+
+// Spin until a peer's 32-bit step word reaches `step` (wrap-safe), or trap with a record.
+EP_DEVICE uint32_t wait_step(const A2AParams& p, const uint32_t* flag, uint32_t step, int phase, int peer) {
+  Deadline dl;
+  uint32_t v;
+  while (static_cast<int>((v = ld_acquire_sys(flag)) - step) < 0)
+    if (dl.expired(p.timeout_ns)) fail_and_trap(p, EP_ERR_TIMEOUT, phase, peer, step, v, step);
+  return v;
+}

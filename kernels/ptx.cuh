@@ -1,0 +1,84 @@
+// Memory-model operations as small named helpers, plus the bounded wait every protocol uses.
+//
+// Scopes: peers may be other GPUs (NVLink) or other ranks on this GPU mapped through other
+// virtual addresses; `.sys` covers both. `.gpu` suffices for counters only this rank's
+// blocks touch.
+#pragma once
+#include <stdint.h>
+#include "generated/params.cuh"
+
+#define EP_DEVICE __device__ __forceinline__
+
+EP_DEVICE uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v; asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+EP_DEVICE uint64_t ld_acquire_sys(const uint64_t* p) {
+  uint64_t v; asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v;
+}
+EP_DEVICE uint32_t ld_relaxed_sys(const uint32_t* p) {
+  uint32_t v; asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+EP_DEVICE uint32_t ld_acquire_gpu(const uint32_t* p) {
+  uint32_t v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+EP_DEVICE void st_relaxed_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+EP_DEVICE void st_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+EP_DEVICE void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+// The release fence of the protocols. PTX spells the paper's fence.release.sys as the
+// acq_rel fence on sm_90; it orders every prior access of this thread (and, by
+// cumulativity, every write this thread has observed) before its later writes.
+EP_DEVICE void fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+EP_DEVICE void fence_acquire_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+// Finished-blocks counter: release so that the block's stores are ordered before it,
+// acquire so that the last block sees every other block's (gpu scope: only our blocks).
+EP_DEVICE uint32_t atomic_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old; asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+EP_DEVICE uint64_t globaltimer_ns() {
+  uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t;
+}
+
+// Programmatic dependent launch (sm_90+): wait for the previous kernel in the stream before
+// touching what it wrote; let the next kernel start launching early.
+EP_DEVICE void griddep_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+EP_DEVICE void griddep_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::);
+#endif
+}
+
+// Record why a wait failed where the host can read it even after the context is lost
+// (host-mapped pinned memory), then trap. The first failing thread wins the record.
+EP_DEVICE void fail_and_trap(const A2AParams& p, unsigned kind, int phase, int peer,
+                             unsigned epoch, unsigned observed, unsigned expected) {
+  ErrorRecord* rec = reinterpret_cast<ErrorRecord*>(p.error_record);
+  if (atomicCAS(&rec->kind, 0u, kind) == 0u) {
+    volatile ErrorRecord* v = rec;
+    v->rank = p.rank; v->phase = phase; v->peer = peer; v->epoch = epoch;
+    v->observed = observed; v->expected = expected;
+    __threadfence_system();
+  }
+  asm volatile("trap;");
+}
+
+// A bounded spin: `deadline` is set on first use so that a wait that succeeds at once
+// never reads the timer.
+struct Deadline {
+  uint64_t end = 0;
+  EP_DEVICE bool expired(uint64_t timeout_ns) {
+    uint64_t now = globaltimer_ns();
+    if (end == 0) end = now + timeout_ns;
+    return now > end;
+  }
+};

@@ -1,0 +1,96 @@
+"""CPU suite: layout math, generated header, cubins, reference model, API errors without a driver."""
+import ctypes
+import subprocess
+
+import numpy as np
+import pytest
+
+from ep_a2a import layout, reference as ref
+from ep_a2a.driver import module
+
+
+def test_layout_sections_aligned_disjoint_and_combine_offset_fixed():
+    L = layout.WorkspaceLayout.build(8, 4096, 8, (32, 14336, 32), 14336, sentinel=True)
+    spans = [(L.off_dispatch_flags, 64), (L.off_tmax, 32), (L.off_combine_flags, 32), (L.off_epoch, 4),
+             (L.off_done, 4), (L.off_counters, 32), (L.off_records, 4096 * 8 * 4)]
+    spans += [(o, 8 * 4096 * b) for o, b in zip(L.off_recv, L.payload_bytes)]
+    spans += [(L.off_combine, 8 * 4096 * 14336), (L.off_id_slots, 2 * 8 * 4096 * 32),
+              (L.off_combine_slots, 4096 * 8 * 14336)]
+    spans += [(o, 8 * 4096 * b) for o, b in zip(L.off_landing[1:], L.payload_bytes[1:])]
+    spans.sort()
+    for (o1, n1), (o2, _) in zip(spans, spans[1:]):
+        assert o1 % layout.ALIGN == 0 and o1 + n1 <= o2
+    assert spans[-1][0] + spans[-1][1] <= L.size
+    # the combine section depends only on construction arguments (never on runtime max)
+    assert L.off_combine == layout.WorkspaceLayout.build(8, 4096, 8, (32, 14336, 32), 14336, sentinel=True).off_combine
+    assert L.expert_major_bytes(32) > L.size
+
+
+def test_generated_header_matches_ctypes(tmp_path):
+    hdr = layout.c_header()
+    assert f"static_assert(sizeof(A2AParams) == {ctypes.sizeof(layout.A2AParams)}" in hdr
+    # the header compiles and its asserts hold under nvcc's host compiler
+    src = tmp_path / "t.cu"
+    (tmp_path / "generated").mkdir()
+    (tmp_path / "generated" / "params.cuh").write_text(hdr)
+    src.write_text('#include "generated/params.cuh"\nint main(){return 0;}\n')
+    r = subprocess.run(["nvcc", "-std=c++17", "-c", str(src), "-o", str(tmp_path / "t.o")], capture_output=True,
+                       text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+
+
+def test_cubins_built_with_expected_symbols():
+    built = module.built_cubins()
+    for stem in ("fence", "util"):
+        assert built.get(stem) == [90, 100, 103], built
+    for arch in (90, 100, 103):
+        data = (module.CUBIN_DIR / f"fence.sm_{arch}.cubin").read_bytes()
+        for sym in (b"fence_dispatch", b"fence_combine_bf16", b"fence_combine_f16", b"fence_combine_f32"):
+            assert sym in data
+        assert b"ep_empty" in (module.CUBIN_DIR / f"util.sm_{arch}.cubin").read_bytes()
+
+
+def test_expert_owner_contiguous_first_ranks_own_more():
+    o = ref.expert_owner(10, 4)
+    assert o.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
+    assert ref.expert_owner(3, 8).tolist() == [0, 1, 2]
+
+
+def test_reference_dispatch_dedup_and_records():
+    ids = [np.array([[0, 1], [2, 3], [-1, 2]], np.int32), np.array([[3, 0]], np.int32)]
+    pay = [[np.arange(6, dtype=np.float32).reshape(3, 2)], [np.array([[9, 9]], np.float32)]]
+    rcv, rec = ref.dispatch(ids, pay, ep_size=2, num_experts=4, runtime_max_tokens_per_rank=3)
+    assert rcv[0]["counts"].tolist() == [1, 1] and rcv[1]["counts"].tolist() == [2, 1]
+    assert rec[0][0].tolist() == [[0, 0], [-1, -1]]          # both experts on rank 0: one slot
+    assert rec[0][2].tolist() == [[-1, -1], [1, 1]]          # invalid id sends nothing
+    assert rec[1][0].tolist() == [[1, 0], [0, 0]]
+    assert (rcv[1]["expert_ids"][0, 2] == -1).all()          # past the count
+
+
+def test_tree_sum_order_and_bf16_rounding():
+    rng = np.random.default_rng()
+    v = [rng.standard_normal(5).astype(np.float32) for _ in range(11)]
+    g1 = ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))
+    g2 = ((v[8] + v[9]) + (v[10] + 0)) + ((np.float32(0) + 0) + (0 + 0))
+    assert np.array_equal(ref.tree_sum(v, 5), g1 + g2)
+    x = rng.standard_normal(1000).astype(np.float32)
+    b = ref.from_float32(x, "bfloat16")
+    back = ref.to_float32(b, "bfloat16")
+    assert np.all(np.abs(back - x) <= np.abs(x) * 2.0 ** -8)  # RNE to 8 significant bits
+    assert ref.from_float32(np.float32([1 + 2 ** -8, 1 + 3 * 2 ** -8]), "bfloat16").tolist() == [0x3F80, 0x3F82]
+
+
+def test_no_driver_gives_clear_error():
+    from ep_a2a.driver import device
+    if device.available():
+        pytest.skip("a GPU is present: the no-driver path cannot be exercised here")
+    import ep_a2a
+    with pytest.raises(ep_a2a.NoDriverError, match="no CUDA driver|no GPU"):
+        ep_a2a.LocalGroup([0])
+
+
+def test_payload_spec_bytes():
+    from ep_a2a import PayloadSpec
+    assert PayloadSpec("h", (7168,), "bfloat16").bytes_per_token == 14336
+    assert PayloadSpec("s", (7168 // 32,), "uint8").bytes_per_token == 224
+    assert PayloadSpec("fp8", (7,), "float8_e4m3fn").bytes_per_token == 7

@@ -1,0 +1,223 @@
+"""FENCE dispatch/combine on one GPU with in-process ranks, checked against the reference."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make(ep, *, fmt="bf16", hidden=256, top_k=8, num_experts=None, max_tokens=128, cdtype="bfloat16", **kw):
+    import ep_a2a
+    from ep_a2a.check import payload_formats
+    group = ep_a2a.LocalGroup([0] * ep)
+    a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max_tokens, top_k=top_k,
+                             num_experts=num_experts or max(ep * 4, top_k),
+                             payloads=payload_formats(hidden, top_k)[fmt], combine_hidden_size=hidden,
+                             combine_dtype=cdtype, timeout_s=20.0, **kw)
+    return group, a2a
+
+
+def run(a2a, rng, tokens, tmax, **kw):
+    from ep_a2a.check import run_step
+    rep = run_step(a2a, rng, tokens, tmax, **kw)
+    assert not rep.mismatches, rep.mismatches[:5]
+    assert rep.combine_rows_checked == sum(tokens)
+    return rep
+
+
+@pytest.mark.parametrize("ep", [1, 2, 3, 4, 8, 16])
+@pytest.mark.parametrize("top_k", [1, 2, 6, 8])
+def test_sizes_and_top_k(ep, top_k):
+    rng = np.random.default_rng()
+    group, a2a = make(ep, top_k=top_k)
+    with group, a2a:
+        for T in (0, 1, 7, 128):
+            run(a2a, rng, [T] * ep, max(T, 1))
+        run(a2a, rng, list(rng.integers(0, 100, ep)), 100)  # unequal token counts
+
+
+@pytest.mark.parametrize("top_k", [16, 22])
+@pytest.mark.parametrize("route", ["uniform", "zipf", "perfect"])
+def test_large_top_k_and_routing(top_k, route):
+    rng = np.random.default_rng()
+    group, a2a = make(8, top_k=top_k, num_experts=64)
+    with group, a2a:
+        for _ in range(3):
+            run(a2a, rng, list(rng.integers(1, 129, 8)), 128, route=route, invalid_fraction=0.1)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "nvfp4", "opaque"])
+@pytest.mark.parametrize("hidden", [7168, 200, 7])  # 7 and 200: byte counts not multiples of 16
+def test_payload_formats(fmt, hidden):
+    rng = np.random.default_rng()
+    group, a2a = make(4, fmt=fmt, hidden=hidden, top_k=6, max_tokens=64)
+    with group, a2a:
+        run(a2a, rng, [64, 3, 0, 17], 64, route="zipf")
+
+
+@pytest.mark.parametrize("cdtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_combine_dtypes_random_values(cdtype, zero_copy):
+    # random normals: the reference sums in the kernels' order, so even these are bitwise
+    rng = np.random.default_rng()
+    group, a2a = make(8, cdtype=cdtype, hidden=520)
+    with group, a2a:
+        run(a2a, rng, [33] * 8, 40, exact=False, zero_copy=zero_copy)
+
+
+def test_4096_tokens_per_rank():
+    rng = np.random.default_rng()
+    group, a2a = make(8, hidden=512, max_tokens=4096)
+    with group, a2a:
+        run(a2a, rng, [4096] * 8, 4096, route="perfect")
+        run(a2a, rng, list(rng.integers(3000, 4097, 8)), 4096, route="uniform")
+
+
+def test_1000_steps_changing_routing_and_runtime_max():
+    rng = np.random.default_rng()
+    group, a2a = make(4, hidden=64, max_tokens=32, top_k=4)
+    with group, a2a:
+        for step in range(1000):
+            tmax = int(rng.integers(1, 33))
+            tokens = list(rng.integers(0, tmax + 1, 4))
+            run(a2a, rng, tokens, tmax, route=("uniform", "zipf", "perfect")[step % 3], verify=step % 10 == 0)
+
+
+def test_graph_replay_equals_eager():
+    from ep_a2a.driver.memory import from_numpy, to_numpy, copy_from_numpy, empty
+    from ep_a2a.driver.stream import Event, Graph
+    from ep_a2a.check import routing, random_payload
+    rng = np.random.default_rng()
+    ep, T, H = 4, 16, 256
+    group, a2a = make(ep, hidden=H, top_k=4, max_tokens=T, validate_expert_ids=False)
+    with group, a2a:
+        ids = [from_numpy(routing("uniform", rng, T, 4, a2a.num_experts, ep), group.ranks[s].device, "int32") for s in range(ep)]
+        pays = [[from_numpy(random_payload(rng, sp, T), group.ranks[s].device, sp.dtype) for sp in a2a.payload_specs]
+                for s in range(ep)]
+        outs = [empty((T, H), "bfloat16", group.ranks[s].device) for s in range(ep)]
+        partial = [rng.integers(-8, 9, (ep, T, H)).astype(np.float32) for _ in range(ep)]
+        from ep_a2a.reference import from_float32
+
+        def step():
+            for s, r in enumerate(a2a.ranks):
+                r.dispatch(ids[s], pays[s], T)
+            for s, r in enumerate(a2a.ranks):
+                r.combine(r.combine_input(T), T, out=outs[s])
+
+        for s, r in enumerate(a2a.ranks):
+            copy_from_numpy(r.combine_input(T), from_float32(partial[s], "bfloat16"))
+        step()
+        a2a.synchronize()
+        eager = [to_numpy(o) for o in outs]
+        for o in outs:
+            copy_from_numpy(o, np.full(o.nbytes, 0xFF, np.uint8))
+        # one graph over every rank's stream: fork from rank 0's stream, join back
+        dev = group.ranks[0].device
+        s0 = group.ranks[0].stream.handle
+        Graph.begin(s0)
+        fork = Event(dev).record(s0)
+        for r in group.ranks[1:]:
+            fork.wait_on(r.stream.handle)
+        step()
+        for r in group.ranks[1:]:
+            Event(dev).record(r.stream.handle).wait_on(s0)
+        g = Graph.end(s0)
+        for _ in range(5):
+            g.launch(s0)
+        a2a.synchronize()
+        for s in range(ep):
+            assert np.array_equal(to_numpy(outs[s]), eager[s])
+        g.close()
+
+
+def _run_child(code: str, timeout=120):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_timeout_names_missing_peer():
+    # a trap poisons the context: run it in a child process
+    r = _run_child("""
+        import numpy as np, ep_a2a
+        from ep_a2a.check import payload_formats
+        from ep_a2a.driver.memory import from_numpy
+        g = ep_a2a.LocalGroup([0, 0, 0])
+        a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=4, top_k=2, num_experts=6, payloads=payload_formats(32, 2)["bf16"],
+                               combine_hidden_size=32, timeout_s=0.5, first_timeout_s=0.5)
+        ids = [from_numpy(np.array([[0, 5]], np.int32), g.ranks[s].device) for s in range(3)]
+        x = [[from_numpy(np.ones((1, 32), np.uint16), g.ranks[s].device, "bfloat16"),
+              from_numpy(np.ones((1, 2), np.float32), g.ranks[s].device)] for s in range(3)]
+        a.ranks[0].dispatch(ids[0], x[0], 1)
+        a.ranks[1].dispatch(ids[1], x[1], 1)   # rank 2 never arrives
+        try:
+            a.synchronize()
+        except ep_a2a.PeerTimeoutError as e:
+            print("CAUGHT", e.rank, e.phase, e.peer, e.epoch)
+        """)
+    assert "CAUGHT" in r.stdout, r.stdout + r.stderr
+    rank, phase, peer, epoch = r.stdout.split("CAUGHT")[1].split()
+    assert phase == "dispatch" and peer == "2" and epoch == "1" and rank in ("0", "1")
+
+
+def test_runtime_max_mismatch_detected():
+    r = _run_child("""
+        import numpy as np, ep_a2a
+        from ep_a2a.check import payload_formats
+        from ep_a2a.driver.memory import from_numpy
+        g = ep_a2a.LocalGroup([0, 0])
+        a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=8, top_k=2, num_experts=4, payloads=payload_formats(32, 2)["bf16"],
+                               combine_hidden_size=32, timeout_s=5)
+        ids = [from_numpy(np.array([[0, 3]], np.int32), g.ranks[s].device) for s in range(2)]
+        x = [[from_numpy(np.ones((1, 32), np.uint16), g.ranks[s].device, "bfloat16"),
+              from_numpy(np.ones((1, 2), np.float32), g.ranks[s].device)] for s in range(2)]
+        a.ranks[0].dispatch(ids[0], x[0], 4)
+        a.ranks[1].dispatch(ids[1], x[1], 8)
+        try:
+            a.synchronize()
+        except ep_a2a.RuntimeMaxMismatchError as e:
+            print("CAUGHT", e)
+        """)
+    assert "CAUGHT" in r.stdout and "differs" in r.stdout, r.stdout + r.stderr
+
+
+def test_bad_input_rejected_before_launch_and_workspace_intact():
+    from ep_a2a.driver.memory import from_numpy
+    from ep_a2a.check import routing, random_payload
+    rng = np.random.default_rng()
+    group, a2a = make(2, hidden=64, top_k=2, max_tokens=8, num_experts=8)
+    with group, a2a:
+        run(a2a, rng, [5, 3], 8)
+        r0, dev = a2a.ranks[0], group.ranks[0].device
+        ok_ids = from_numpy(routing("uniform", rng, 4, 2, 8, 2), dev, "int32")
+        ok_pay = [from_numpy(random_payload(rng, s, 4), dev, s.dtype) for s in a2a.payload_specs]
+        bad = [
+            (dict(token_selected_experts=from_numpy(np.zeros((4, 2), np.int64) + 1, dev)), TypeError, "int32"),
+            (dict(token_selected_experts=from_numpy(np.ones((4, 3), np.int32), dev)), ValueError, "shape"),
+            (dict(token_selected_experts=from_numpy(np.full((4, 2), 8, np.int32), dev)), ValueError, "num_experts"),
+            (dict(token_selected_experts=from_numpy(np.full((4, 2), -2, np.int32), dev)), ValueError, "num_experts"),
+            (dict(token_selected_experts=np.ones((4, 2), np.int32)), ValueError, "cuda:0"),
+            (dict(runtime_max_tokens_per_rank=3), ValueError, "exceed"),
+            (dict(runtime_max_tokens_per_rank=9), ValueError, "max_tokens_per_rank"),
+            (dict(payloads=ok_pay[:1]), ValueError, "payloads"),
+            (dict(payloads=[ok_pay[1], ok_pay[0]]), TypeError, "dtype"),
+        ]
+        for override, exc, words in bad:
+            kw = dict(token_selected_experts=ok_ids, payloads=ok_pay, runtime_max_tokens_per_rank=8)
+            kw.update(override)
+            with pytest.raises(exc, match=words):
+                r0.dispatch(**kw)
+        with pytest.raises(ep_a2a_state_error(), match="without a dispatch"):
+            r0.combine(r0.combine_input(8), 8)
+        run(a2a, rng, [4, 8], 8)  # the next valid step is still right
+
+
+def ep_a2a_state_error():
+    from ep_a2a.alltoall import StateError
+    return StateError
