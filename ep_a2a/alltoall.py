@@ -215,6 +215,8 @@ class RankAlltoAll:
 
         self._out = _DeviceArray(dev, a2a.max_tokens_per_rank * L.combine_bytes)
         self.steps = 0
+        self._prev_early = False
+        self._views = {}               # runtime max -> cached workspace views (no per-call objects)
         self._dispatched_tmax = None   # runtime_max of the dispatch awaiting its combine
         self._local_tokens = 0
 
@@ -264,7 +266,7 @@ class RankAlltoAll:
                  f"expected {len(a.payload_specs)} tensors ({', '.join(p.name for p in a.payload_specs)}), got {len(payloads)}")
         ins = [self._input(t, f"payloads[{q}] ({spec.name})", tuple(spec.shape), spec.dtype, T)
                for q, (t, spec) in enumerate(zip(payloads, a.payload_specs))]
-        if a.validate_expert_ids and T and not is_capturing(s):
+        if a.validate_expert_ids and T and not is_capturing(s):  # (a capture cannot sync)
             self._check_ids(ids, s)
 
         p = self.params
@@ -275,12 +277,17 @@ class RankAlltoAll:
             d.src = t.ptr
             d.vec = _vec(d.bytes_per_token, t.ptr)
         sanitize_blocks = -(-a.ep_size * tmax * a.top_k // (a.threads * 8))
-        self._dispatch.grid = max(1, min(self.max_grid, max(T, sanitize_blocks)))
+        self._dispatch.grid = self._grid(max(T, sanitize_blocks))
         self.device.make_current()
         self._launch(self._dispatch, s)
         self.steps += 1
         self._dispatched_tmax, self._local_tokens = tmax, T
-        return self.dispatch_views(tmax, s)
+        views = self._views.get(tmax)
+        if views is None:
+            views = self._views[tmax] = self.dispatch_views(tmax)
+        for v in (views[0], *views[1]):
+            v.stream = s  # consumers on other streams wait for this dispatch (DLPack)
+        return views
 
     def combine(self, partial, runtime_max_tokens_per_rank: int = None, stream=None, out=None) -> Tensor:
         """Sum, for each local token, the partial results its target ranks computed.
@@ -308,8 +315,11 @@ class RankAlltoAll:
             out_t = self._input(out, "out", (H,), a.combine_dtype.name, T)
         p = self.params
         p.combine_out = out_t.ptr
-        p.combine_vec = _vec(a.layout.combine_bytes, out_t.ptr)
-        self._combine.grid = max(1, min(self.max_grid, T))
+        p.combine_vec = vec = _vec(a.layout.combine_bytes, out_t.ptr)
+        # small batches: spread each token over blocks until a thread issues one round of loads
+        per_block = a.threads
+        p.combine_splits = splits = max(1, min(self.max_grid // max(T, 1), -(-a.layout.combine_bytes // vec // per_block)))
+        self._combine.grid = self._grid(T * splits)
         self.device.make_current()
         dst = self.base + a.layout.off_combine
         if part.ptr != dst:  # staged: the partial results live outside the workspace
@@ -318,6 +328,21 @@ class RankAlltoAll:
         self._dispatched_tmax = None
         out_t.stream = s
         return out_t
+
+    def _grid(self, want: int) -> int:
+        """Blocks for the next launch, and whether it may let its successor launch at once (PDL).
+
+        Every rank sharing the GPU spins on the others, so all their blocks must be resident:
+        a rank's grid is capped at its share of the GPU (max_grid). An early trigger puts the
+        successor's blocks beside ours, so it is allowed only for grids of at most half that
+        share, and a launch that follows an early trigger is itself held to half.
+        """
+        half = max(1, self.max_grid // 2)
+        grid = max(1, min(half if self._prev_early else self.max_grid, want))
+        early = self.a2a.pdl and grid <= half
+        self.params.trigger_early = int(early)
+        self._prev_early = early
+        return grid
 
     def launch_empty(self, stream=None, grid: int = 1) -> None:
         """The benchmark's latency floor: an empty kernel of the protocol kernels' shape."""

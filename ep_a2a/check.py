@@ -111,25 +111,27 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
         (lambda: rng.standard_normal(shape).astype(np.float32))
     partial_h = [ref.from_float32(draw(), cdt) for _ in range(ep)]
 
+    # Every allocation and host copy happens before the first launch: in-process ranks spin
+    # on each other, and a device-synchronizing call (cuMemFree, a pageable copy) issued
+    # between two ranks' launches would wait for a kernel that waits for the next launch.
     ins = {s: (from_numpy(ids_h[s], r.device, "int32"),
                [from_numpy(x, r.device, spec.dtype) for x, spec in zip(pay_h[s], a2a.payload_specs)])
            for s, r in local.items()}
+    staged = {s: from_numpy(partial_h[s], r.device, cdt) for s, r in local.items()} if not zero_copy else {}
+    outs = {s: empty((tokens[s], H), cdt, r.device) for s, r in local.items()}
+    for o in outs.values():
+        copy_from_numpy(o, np.full(o.nbytes, 0xFF, np.uint8))  # poison: NaN in every float format
     views = {s: r.dispatch(ins[s][0], ins[s][1], runtime_max) for s, r in local.items()}
     a2a.synchronize()
     records = {s: read_records(r, tokens[s]) for s, r in local.items()}
     if verify:
         _check_dispatch(a2a, rep, ids_h, pay_h, records, views)
-
-    outs = {}
+    if zero_copy:
+        for s, r in local.items():
+            copy_from_numpy(r.combine_input(runtime_max), partial_h[s])
     for s, r in local.items():
-        part = r.combine_input(runtime_max)
-        if zero_copy:
-            copy_from_numpy(part, partial_h[s])
-        else:
-            part = from_numpy(partial_h[s], r.device, cdt)
-        out = empty((tokens[s], H), cdt, r.device)
-        copy_from_numpy(out, np.full(out.nbytes, 0xFF, np.uint8))  # poison: NaN in every float format
-        outs[s] = r.combine(part, runtime_max, out=out)
+        part = r.combine_input(runtime_max) if zero_copy else staged[s]
+        r.combine(part, runtime_max, out=outs[s])
     a2a.synchronize()
     if verify:
         want = ref.combine(partial_h, [records.get(s, np.full((tokens[s], top_k, 2), -1)) for s in range(ep)], cdt)
@@ -145,7 +147,8 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
 def _rows(*arrays) -> np.ndarray:
     """Each row of the arrays (same first dimension) as one byte string, for set comparison."""
     n = arrays[0].shape[0]
-    flat = np.concatenate([np.ascontiguousarray(a).reshape(n, -1).view(np.uint8) for a in arrays], axis=1)
+    flat = np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(n, a[0].nbytes if n else a.itemsize * int(np.prod(a.shape[1:])))
+                           for a in arrays], axis=1)
     return np.ascontiguousarray(flat).view(np.dtype((np.void, flat.shape[1]))).ravel()
 
 

@@ -81,6 +81,8 @@ class A2AParams(ctypes.Structure):
         ("runtime_max_tokens_per_rank", ctypes.c_int32),
         ("max_tokens_per_rank", ctypes.c_int32),
         ("num_payloads", ctypes.c_int32),
+        ("trigger_early", ctypes.c_int32),           # PDL: let the next kernel launch at once (small grids)
+        ("combine_splits", ctypes.c_int32),          # blocks sharing one token's reduction (small batches)
         ("payloads", PayloadDesc * MAX_PAYLOADS),
     ]
 

@@ -22,6 +22,7 @@ extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_co
   int* const records = reinterpret_cast<int*>(ws + p.off_records);
 
   griddep_wait();
+  if (p.trigger_early) griddep_launch_dependents();
   const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch) + 1;
 
   // Algorithm 1, lines 2-6: pick a slot on every distinct target rank, push the token.
@@ -94,9 +95,11 @@ extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_co
       fail_and_trap(p, EP_ERR_TMAX_MISMATCH, 1, r, step, peer_tmax, tmax);
   }
   __syncthreads();
-  // Only now may the next kernel launch early: its blocks then wait on work that finishes
-  // unconditionally, so they can never crowd out a peer's kernel we are still waiting for.
-  griddep_launch_dependents();
+  // With large grids the next kernel may launch only now: its blocks then wait on work that
+  // finishes unconditionally, so they never crowd out a peer's kernel we are waiting for.
+  // Small grids (the host sets trigger_early when two kernels of every rank fit on the GPU
+  // together) trigger at the start instead, hiding the next launch entirely.
+  if (!p.trigger_early) griddep_launch_dependents();
 
   // Lines 13-15: slots past each source's count get invalid expert ids.
   int* const ids = reinterpret_cast<int*>(ws + p.payloads[0].recv_offset);
@@ -118,6 +121,7 @@ __device__ void fence_combine(const A2AParams& p) {
   const int* const records = reinterpret_cast<const int*>(ws + p.off_records);
 
   griddep_wait();
+  if (p.trigger_early) griddep_launch_dependents();
   const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch);
 
   if (blockIdx.x == 0 && threadIdx.x < 32) {
@@ -130,9 +134,14 @@ __device__ void fence_combine(const A2AParams& p) {
   for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x)
     wait_step(p, reinterpret_cast<const unsigned*>(ws + p.off_combine_flags) + r, step, 2, r);
   __syncthreads();  // the pollers' acquires order the whole block's pulls (bar.sync is cumulative)
-  griddep_launch_dependents();
+  if (!p.trigger_early) griddep_launch_dependents();
 
-  for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {
+  // Work item w: token w / splits, slice w % splits of its vectors (small batches spread a
+  // token over several blocks so each thread issues one round of loads).
+  const int splits = p.combine_splits;
+  const unsigned nvec = p.combine_bytes / p.combine_vec;
+  for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
+    const int i = w / splits, part = w % splits;
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
       const int rec = lane < p.top_k ? records[i * p.top_k + lane] : -1;
@@ -145,9 +154,10 @@ __device__ void fence_combine(const A2AParams& p) {
       if (lane == 0) s_n = __popc(valid);
     }
     __syncthreads();
+    const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
     reduce_token<T>(p.combine_vec, s_src, s_n,
                     reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes,
-                    p.combine_bytes);
+                    v0, v1);
     __syncthreads();
   }
 }

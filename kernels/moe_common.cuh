@@ -105,12 +105,12 @@ template <> EP_DEVICE float from_float<float>(float x) { return x; }
 // The reduction of combine, in fp32: the partial results of a token's targets (in the order
 // of their first selection) are summed as a pairwise tree over groups of 8 (absent members
 // read +0), and the group sums are added in order. reference.py mirrors this order exactly.
+// Vectors [v0, v1) of one token (v counted in units of W bytes).
 template <typename T, int W>
-EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned bytes) {
+EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned v0, unsigned v1) {
   using V = typename VecT<W>::T;
   constexpr int E = W / sizeof(T);
-  const unsigned nv = bytes / W;
-  for (unsigned v = threadIdx.x; v < nv; v += blockDim.x) {
+  for (unsigned v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
     float acc[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = 0.f;
@@ -141,16 +141,16 @@ EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned
 }
 
 template <typename T>
-EP_DEVICE void reduce_token(unsigned vec, const char* const* src, int n, char* out, unsigned bytes) {
+EP_DEVICE void reduce_token(unsigned vec, const char* const* src, int n, char* out, unsigned v0, unsigned v1) {
   if constexpr (sizeof(T) == 4) {
-    if (vec == 16) reduce_vectors<T, 16>(src, n, out, bytes);
-    else if (vec == 8) reduce_vectors<T, 8>(src, n, out, bytes);
-    else reduce_vectors<T, 4>(src, n, out, bytes);
+    if (vec == 16) reduce_vectors<T, 16>(src, n, out, v0, v1);
+    else if (vec == 8) reduce_vectors<T, 8>(src, n, out, v0, v1);
+    else reduce_vectors<T, 4>(src, n, out, v0, v1);
   } else {
-    if (vec == 16) reduce_vectors<T, 16>(src, n, out, bytes);
-    else if (vec == 8) reduce_vectors<T, 8>(src, n, out, bytes);
-    else if (vec == 4) reduce_vectors<T, 4>(src, n, out, bytes);
-    else reduce_vectors<T, 2>(src, n, out, bytes);
+    if (vec == 16) reduce_vectors<T, 16>(src, n, out, v0, v1);
+    else if (vec == 8) reduce_vectors<T, 8>(src, n, out, v0, v1);
+    else if (vec == 4) reduce_vectors<T, 4>(src, n, out, v0, v1);
+    else reduce_vectors<T, 2>(src, n, out, v0, v1);
   }
 }
 

@@ -105,7 +105,7 @@ def _rendezvous_child(rank, world, name, base_dir, q):
                                      payloads=payload_formats(96, 4)["mxfp8"], combine_hidden_size=96, timeout_s=60)
             step_rng = np.random.default_rng(99)  # same draws in every process
             bad = []
-            for _ in range(3):
+            for _ in range(2):
                 bad += run_step(a2a, step_rng, list(step_rng.integers(0, 17, world)), 16).mismatches
             a2a.close()
             ws.close()
@@ -115,7 +115,7 @@ def _rendezvous_child(rank, world, name, base_dir, q):
         q.put((rank, False, [repr(e)]))
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 3])
 def test_multiprocess_rendezvous_and_fence(world, tmp_path):
     os.chmod(tmp_path, 0o700)
     ctx = mp.get_context("spawn")
@@ -124,9 +124,13 @@ def test_multiprocess_rendezvous_and_fence(world, tmp_path):
     procs = [ctx.Process(target=_rendezvous_child, args=(r, world, name, str(tmp_path), q)) for r in range(world)]
     for p in procs:
         p.start()
-    results = [q.get(timeout=240) for _ in procs]
-    for p in procs:
-        p.join(30)
+    try:
+        results = [q.get(timeout=100) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
     for rank, ok, bad in sorted(results):
         assert ok, f"rank {rank}: peer write not seen ({bad})"
         assert not bad, f"rank {rank}: {bad[:3]}"

@@ -27,7 +27,8 @@ def run(a2a, rng, tokens, tmax, **kw):
     from ep_a2a.check import run_step
     rep = run_step(a2a, rng, tokens, tmax, **kw)
     assert not rep.mismatches, rep.mismatches[:5]
-    assert rep.combine_rows_checked == sum(tokens)
+    if kw.get("verify", True):
+        assert rep.combine_rows_checked == sum(tokens)
     return rep
 
 
@@ -90,43 +91,53 @@ def test_1000_steps_changing_routing_and_runtime_max():
 
 
 def test_graph_replay_equals_eager():
-    from ep_a2a.driver.memory import from_numpy, to_numpy, copy_from_numpy, empty
+    """dispatch -> copy of the received hidden states into the combine input (an identity
+    'MoE', so results do not depend on FENCE's slot order) -> combine, eager and as one graph
+    over every rank's stream; replays must equal eager, and both the reference."""
+    from cuda.bindings import driver as d
+    from ep_a2a.check import random_payload, routing
+    from ep_a2a.driver.memory import copy_from_numpy, empty, from_numpy, to_numpy
     from ep_a2a.driver.stream import Event, Graph
-    from ep_a2a.check import routing, random_payload
+    from ep_a2a import reference as ref
     rng = np.random.default_rng()
-    ep, T, H = 4, 16, 256
-    group, a2a = make(ep, hidden=H, top_k=4, max_tokens=T, validate_expert_ids=False)
+    ep, T, H, k = 4, 16, 256, 4
+    group, a2a = make(ep, hidden=H, top_k=k, max_tokens=T, validate_expert_ids=False)
     with group, a2a:
-        ids = [from_numpy(routing("uniform", rng, T, 4, a2a.num_experts, ep), group.ranks[s].device, "int32") for s in range(ep)]
-        pays = [[from_numpy(random_payload(rng, sp, T), group.ranks[s].device, sp.dtype) for sp in a2a.payload_specs]
-                for s in range(ep)]
-        outs = [empty((T, H), "bfloat16", group.ranks[s].device) for s in range(ep)]
-        partial = [rng.integers(-8, 9, (ep, T, H)).astype(np.float32) for _ in range(ep)]
-        from ep_a2a.reference import from_float32
+        ids_h = [routing("uniform", rng, T, k, a2a.num_experts, ep) for _ in range(ep)]
+        pay_h = [[random_payload(rng, sp, T) for sp in a2a.payload_specs] for _ in range(ep)]
+        devs = [r.device for r in group.ranks]
+        ids = [from_numpy(ids_h[s], devs[s], "int32") for s in range(ep)]
+        pays = [[from_numpy(x, devs[s], sp.dtype) for x, sp in zip(pay_h[s], a2a.payload_specs)] for s in range(ep)]
+        outs = [empty((T, H), "bfloat16", devs[s]) for s in range(ep)]
 
         def step():
+            views = [r.dispatch(ids[s], pays[s], T) for s, r in enumerate(a2a.ranks)]
             for s, r in enumerate(a2a.ranks):
-                r.dispatch(ids[s], pays[s], T)
+                hidden = views[s][1][0]
+                d.cuMemcpyDtoDAsync(r.combine_input(T).ptr, hidden.ptr, hidden.nbytes, r.default_stream)
             for s, r in enumerate(a2a.ranks):
                 r.combine(r.combine_input(T), T, out=outs[s])
 
-        for s, r in enumerate(a2a.ranks):
-            copy_from_numpy(r.combine_input(T), from_float32(partial[s], "bfloat16"))
         step()
         a2a.synchronize()
         eager = [to_numpy(o) for o in outs]
+        owner = ref.expert_owner(a2a.num_experts, ep)
+        for s in range(ep):
+            x = pay_h[s][0]
+            want = np.stack([ref.from_float32(ref.tree_sum([ref.to_float32(x[i], "bfloat16")] *
+                                                           len(ref.targets_of(ids_h[s][i], owner)), H), "bfloat16")
+                             for i in range(T)])
+            assert np.array_equal(eager[s], want)
         for o in outs:
             copy_from_numpy(o, np.full(o.nbytes, 0xFF, np.uint8))
-        # one graph over every rank's stream: fork from rank 0's stream, join back
-        dev = group.ranks[0].device
         s0 = group.ranks[0].stream.handle
         Graph.begin(s0)
-        fork = Event(dev).record(s0)
+        fork = Event(devs[0]).record(s0)
         for r in group.ranks[1:]:
             fork.wait_on(r.stream.handle)
         step()
         for r in group.ranks[1:]:
-            Event(dev).record(r.stream.handle).wait_on(s0)
+            Event(devs[0]).record(r.stream.handle).wait_on(s0)
         g = Graph.end(s0)
         for _ in range(5):
             g.launch(s0)

@@ -11,6 +11,7 @@ from .errors import CudaError, NoDriverError, call
 _A = _drv.CUdevice_attribute
 _init_lock = threading.Lock()
 _initialized = False
+_bound = threading.local()  # the context this thread last bound through make_current
 
 
 def init() -> None:
@@ -70,10 +71,14 @@ class Device:
         return call(_drv.cuDeviceGetAttribute, attr, self.handle)
 
     def make_current(self) -> None:
-        """Bind this device's primary context to the calling thread (cheap when already bound)."""
-        cur = call(_drv.cuCtxGetCurrent)
-        if cur is None or int(cur) != int(self.context):
-            call(_drv.cuCtxSetCurrent, self.context)
+        """Bind this device's primary context to the calling thread.
+
+        Hot path (every dispatch/combine): skip the driver when this thread's last bind was
+        ours. Frameworks bind the same primary context, so their binds do not invalidate it."""
+        if getattr(_bound, "ctx", None) is self.context:
+            return
+        call(_drv.cuCtxSetCurrent, self.context)
+        _bound.ctx = self.context
 
     def synchronize(self) -> None:
         self.make_current()

@@ -1,0 +1,617 @@
+"""How the processes of one all-to-all group find each other and swap small bytes and file descriptors.
+
+Each rank's workspace is a VMM allocation exported as a POSIX fd; peers import it. An fd
+only crosses a process boundary through SCM_RIGHTS on an AF_UNIX socket, so every
+bootstrap ends in `UnixSocketBootstrap` for `allgather_fds`, and the whole group must
+live on one node (one NVLink domain reached through fds; FABRIC handles are bytes and
+would travel through `allgather`).
+
+Nothing received from a peer is unpickled: the wire format is a fixed struct header plus
+raw bytes, every message is size-bounded and every wait is bounded by the timeout.
+"""
+from __future__ import annotations
+
+import abc
+import array
+import errno
+import os
+import re
+import secrets
+import select
+import socket
+import stat
+import struct
+import time
+
+from .driver.errors import EpA2AError
+
+__all__ = ["Bootstrap", "BootstrapError", "BootstrapTimeout", "UnixSocketBootstrap",
+           "TorchDistributedBootstrap", "MpiBootstrap"]
+
+MAX_PAYLOAD = 1 << 20  # bytes per message; a rank's allgather contribution is one message
+MAX_FDS = 64           # fds per message; a rank's allgather_fds contribution is one message
+
+# magic u32, version u16, kind u16, rank u32, world_size u32, payload length u32
+_HDR = struct.Struct("<IHHIII")
+_MAGIC = 0x32413245  # b"E2A2" little-endian
+_VERSION = 1
+_HELLO, _WELCOME, _ALLGATHER, _ALLGATHER_FDS, _BARRIER, _ERROR, _TIMEOUT = range(1, 8)
+_KIND_NAMES = {_HELLO: "hello", _WELCOME: "welcome", _ALLGATHER: "allgather",
+               _ALLGATHER_FDS: "allgather_fds", _BARRIER: "barrier", _ERROR: "error", _TIMEOUT: "timeout"}
+_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_HELLO_TIMEOUT = 5.0  # a genuine peer sends its hello right after connect; a silent one must not stall setup
+_PEER_GRACE = 1.0     # peers wait a little longer than rank 0 so that rank 0's diagnosis reaches them
+_SUN_PATH_MAX = 107   # sockaddr_un.sun_path is 108 bytes including the NUL
+
+
+class BootstrapError(EpA2AError):
+    """The group could not be formed or a collective failed; the bootstrap is closed afterwards."""
+
+
+class BootstrapTimeout(BootstrapError):
+    """A wait ran past the timeout; `missing` lists the ranks that did not arrive."""
+
+    def __init__(self, message: str, missing=()):
+        self.missing = sorted(missing)
+        super().__init__(message)
+
+
+class _Rejected(BootstrapError):
+    """A connection that is not a member of this group (rank 0 drops it and keeps waiting)."""
+
+
+class Bootstrap(abc.ABC):
+    """Rendezvous of `world_size` processes: collectives over small byte strings and fds.
+
+    Every method is collective: all ranks call it in the same order. Not thread-safe.
+    """
+
+    rank: int
+    world_size: int
+    timeout: float = 60.0
+    _fd_bootstrap: "UnixSocketBootstrap | None" = None  # lazily made by the default allgather_fds
+
+    @abc.abstractmethod
+    def allgather(self, data: bytes) -> list[bytes]:
+        """Every rank's `data` in rank order (sizes may differ per rank)."""
+
+    def allgather_fds(self, fds: list[int]) -> list[list[int]]:
+        """Every rank's fds in rank order, as NEW fds the caller owns and must close.
+
+        All ranks pass the same number of fds; this rank's own entry holds dup()s.
+        Default: through a private UnixSocketBootstrap whose name rank 0 draws and
+        shares with `allgather` (so all ranks must be on one node).
+        """
+        if self._fd_bootstrap is None:
+            proposal = f"fds-{os.getpid()}-{secrets.token_hex(8)}".encode() if self.rank == 0 else b""
+            name = self.allgather(proposal)[0].decode()
+            if not _NAME_RE.fullmatch(name):
+                raise BootstrapError(f"rank 0 proposed an invalid socket name {name!r}")
+            self._fd_bootstrap = UnixSocketBootstrap(self.rank, self.world_size, name=name, timeout=self.timeout)
+        return self._fd_bootstrap.allgather_fds(fds)
+
+    def barrier(self) -> None:
+        self.allgather(b"")
+
+    def close(self) -> None:
+        if self._fd_bootstrap is not None:
+            self._fd_bootstrap.close()
+            self._fd_bootstrap = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
+
+# ---------------------------------------------------------------------------------------------
+# wire helpers
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    return left
+
+
+def _send(sock: socket.socket, deadline: float, kind: int, rank: int, world_size: int,
+          payload: bytes = b"", fds=()) -> None:
+    msg = _HDR.pack(_MAGIC, _VERSION, kind, rank, world_size, len(payload)) + payload
+    sock.settimeout(_remaining(deadline))
+    sent = socket.send_fds(sock, [msg], list(fds)) if fds else 0
+    if sent < len(msg):  # never sendall(b""): it fails with EPIPE once the peer has closed
+        sock.sendall(msg[sent:])
+
+
+def _recv(sock: socket.socket, deadline: float, who: str, max_fds: int = 0):
+    """One message from `who`: (kind, rank, world_size, payload, fds). Raises TimeoutError or BootstrapError."""
+    buf, fds = bytearray(), []
+    try:
+        while len(buf) < _HDR.size:
+            sock.settimeout(_remaining(deadline))
+            if max_fds:
+                # SCM_RIGHTS fds ride on the first byte of the sender's sendmsg, i.e. the header.
+                # recvmsg directly, not socket.recv_fds: that one drops `flags`, and received
+                # fds must be close-on-exec like every fd Python creates.
+                data, anc, flags, _ = sock.recvmsg(_HDR.size - len(buf), socket.CMSG_SPACE(max_fds * 4),
+                                                   socket.MSG_CMSG_CLOEXEC)
+                for level, typ, cdata in anc:
+                    if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                        a = array.array("i")
+                        a.frombytes(cdata[:len(cdata) - len(cdata) % a.itemsize])
+                        fds.extend(a)
+                if flags & socket.MSG_CTRUNC:
+                    raise BootstrapError(f"{who} sent a message with more than {max_fds} fds")
+            else:
+                data = sock.recv(_HDR.size - len(buf))
+            if not data:
+                raise BootstrapError(f"{who} closed the connection (its process exited or closed the bootstrap)")
+            buf += data
+        magic, version, kind, rank, world_size, n = _HDR.unpack(buf)
+        if magic != _MAGIC or version != _VERSION:
+            raise BootstrapError(f"{who} sent no ep_a2a bootstrap message (magic {magic:#x}, version {version}; "
+                                 f"expected {_MAGIC:#x}, {_VERSION})")
+        if n > MAX_PAYLOAD:
+            raise BootstrapError(f"{who} sent a {n}-byte {_KIND_NAMES.get(kind, kind)} message, over the "
+                                 f"{MAX_PAYLOAD}-byte bound")
+        payload = bytearray(n)
+        view, got = memoryview(payload), 0
+        while got < n:
+            sock.settimeout(_remaining(deadline))
+            k = sock.recv_into(view[got:])
+            if not k:
+                raise BootstrapError(f"{who} closed the connection in the middle of a message")
+            got += k
+        return kind, rank, world_size, bytes(payload), fds
+    except BaseException as e:
+        _close_fds(fds)
+        if isinstance(e, ConnectionError):
+            raise BootstrapError(f"{who}: connection lost ({e})") from None
+        raise
+
+
+def _close_fds(fds) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _pack_timeout(message: str, missing) -> bytes:
+    missing = list(missing)
+    return struct.pack(f"<I{len(missing)}I", len(missing), *missing) + message.encode()
+
+
+def _abort_reason(kind: int, payload: bytes) -> BootstrapError:
+    """The exception rank 0 reported in an _ERROR or _TIMEOUT message."""
+    if kind == _ERROR or len(payload) < 4:
+        return BootstrapError(payload.decode(errors="replace"))
+    n = min(struct.unpack_from("<I", payload)[0], (len(payload) - 4) // 4)
+    return BootstrapTimeout(payload[4 + 4 * n:].decode(errors="replace"), struct.unpack_from(f"<{n}I", payload, 4))
+
+
+def socket_dir(base_dir=None) -> str:
+    """`<base_dir or $XDG_RUNTIME_DIR or /tmp>/ep_a2a-<uid>`, created 0700; refused if anyone else can enter it.
+
+    Only this user can then create or connect to the sockets inside, which is the first
+    line of defence; SO_PEERCRED on every connection is the second.
+    """
+    base = base_dir or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    path = os.path.join(os.fspath(base), f"ep_a2a-{os.getuid()}")
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)  # lstat: a symlink planted by someone else must not be followed
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
+        raise BootstrapError(f"refusing socket directory {path}: it must be a directory owned by uid "
+                             f"{os.getuid()} with mode 0700 (it is {what}, owner uid {st.st_uid}, mode "
+                             f"{stat.S_IMODE(st.st_mode):04o}); remove it or pick another base_dir")
+    return path
+
+
+def _peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class UnixSocketBootstrap(Bootstrap):
+    """Processes on one node meet at an AF_UNIX socket of rank 0 (star topology through rank 0).
+
+    Rank 0 listens on `socket_dir(base_dir)/<name>.sock` and the other ranks connect,
+    retrying until `timeout`. A connection is admitted only if its SO_PEERCRED uid is ours
+    and the pid in its hello equals the credential pid (same pid namespace required).
+    The socket file is unlinked as soon as all ranks have connected, and on failure.
+    `name` must be unique per group on the node ([A-Za-z0-9_.-], at most 64 characters).
+    """
+
+    def __init__(self, rank: int, world_size: int, *, name: str, timeout: float = 60.0, base_dir=None):
+        if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+            raise ValueError(f"bootstrap name {name!r} must be 1-64 characters of [A-Za-z0-9_.-]")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self.rank, self.world_size, self.name, self.timeout = rank, world_size, name, float(timeout)
+        self.path = os.path.join(socket_dir(base_dir), name + ".sock")
+        if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
+            raise BootstrapError(f"socket path {self.path!r} is longer than the {_SUN_PATH_MAX} bytes AF_UNIX "
+                                 f"allows: use a shorter base_dir or name")
+        self._peers: dict[int, socket.socket] = {}  # rank 0: rank -> connection
+        self._sock: socket.socket | None = None      # ranks > 0: connection to rank 0
+        self._listener: socket.socket | None = None
+        self._closed = False
+        if world_size == 1:
+            return
+        try:
+            self._setup_root() if rank == 0 else self._setup_peer()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- setup ---------------------------------------------------------------------------------
+
+    def _setup_root(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        self._listener = self._listen()
+        rejected: list[str] = []
+        try:
+            while len(self._peers) < self.world_size - 1:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(range(1, self.world_size)) - set(self._peers))
+                    why = f"; rejected connections: {'; '.join(rejected)}" if rejected else ""
+                    raise BootstrapTimeout(f"bootstrap {self.name!r}: rank(s) {missing} did not connect within "
+                                           f"{self.timeout:g} s{why}", missing)
+                self._listener.settimeout(left)
+                try:
+                    conn, _ = self._listener.accept()
+                except TimeoutError:
+                    continue
+                try:
+                    self._admit(conn, min(deadline, time.monotonic() + _HELLO_TIMEOUT))
+                except _Rejected as e:
+                    rejected.append(str(e))
+                    self._notify([conn], BootstrapError(f"rejected by rank 0 of {self.name!r}: {e}"))
+                    conn.close()
+            self._unlink()
+            for conn in self._peers.values():
+                _send(conn, deadline, _WELCOME, 0, self.world_size)
+        except BootstrapError as e:
+            self._abort(e)
+            raise
+        except OSError as e:  # TimeoutError included: a peer that stopped reading, or died, before its welcome
+            err = (BootstrapTimeout if isinstance(e, TimeoutError) else BootstrapError)(
+                f"bootstrap {self.name!r}: sending the welcome failed: {e or 'timed out'}")
+            self._abort(err)
+            raise err from None
+
+    def _listen(self) -> socket.socket:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                s.bind(self.path)
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:  # anything but "a socket file is there already"
+                    raise
+                self._remove_stale()
+                s.bind(self.path)
+            s.listen(self.world_size)
+            return s
+        except BaseException:
+            s.close()
+            raise
+
+    def _remove_stale(self) -> None:
+        """A socket file nobody listens on is left over from a dead process: remove it."""
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(self.path)
+        except ConnectionRefusedError:
+            os.unlink(self.path)
+            return
+        except FileNotFoundError:  # its owner removed it meanwhile
+            return
+        except OSError:
+            pass
+        finally:
+            probe.close()
+        raise BootstrapError(f"bootstrap name {self.name!r} is in use: another process listens on {self.path}")
+
+    def _admit(self, conn: socket.socket, deadline: float) -> None:
+        pid, uid, _ = _peer_cred(conn)
+        if uid != os.getuid():
+            raise _Rejected(f"pid {pid} runs as uid {uid}, not {os.getuid()}")
+        try:
+            kind, rank, world_size, payload, _ = _recv(conn, deadline, f"pid {pid}")
+        except TimeoutError:
+            raise _Rejected(f"pid {pid} sent no hello within {_HELLO_TIMEOUT:g} s") from None
+        except BootstrapError as e:
+            raise _Rejected(str(e)) from None
+        if kind != _HELLO or len(payload) != 4:
+            raise _Rejected(f"pid {pid} sent a {_KIND_NAMES.get(kind, kind)} message instead of a hello")
+        (hello_pid,) = struct.unpack("<I", payload)
+        if hello_pid != pid:
+            raise _Rejected(f"hello claims pid {hello_pid} but the connection belongs to pid {pid}")
+        # From here the peer is a process of ours: a disagreement is a misconfigured group, not an intruder.
+        err = None
+        if world_size != self.world_size:
+            err = f"rank {rank} (pid {pid}) has world_size {world_size}, rank 0 has {self.world_size}"
+        elif not 1 <= rank < self.world_size:
+            err = f"rank {rank} (pid {pid}) is out of range for world_size {self.world_size}"
+        elif rank in self._peers:
+            err = f"rank {rank} connected twice (the second time from pid {pid})"
+        if err:
+            e = BootstrapError(f"bootstrap {self.name!r}: {err}")
+            self._notify([conn], e)
+            conn.close()
+            raise e
+        self._peers[rank] = conn
+
+    def _setup_peer(self) -> None:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                s.settimeout(_remaining(deadline))
+                s.connect(self.path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):  # rank 0 not up yet, or a stale file
+                s.close()
+                time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
+            except TimeoutError:
+                s.close()
+                raise BootstrapTimeout(f"bootstrap {self.name!r}: rank {self.rank} found no rank 0 listening on "
+                                       f"{self.path} within {self.timeout:g} s", [0]) from None
+            except BaseException:
+                s.close()
+                raise
+        self._sock = s
+        pid, uid, _ = _peer_cred(s)
+        if uid != os.getuid():
+            raise BootstrapError(f"{self.path} is served by pid {pid} of uid {uid}, not by us (uid {os.getuid()})")
+        self._from_root(_WELCOME, deadline + _PEER_GRACE, send=(_HELLO, struct.pack("<I", os.getpid())))
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        data = bytes(data)
+        if len(data) > MAX_PAYLOAD:
+            raise ValueError(f"allgather contribution of {len(data)} bytes exceeds the {MAX_PAYLOAD}-byte bound")
+        got = self._collective(_ALLGATHER, data, [])
+        return [p for p, _ in got]
+
+    def allgather_fds(self, fds: list[int]) -> list[list[int]]:
+        fds = [int(fd) for fd in fds]
+        if len(fds) > MAX_FDS:
+            raise ValueError(f"allgather_fds of {len(fds)} fds exceeds the {MAX_FDS}-fd bound")
+        got = self._collective(_ALLGATHER_FDS, struct.pack("<I", len(fds)), fds)
+        return [f for _, f in got]
+
+    def barrier(self) -> None:
+        self._collective(_BARRIER, b"", [])
+
+    def _collective(self, kind: int, payload: bytes, fds: list[int]) -> list[tuple[bytes, list[int]]]:
+        """Star through rank 0: everyone sends its part to rank 0, which sends everyone the others' parts."""
+        if self._closed:
+            raise BootstrapError(f"bootstrap {self.name!r} is closed")
+        deadline = time.monotonic() + self.timeout
+        own = (payload, [os.dup(fd) for fd in fds])
+        if self.world_size == 1:
+            return [own]
+        try:
+            if self.rank == 0:
+                return self._root_collective(kind, own, deadline)
+            msgs = self._from_root(kind, deadline + _PEER_GRACE, send=(kind, payload), fds=fds,
+                                   sources=[r for r in range(self.world_size) if r != self.rank])
+            msgs.insert(self.rank, own)  # rank 0 has checked every rank's fd count against its own
+            return msgs
+        except BaseException:
+            _close_fds(own[1])
+            raise
+
+    def _root_collective(self, kind: int, own, deadline: float):
+        got = {0: own}
+        try:
+            pending = {conn: r for r, conn in self._peers.items()}
+            while pending:
+                try:
+                    ready, _, _ = select.select(list(pending), [], [], _remaining(deadline))
+                    for conn in ready:
+                        r = pending.pop(conn)
+                        k, src, _, p, f = _recv(conn, deadline, f"bootstrap {self.name!r}: rank {r} in "
+                                                f"{_KIND_NAMES[kind]}", MAX_FDS if kind == _ALLGATHER_FDS else 0)
+                        got[r] = (p, f)
+                        if k != kind or src != r:
+                            raise BootstrapError(f"bootstrap {self.name!r}: rank {r} called {_KIND_NAMES.get(k, k)}"
+                                                 f"{f' as rank {src}' if src != r else ''} while rank 0 called "
+                                                 f"{_KIND_NAMES[kind]}")
+                except TimeoutError:
+                    missing = sorted(r for r in self._peers if r not in got)
+                    raise BootstrapTimeout(f"bootstrap {self.name!r}: rank(s) {missing} did not reach "
+                                           f"{_KIND_NAMES[kind]} within {self.timeout:g} s", missing) from None
+            out = [got[r] for r in range(self.world_size)]
+            if kind == _ALLGATHER_FDS:
+                self._check_fd_counts(out)
+            for dst, conn in self._peers.items():
+                for src, (p, f) in enumerate(out):
+                    if src != dst:
+                        try:
+                            _send(conn, deadline, kind, src, self.world_size, p, f)
+                        except TimeoutError:
+                            raise BootstrapTimeout(f"bootstrap {self.name!r}: rank {dst} did not take the "
+                                                   f"{_KIND_NAMES[kind]} result within {self.timeout:g} s",
+                                                   [dst]) from None
+            return out
+        except BaseException as e:
+            for r, (_, f) in got.items():
+                if r != 0:
+                    _close_fds(f)
+            if not isinstance(e, (BootstrapError, OSError)):
+                raise
+            err = e if isinstance(e, BootstrapError) else BootstrapError(
+                f"bootstrap {self.name!r}: {_KIND_NAMES[kind]} failed on rank 0: {e}")
+            self._abort(err)  # tell the others, so they raise this cause instead of timing out
+            if err is e:
+                raise
+            raise err from e
+
+    def _check_fd_counts(self, parts) -> None:
+        mine = len(parts[0][1])
+        for r, (p, f) in enumerate(parts):
+            (claimed,) = struct.unpack("<I", p) if len(p) == 4 else (-1,)
+            if claimed != len(f) or len(f) != mine:
+                raise BootstrapError(f"bootstrap {self.name!r}: rank {r} passed {claimed} fds ({len(f)} arrived), "
+                                     f"rank 0 passed {mine}: all ranks must pass the same number")
+
+    def _from_root(self, kind: int, deadline: float, *, send, fds=(), sources=(0,)):
+        """Peer side: send our part to rank 0, then take one `kind` message per rank in `sources`."""
+        what = _KIND_NAMES[kind]
+        who = f"bootstrap {self.name!r}: rank 0 (seen from rank {self.rank} in {what})"
+        msgs = []
+        try:
+            try:
+                _send(self._sock, deadline, send[0], self.rank, self.world_size, send[1], fds)
+            except ConnectionError as e:
+                # Rank 0 may have failed the collective already: its reason is still in our receive buffer.
+                k, p = self._pending_abort()
+                raise _abort_reason(k, p) if k else BootstrapError(f"{who}: connection lost ({e})") from None
+            for expected in sources:
+                k, src, ws, p, f = _recv(self._sock, deadline, who, MAX_FDS if kind == _ALLGATHER_FDS else 0)
+                msgs.append((p, f))
+                if k in (_ERROR, _TIMEOUT):
+                    raise _abort_reason(k, p)
+                if k != kind or ws != self.world_size or src != expected:
+                    raise BootstrapError(f"{who}: answered with {_KIND_NAMES.get(k, k)} of rank {src} "
+                                         f"(world_size {ws}); expected {what} of rank {expected}")
+            return msgs
+        except BaseException as e:
+            for _, f in msgs:
+                _close_fds(f)
+            self.close()
+            if isinstance(e, TimeoutError):
+                raise BootstrapTimeout(f"{who}: no answer within {self.timeout:g} s", [0]) from None
+            raise
+
+    def _pending_abort(self):
+        try:
+            k, _, _, p, _ = _recv(self._sock, time.monotonic() + 0.5, "rank 0")
+            return (k, p) if k in (_ERROR, _TIMEOUT) else (None, b"")
+        except (OSError, BootstrapError):
+            return None, b""
+
+    # -- teardown ------------------------------------------------------------------------------
+
+    def _notify(self, conns, err: BootstrapError) -> None:
+        """Best effort: tell peers why we fail, so they raise the real cause instead of timing out."""
+        if isinstance(err, BootstrapTimeout):
+            kind, payload = _TIMEOUT, _pack_timeout(str(err), err.missing)
+        else:
+            kind, payload = _ERROR, str(err).encode()
+        payload = payload[:MAX_PAYLOAD]
+        for conn in conns:
+            try:
+                _send(conn, time.monotonic() + 0.5, kind, 0, self.world_size, payload)
+            except (OSError, TimeoutError):
+                pass
+
+    def _abort(self, err: BootstrapError) -> None:
+        self._notify(list(self._peers.values()), err)
+        self.close()
+
+    def _unlink(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Close the connections and remove the socket file if rank 0 still has it. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._unlink()
+        for conn in self._peers.values():
+            conn.close()
+        self._peers.clear()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class TorchDistributedBootstrap(Bootstrap):
+    """Adapter for an initialised torch.distributed process group.
+
+    Bytes travel as uint8 tensors (CPU for gloo, the current CUDA device for nccl), lengths
+    first; never through pickle. `allgather_fds` needs all ranks on ONE node: it runs over
+    a UnixSocketBootstrap whose name rank 0 draws. `timeout` bounds that socket bootstrap;
+    torch collectives obey the process group's own timeout.
+    """
+
+    def __init__(self, group=None, *, timeout: float = 60.0):
+        import torch
+        import torch.distributed as dist
+
+        self._torch, self._dist, self._group = torch, dist, group
+        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.timeout = float(timeout)
+        backend = str(dist.get_backend(group))
+        self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        import numpy as np
+
+        torch, dist = self._torch, self._dist
+        n = torch.tensor([len(data)], dtype=torch.int64, device=self._device)
+        sizes = [torch.empty_like(n) for _ in range(self.world_size)]
+        dist.all_gather(sizes, n, group=self._group)
+        sizes = [int(s.item()) for s in sizes]
+        width = max(max(sizes), 1)  # zero-size tensors are not reliably supported by every backend
+        buf = np.zeros(width, np.uint8)
+        buf[:len(data)] = np.frombuffer(bytes(data), np.uint8)
+        t = torch.from_numpy(buf).to(self._device)
+        out = [torch.empty_like(t) for _ in range(self.world_size)]
+        dist.all_gather(out, t, group=self._group)
+        return [o.cpu().numpy()[:s].tobytes() for o, s in zip(out, sizes)]
+
+
+class MpiBootstrap(Bootstrap):
+    """Adapter for an mpi4py communicator: Allgather/Allgatherv on uint8 buffers, never pickle.
+
+    `allgather_fds` needs all ranks on ONE node: it runs over a UnixSocketBootstrap whose
+    name rank 0 draws. `timeout` bounds that socket bootstrap; MPI collectives have none.
+    """
+
+    def __init__(self, comm, *, timeout: float = 60.0):
+        from mpi4py import MPI
+
+        self._MPI, self._comm = MPI, comm
+        self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
+        self.timeout = float(timeout)
+
+    def allgather(self, data: bytes) -> list[bytes]:
+        import numpy as np
+
+        MPI = self._MPI
+        sizes = np.empty(self.world_size, np.int64)
+        self._comm.Allgather([np.array([len(data)], np.int64), MPI.INT64_T], [sizes, MPI.INT64_T])
+        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+        recv = np.empty(max(int(sizes.sum()), 1), np.uint8)
+        send = np.frombuffer(bytes(data), np.uint8)
+        self._comm.Allgatherv([send, len(data), MPI.BYTE],
+                              [recv, (sizes.tolist(), displs.tolist()), MPI.BYTE])
+        return [recv[d:d + s].tobytes() for d, s in zip(displs.tolist(), sizes.tolist())]

@@ -1,0 +1,381 @@
+"""Bootstrap over real processes and sockets (no GPU), plus the GPU-free part of topology."""
+import multiprocessing as mp
+import os
+import socket
+import struct
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from ep_a2a import bootstrap as bs_mod
+from ep_a2a import topology
+from ep_a2a.bootstrap import BootstrapError, BootstrapTimeout, UnixSocketBootstrap
+
+
+def _name():
+    return "t" + uuid.uuid4().hex[:16]
+
+
+def _payload(seed, rank, i=0):
+    rng = np.random.default_rng([seed, rank, i])
+    size = [0, 1, 200_000, 4097, 33][(rank + i) % 5]  # differing sizes, one empty, one large
+    return rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _worker(rank, world_size, name, base_dir, seed, timeout, q):
+    """One rank: allgather, allgather_fds of memfds, barrier; report 'ok' or the failure."""
+    t0 = time.monotonic()
+    try:
+        b = UnixSocketBootstrap(rank, world_size, name=name, timeout=timeout, base_dir=base_dir)
+    except BootstrapError as e:
+        q.put((rank, type(e).__name__, str(e), getattr(e, "missing", None), time.monotonic() - t0))
+        return
+    try:
+        with b:
+            if rank == 0:
+                assert not os.path.exists(b.path), "socket file still there after every rank connected"
+            for i in range(2):
+                got = b.allgather(_payload(seed, rank, i))
+                assert got == [_payload(seed, r, i) for r in range(world_size)]
+            before = _open_fds()
+            mine = []
+            for i in range(3):
+                fd = os.memfd_create(f"r{rank}f{i}")
+                os.write(fd, _payload(seed, rank, 10 + i) + b"!")  # "!": never an empty file
+                mine.append(fd)
+            gathered = b.allgather_fds(mine)
+            assert [len(f) for f in gathered] == [3] * world_size
+            assert not set(gathered[rank]) & set(mine), "own entry must be dup()s, not the caller's fds"
+            for fd in mine:
+                os.close(fd)  # the dup()s must stay valid on their own
+            for r, fds in enumerate(gathered):
+                for i, fd in enumerate(fds):
+                    want = _payload(seed, r, 10 + i) + b"!"
+                    assert os.pread(fd, len(want) + 1, 0) == want, (r, i)
+                    assert not os.get_inheritable(fd)
+                    os.close(fd)
+            assert _open_fds() == before, "allgather_fds leaked or lost fds"
+            b.barrier()
+            assert b.allgather(b"%d" % rank) == [b"%d" % r for r in range(world_size)]
+        b.close()  # idempotent
+        q.put((rank, "ok", "", None, time.monotonic() - t0))
+    except Exception as e:
+        q.put((rank, type(e).__name__, repr(e), getattr(e, "missing", None), time.monotonic() - t0))
+
+
+def _spawn(ranks, world_size, name, base_dir, timeout, seed=1234):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    ps = [ctx.Process(target=_worker, args=(r, world_size, name, str(base_dir), seed, timeout, q)) for r in ranks]
+    for p in ps:
+        p.start()
+    try:
+        out = {}
+        for _ in ranks:
+            r, *rest = q.get(timeout=timeout + 15)
+            out[r] = tuple(rest)
+    finally:
+        for p in ps:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def _path(base_dir, name):
+    return os.path.join(str(base_dir), f"ep_a2a-{os.getuid()}", name + ".sock")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_processes_allgather_fds_barrier(tmp_path, world_size):
+    name = _name()
+    out = _spawn(range(world_size), world_size, name, tmp_path, timeout=20)
+    assert {r: o[0] for r, o in out.items()} == {r: "ok" for r in range(world_size)}, out
+    assert not os.path.exists(_path(tmp_path, name))
+
+
+def test_timeout_names_missing_rank(tmp_path):
+    name, timeout = _name(), 2.0
+    out = _spawn([0, 1], 3, name, tmp_path, timeout=timeout)
+    for r in (0, 1):
+        kind, msg, missing, elapsed = out[r]
+        assert kind == "BootstrapTimeout", out
+        assert missing == [2] and "[2]" in msg, out
+        assert elapsed < timeout + bs_mod._PEER_GRACE + 1.0, out
+    assert not os.path.exists(_path(tmp_path, name)), "socket file left after a failed setup"
+
+
+# -- in-process checks (threads are enough: every rank still talks over the real socket) ---------
+
+
+class _Thread(threading.Thread):
+    def __init__(self, fn):
+        super().__init__(daemon=True)
+        self.fn, self.result, self.error = fn, None, None
+        self.start()
+
+    def run(self):
+        try:
+            self.result = self.fn()
+        except BaseException as e:
+            self.error = e
+
+    def get(self, timeout=15):
+        self.join(timeout)
+        assert not self.is_alive(), "thread did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def _raw_connect(path, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect(path)
+            s.settimeout(timeout)
+            return s
+        except (FileNotFoundError, ConnectionRefusedError):
+            s.close()
+            assert time.monotonic() < deadline, "rank 0 never listened"
+            time.sleep(0.01)
+
+
+def _header(kind, rank, world_size, n):
+    return bs_mod._HDR.pack(bs_mod._MAGIC, bs_mod._VERSION, kind, rank, world_size, n)
+
+
+def _raw_recv(s):
+    kind, rank, ws, payload, _ = bs_mod._recv(s, time.monotonic() + 5, "rank 0")
+    return kind, payload
+
+
+def test_single_rank(tmp_path):
+    with UnixSocketBootstrap(0, 1, name=_name(), base_dir=tmp_path) as b:
+        assert b.allgather(b"abc") == [b"abc"]
+        fd = os.memfd_create("x")
+        [[dup]] = b.allgather_fds([fd])
+        assert dup != fd
+        os.close(dup), os.close(fd)
+        b.barrier()
+    b.close()
+
+
+@pytest.mark.parametrize("name", ["", "a/b", "../x", "x" * 65, "sp ace", "é"])
+def test_bad_name_rejected(tmp_path, name):
+    with pytest.raises(ValueError, match="name"):
+        UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path)
+
+
+def test_loose_directory_refused(tmp_path):
+    d = tmp_path / f"ep_a2a-{os.getuid()}"
+    d.mkdir()
+    d.chmod(0o755)
+    with pytest.raises(BootstrapError, match="0755"):
+        UnixSocketBootstrap(0, 2, name=_name(), base_dir=tmp_path, timeout=1)
+    assert os.listdir(d) == []
+
+
+def test_directory_symlink_refused(tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    os.symlink(real, tmp_path / f"ep_a2a-{os.getuid()}")
+    with pytest.raises(BootstrapError, match="not a directory"):
+        UnixSocketBootstrap(0, 2, name=_name(), base_dir=tmp_path, timeout=1)
+
+
+def test_stale_socket_file_replaced(tmp_path):
+    name = _name()
+    path = _path(tmp_path, name)
+    bs_mod.socket_dir(tmp_path)
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(path)  # bound, never listening, then closed: what a killed rank 0 leaves
+    dead.close()
+    assert os.path.exists(path)
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
+    peer = UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=5)
+    with root.get() as b0, peer:
+        assert not os.path.exists(path)
+        t = _Thread(lambda: b0.allgather(b"zero"))
+        assert peer.allgather(b"one") == [b"zero", b"one"] == t.get()
+
+
+def test_live_socket_name_in_use(tmp_path):
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=2))
+    _raw_connect(_path(tmp_path, name)).close()  # wait until it listens
+    with pytest.raises(BootstrapError, match="in use"):
+        UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=1)
+    with pytest.raises(BootstrapTimeout):
+        root.get()
+
+
+def test_oversized_hello_rejected_then_group_forms(tmp_path):
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
+    raw = _raw_connect(_path(tmp_path, name))
+    raw.sendall(_header(bs_mod._HELLO, 1, 2, bs_mod.MAX_PAYLOAD + 1))
+    kind, payload = _raw_recv(raw)
+    assert kind == bs_mod._ERROR and b"over the 1048576-byte bound" in payload
+    raw.close()
+    with UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=5) as peer, root.get() as b0:
+        t = _Thread(lambda: b0.barrier())
+        peer.barrier()
+        t.get()
+
+
+def test_forged_pid_rejected(tmp_path):
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=1.5))
+    raw = _raw_connect(_path(tmp_path, name))
+    raw.sendall(_header(bs_mod._HELLO, 1, 2, 4) + struct.pack("<I", os.getpid() + 1))
+    kind, payload = _raw_recv(raw)
+    assert kind == bs_mod._ERROR and b"claims pid" in payload
+    raw.close()
+    with pytest.raises(BootstrapTimeout, match="rejected connections.*claims pid") as ei:
+        root.get()
+    assert ei.value.missing == [1]
+    assert not os.path.exists(_path(tmp_path, name)), "socket file left after a failed setup"
+
+
+def test_oversized_collective_message_rejected(tmp_path):
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
+    raw = _raw_connect(_path(tmp_path, name))
+    raw.sendall(_header(bs_mod._HELLO, 1, 2, 4) + struct.pack("<I", os.getpid()))
+    assert _raw_recv(raw)[0] == bs_mod._WELCOME
+    b0 = root.get()
+    t = _Thread(lambda: b0.allgather(b"x"))
+    raw.sendall(_header(bs_mod._ALLGATHER, 1, 2, 64 << 20))
+    with pytest.raises(BootstrapError, match="rank 1 in allgather sent a 67108864-byte allgather message, over"):
+        t.get()
+    kind, payload = _raw_recv(raw)
+    assert kind == bs_mod._ERROR and b"over the 1048576-byte bound" in payload
+    with pytest.raises(BootstrapError, match="closed"):
+        b0.barrier()
+    raw.close()
+
+
+def test_world_size_mismatch(tmp_path):
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 3, name=name, base_dir=tmp_path, timeout=5))
+    with pytest.raises(BootstrapError, match="world_size 2, rank 0 has 3"):
+        UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=5)
+    with pytest.raises(BootstrapError, match="world_size 2, rank 0 has 3"):
+        root.get()
+    assert not os.path.exists(_path(tmp_path, name))
+
+
+def test_duplicate_rank(tmp_path):
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 3, name=name, base_dir=tmp_path, timeout=5))
+    first = _Thread(lambda: UnixSocketBootstrap(1, 3, name=name, base_dir=tmp_path, timeout=5))
+    time.sleep(0.3)  # let the first rank 1 be admitted before the second
+    with pytest.raises(BootstrapError, match="rank 1 connected twice"):
+        UnixSocketBootstrap(1, 3, name=name, base_dir=tmp_path, timeout=5)
+    for t in (root, first):
+        with pytest.raises(BootstrapError, match="rank 1 connected twice"):
+            t.get()
+
+
+def test_mismatched_collectives_and_fd_counts(tmp_path):
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
+    with UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=5) as peer, root.get() as b0:
+        fd = os.memfd_create("x")
+        t = _Thread(lambda: b0.allgather_fds([fd, fd]))
+        with pytest.raises(BootstrapError, match="same number"):
+            peer.allgather_fds([fd])
+        with pytest.raises(BootstrapError, match="same number"):
+            t.get()
+        os.close(fd)
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
+    with UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=5) as peer, root.get() as b0:
+        t = _Thread(lambda: b0.barrier())
+        with pytest.raises(BootstrapError, match="called allgather"):
+            peer.allgather(b"x")
+        with pytest.raises(BootstrapError, match="rank 1 called allgather"):
+            t.get()
+
+
+def test_peer_without_root_times_out(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(BootstrapTimeout, match="no rank 0") as ei:
+        UnixSocketBootstrap(1, 2, name=_name(), base_dir=tmp_path, timeout=0.5)
+    assert ei.value.missing == [0] and time.monotonic() - t0 < 1.5
+
+
+class _BytesOnly(bs_mod.Bootstrap):
+    """An adapter that can only allgather bytes, like the torch and MPI ones."""
+
+    def __init__(self, inner):
+        self.inner, self.rank, self.world_size, self.timeout = inner, inner.rank, inner.world_size, 5.0
+
+    def allgather(self, data):
+        return self.inner.allgather(data)
+
+    def close(self):
+        super().close()
+        self.inner.close()
+
+
+def test_default_allgather_fds_through_negotiated_socket(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # where the negotiated socket goes
+    name, n = _name(), 3
+    ranks = [_Thread(lambda r=r: UnixSocketBootstrap(r, n, name=name, timeout=5)) for r in range(n)]
+
+    def rank_main(inner):
+        with _BytesOnly(inner) as b:
+            fd = os.memfd_create("x")
+            os.write(fd, b"rank%d" % b.rank)
+            got = b.allgather_fds([fd])
+            os.close(fd)
+            out = [os.pread(f, 16, 0) for [f] in got]
+            bs_mod._close_fds(f for [f] in got)
+            b.barrier()
+            return out
+
+    outs = [_Thread(lambda t=t: rank_main(t.get())) for t in ranks]
+    for t in outs:
+        assert t.get() == [b"rank%d" % r for r in range(n)]
+    assert os.listdir(tmp_path / f"ep_a2a-{os.getuid()}") == []
+
+
+# -- topology -------------------------------------------------------------------------------------
+
+
+def test_nvlink_same_device_needs_no_nvml(monkeypatch):
+    def boom():
+        raise AssertionError("NVML touched for a single device")
+
+    monkeypatch.setattr(topology, "_nvml_module", boom)
+    topology.check_nvlink(["0000:19:00.0", "00000000:19:00.0", "19:00.0"])
+    topology.check_nvlink([])
+    with pytest.raises(ValueError):
+        topology.check_nvlink(["not-a-bus-id"])
+
+
+def test_nvlink_distinct_unknown_devices_raise():
+    with pytest.raises(topology.TopologyError):
+        topology.check_nvlink(["0000:fe:1f.6", "0000:fe:1f.7"])
+
+
+@pytest.mark.gpu
+def test_describe_device0():
+    from ep_a2a.driver.device import get_device
+
+    bus = get_device(0).pci_bus_id
+    topology.check_nvlink([bus, bus])
+    d = topology.describe([bus, bus])
+    assert d["gpus"][0]["name"] and d["gpus"][0]["name"] == d["gpus"][1]["name"]
+    assert isinstance(d["gpus"][0]["nvlink_active_links"], int)
+    assert d["nvlink_p2p"] == [["same_device"] * 2] * 2
