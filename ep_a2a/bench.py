@@ -225,6 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<device>-<date>.json)")
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
+    ap.add_argument("--profile-host", action="store_true", help="print where the eager host time goes (cProfile)")
     args = ap.parse_args(argv)
     if args.profile == "custom" and not (args.hidden and args.top_k and args.experts):
         ap.error("--profile custom needs --hidden, --top-k and --experts")
@@ -241,6 +242,12 @@ def main(argv=None) -> int:
         r = rows[-1]
         print(f"[{i + 1}/{len(args.tokens)}] T={T}: round trip {r['round_trip_us']:.1f} µs", file=sys.stderr, flush=True)
     host = [b.host_overhead(T, rng) for T in (1, 128)]
+    if args.profile_host:
+        import cProfile
+        import pstats
+        prof = cProfile.Profile()
+        prof.runcall(b.host_overhead, 1, rng, 500)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(14)
     from cuda.bindings import driver as _drv
     dev = b.dev
     result = dict(
