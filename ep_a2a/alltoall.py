@@ -19,13 +19,15 @@ import numpy as np
 from cuda.bindings import driver as _drv
 
 from .driver.errors import CudaError, EpA2AError, call
-from .driver.launch import Launch, occupancy
+from .driver.launch import Launch, launch_once, occupancy
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
 from .driver.tensor import Tensor, as_dtype as lookup_dtype, as_tensor
 from .driver.vmm import HostMapped
 from .errors import error_from_record
-from .layout import (A2AParams, ErrorRecord, MAX_PAYLOADS, MAX_RANKS, MAX_TOP_K, WorkspaceLayout)
+from .layout import (A2AParams, ErrorRecord, MAX_PAYLOADS, MAX_RANKS, MAX_TOP_K, WorkspaceLayout, align,
+                     landing_bytes, sentinel_kind)
+from .tuning import sentinel_max_tokens
 from .symmetric import SymmetricWorkspace
 
 PROTOCOLS = ("fence", "sentinel", "auto")
@@ -68,7 +70,11 @@ class MoeAlltoAll:
       payloads: PayloadSpec of each dispatched tensor besides the expert ids (at most 8).
       combine_hidden_size, combine_dtype: the partial results combine reduces (bf16, fp16
         or fp32; accumulated in fp32).
-      protocol: "fence" (this release), "sentinel", "auto".
+      protocol: "fence" (counts + release fence + flags; large batches), "sentinel" (the data
+        words signal arrival; small batches; needs the extra workspace listed in layout.py),
+        or "auto": per call, SENTINEL while runtime_max_tokens_per_rank <= crossover_tokens
+        (default: the crossover measured on the H200, ep_a2a/tuning.py), FENCE above. Both
+        protocols share the step counter, so consecutive steps may use either.
       timeout_s / first_timeout_s: how long a kernel waits for a peer before it records who
         was missing and traps; the first steps get the longer one (peers may still be
         loading). validate_expert_ids: copy the ids to the host and check their range
@@ -79,7 +85,7 @@ class MoeAlltoAll:
     def __init__(self, group, *, max_tokens_per_rank: int, top_k: int, num_experts: int, payloads=(),
                  combine_hidden_size: int, combine_dtype: str = "bfloat16", protocol: str = "fence",
                  timeout_s: float = 10.0, first_timeout_s: float = 60.0, validate_expert_ids: bool = True,
-                 pdl: bool = True, threads_per_block: int = 256):
+                 pdl: bool = True, threads_per_block: int = 256, crossover_tokens: int = None):
         ep = group.ep_size
         _require(1 <= ep <= MAX_RANKS, "group", f"ep_size must be in 1..{MAX_RANKS}, got {ep}")
         _require(1 <= top_k <= MAX_TOP_K, "top_k", f"must be in 1..{MAX_TOP_K}, got {top_k}")
@@ -87,7 +93,6 @@ class MoeAlltoAll:
         _require(1 <= max_tokens_per_rank < 2 ** 23, "max_tokens_per_rank", f"must be in 1..2**23-1, got {max_tokens_per_rank}")
         _require(combine_hidden_size >= 1, "combine_hidden_size", f"must be >= 1, got {combine_hidden_size}")
         _require(protocol in PROTOCOLS, "protocol", f"must be one of {PROTOCOLS}, got {protocol!r}")
-        _require(protocol == "fence", "protocol", "only 'fence' is implemented in this release")
         cdt = lookup_dtype(combine_dtype)
         _require(cdt.name in COMBINE_DTYPES, "combine_dtype", f"must be one of {tuple(COMBINE_DTYPES)}, got {cdt.name}")
         payloads = tuple(payloads)
@@ -103,18 +108,26 @@ class MoeAlltoAll:
         self.combine_hidden_size, self.combine_dtype = combine_hidden_size, cdt
         self.timeout_s, self.first_timeout_s = timeout_s, first_timeout_s
         self.validate_expert_ids, self.pdl, self.threads = validate_expert_ids, pdl, threads
+        self.crossover_tokens = sentinel_max_tokens() if crossover_tokens is None else int(crossover_tokens)
         if not group.is_local:
             group.agree((max_tokens_per_rank, top_k, num_experts, combine_hidden_size, cdt.itemsize,
                          PROTOCOLS.index(protocol)) + tuple(p.bytes_per_token for p in payloads), "MoeAlltoAll arguments")
-        self.layout = WorkspaceLayout.build(ep, max_tokens_per_rank, top_k,
-                                            (4 * top_k,) + tuple(p.bytes_per_token for p in payloads),
-                                            combine_hidden_size * cdt.itemsize, sentinel=protocol != "fence")
+        self.kinds = (0,) + tuple(sentinel_kind(lookup_dtype(p.dtype).name) for p in payloads)
+        pbytes = (4 * top_k,) + tuple(p.bytes_per_token for p in payloads)
+        self.layout = WorkspaceLayout.build(ep, max_tokens_per_rank, top_k, pbytes, combine_hidden_size * cdt.itemsize,
+                                            sentinel=protocol != "fence",
+                                            landing=tuple(landing_bytes(b, k) for b, k in zip(pbytes, self.kinds)))
         self.workspace = SymmetricWorkspace(group, self.layout.size)
         self.ranks = []
         try:
             for i, r in enumerate(group.ranks):
                 r.device.make_current()
                 call(_drv.cuMemsetD8Async, self.workspace.base(i), 0, self.workspace.size, r.stream.handle)
+                fill = load("util", r.device).function("ep_fill_u32")
+                for off, nbytes, word in self.layout.sentinel_ranges():
+                    launch_once(r.device, fill, [ctypes.c_uint64(self.workspace.base(i) + off),
+                                                 ctypes.c_uint64(nbytes // 4), ctypes.c_uint32(word)],
+                                min(1024, max(1, nbytes // 4096)), 256, r.stream.handle)
                 r.stream.synchronize()
             # no peer may write into a workspace before its owner has cleared it
             if not group.is_local:
@@ -138,6 +151,12 @@ class MoeAlltoAll:
 
     def combine_input(self, *args, **kw):
         return self._only().combine_input(*args, **kw)
+
+    def protocol_for(self, runtime_max_tokens_per_rank: int) -> str:
+        """The protocol a step with this T^ uses (the same on every rank: T^ is shared)."""
+        if self.protocol != "auto":
+            return self.protocol
+        return "sentinel" if runtime_max_tokens_per_rank <= self.crossover_tokens else "fence"
 
     def synchronize(self) -> None:
         for r in self.ranks:
@@ -198,20 +217,25 @@ class RankAlltoAll:
         p.max_tokens_per_rank = a2a.max_tokens_per_rank
         p.num_payloads = len(L.payload_bytes)
         for q, b in enumerate(L.payload_bytes):
-            p.payloads[q].recv_offset = L.off_recv[q]
-            p.payloads[q].bytes_per_token = b
+            d = p.payloads[q]
+            d.recv_offset, d.bytes_per_token, d.sentinel_kind = L.off_recv[q], b, a2a.kinds[q]
+            if L.sentinel and q:
+                d.landing_offset, d.landing_bytes = L.off_landing[q], L.landing_bytes[q]
         p.combine_vec = _vec(L.combine_bytes, self.base + L.off_combine)
+        p.combine_kind = sentinel_kind(a2a.combine_dtype.name)
+        p.combine_slot_bytes = align(L.combine_bytes, 16)
 
-        fence = load("fence", dev)
-        util = load("util", dev)
-        cname = "fence_combine_" + COMBINE_DTYPES[a2a.combine_dtype.name]
-        fd, fc = fence.function("fence_dispatch"), fence.function(cname)
-        occ = min(occupancy(fd, a2a.threads), occupancy(fc, a2a.threads))
+        cdt = COMBINE_DTYPES[a2a.combine_dtype.name]
+        protos = ("fence", "sentinel") if a2a.protocol == "auto" else (a2a.protocol,)
+        fns = {pr: (load(pr, dev).function(f"{pr}_dispatch"), load(pr, dev).function(f"{pr}_combine_{cdt}"))
+               for pr in protos}
+        occ = min(occupancy(f, a2a.threads) for pair in fns.values() for f in pair)
         # kernels of every rank sharing this GPU spin on each other: all must be resident
         self.max_grid = max(1, occ * dev.sm_count // rank.ranks_on_device)
-        self._dispatch = Launch(dev, fd, [p], 1, a2a.threads, pdl=a2a.pdl)
-        self._combine = Launch(dev, fc, [p], 1, a2a.threads, pdl=a2a.pdl)
-        self._empty = Launch(dev, util.function("ep_empty"), [p], 1, a2a.threads, pdl=a2a.pdl)
+        self._launches = {pr: (Launch(dev, fd, [p], 1, a2a.threads, pdl=a2a.pdl),
+                               Launch(dev, fc, [p], 1, a2a.threads, pdl=a2a.pdl)) for pr, (fd, fc) in fns.items()}
+        self._empty = Launch(dev, load("util", dev).function("ep_empty"), [p], 1, a2a.threads, pdl=a2a.pdl)
+        self.last_protocol = protos[0]
 
         self._out = _DeviceArray(dev, a2a.max_tokens_per_rank * L.combine_bytes)
         self.steps = 0
@@ -276,10 +300,16 @@ class RankAlltoAll:
             d = p.payloads[q]
             d.src = t.ptr
             d.vec = _vec(d.bytes_per_token, t.ptr)
-        sanitize_blocks = -(-a.ep_size * tmax * a.top_k // (a.threads * 8))
-        self._dispatch.grid = self._grid(max(T, sanitize_blocks))
+        proto = a.protocol_for(tmax)
+        launch = self._launches[proto][0]
+        if proto == "fence":
+            sanitize_blocks = -(-a.ep_size * tmax * a.top_k // (a.threads * 8))
+            launch.grid = self._grid(max(T, sanitize_blocks))
+        else:  # one block per (source, slot) to receive
+            launch.grid = self._grid(a.ep_size * tmax)
         self.device.make_current()
-        self._launch(self._dispatch, s)
+        self._launch(launch, s)
+        self.last_protocol = proto
         self.steps += 1
         self._dispatched_tmax, self._local_tokens = tmax, T
         views = self._views.get(tmax)
@@ -317,14 +347,19 @@ class RankAlltoAll:
         p.combine_out = out_t.ptr
         p.combine_vec = vec = _vec(a.layout.combine_bytes, out_t.ptr)
         # small batches: spread each token over blocks until a thread issues one round of loads
-        per_block = a.threads
-        p.combine_splits = splits = max(1, min(self.max_grid // max(T, 1), -(-a.layout.combine_bytes // vec // per_block)))
-        self._combine.grid = self._grid(T * splits)
+        # (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16 bytes)
+        proto = self.last_protocol
+        splits = max(1, min(self.max_grid // max(T, 1), -(-a.layout.combine_bytes // vec // a.threads)))
+        if proto == "sentinel" and vec != 16:
+            splits = 1
+        p.combine_splits = splits
+        launch = self._launches[proto][1]
+        launch.grid = self._grid(max(T * splits, a.ep_size * tmax if proto == "sentinel" else 0))
         self.device.make_current()
         dst = self.base + a.layout.off_combine
         if part.ptr != dst:  # staged: the partial results live outside the workspace
             call(_drv.cuMemcpyDtoDAsync, dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes, s)
-        self._launch(self._combine, s)
+        self._launch(launch, s)
         self._dispatched_tmax = None
         out_t.stream = s
         return out_t
@@ -343,6 +378,12 @@ class RankAlltoAll:
         self.params.trigger_early = int(early)
         self._prev_early = early
         return grid
+
+    @property
+    def last_grids(self) -> tuple:
+        """(dispatch, combine) grids of the last step's protocol (the benchmark's floor shape)."""
+        d, c = self._launches[self.last_protocol]
+        return d.grid, c.grid
 
     def launch_empty(self, stream=None, grid: int = 1) -> None:
         """The benchmark's latency floor: an empty kernel of the protocol kernels' shape."""

@@ -54,9 +54,10 @@ class Bench:
         self.top_k = args.top_k or p["top_k"]
         self.num_experts = args.experts or p["num_experts"]
         self.specs = _payloads(args.format, self.hidden, self.top_k)
+        # one workspace with both protocols; each sweep forces one (or lets "auto" choose)
         self.a2a = ep_a2a.MoeAlltoAll(self.group, max_tokens_per_rank=max(args.tokens), top_k=self.top_k,
                                       num_experts=self.num_experts, payloads=self.specs,
-                                      combine_hidden_size=self.hidden, protocol=args.protocol,
+                                      combine_hidden_size=self.hidden, protocol="auto",
                                       validate_expert_ids=False, pdl=not args.no_pdl)
         self.ev0, self.ev1 = Event(self.dev, timing=True), Event(self.dev, timing=True)
         self.streams = [r.stream.handle for r in self.group.ranks]
@@ -122,10 +123,10 @@ class Bench:
         def empty_like(rt: bool):
             def body():
                 for r in ranks:
-                    r.launch_empty(grid=r._dispatch.grid)
+                    r.launch_empty(grid=r.last_grids[0])
                 if rt:
                     for r in ranks:
-                        r.launch_empty(grid=r._combine.grid)
+                        r.launch_empty(grid=r.last_grids[1])
             return body
 
         roundtrip()  # eager once: sets the grids, checks nothing hangs
@@ -219,7 +220,7 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="perfect", choices=["perfect", "uniform", "zipf"])
     ap.add_argument("--alpha", type=float, default=1.2)
     ap.add_argument("--format", default="bf16", choices=["bf16", "mxfp8", "nvfp4"])
-    ap.add_argument("--protocol", default="fence", choices=["fence"])
+    ap.add_argument("--protocol", default="fence,sentinel,auto", help="comma list of fence, sentinel, auto")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--no-pdl", action="store_true")
@@ -237,10 +238,16 @@ def main(argv=None) -> int:
     b = Bench(args)
     rng = np.random.default_rng()
     rows = []
-    for i, T in enumerate(args.tokens):
-        rows.append(b.measure(T, rng))
-        r = rows[-1]
-        print(f"[{i + 1}/{len(args.tokens)}] T={T}: round trip {r['round_trip_us']:.1f} µs", file=sys.stderr, flush=True)
+    protocols = args.protocol.split(",")
+    n = len(args.tokens) * len(protocols)
+    for proto in protocols:
+        b.a2a.protocol = proto
+        for T in args.tokens:
+            rows.append(dict(protocol=proto, **b.measure(T, rng)))
+            r = rows[-1]
+            print(f"[{len(rows)}/{n}] {proto} T={T}: round trip {r['round_trip_us']:.1f} µs", file=sys.stderr, flush=True)
+    b.a2a.protocol = "auto"
+    crossover = _crossover(rows)
     host = [b.host_overhead(T, rng) for T in (1, 128)]
     if args.profile_host:
         import cProfile
@@ -257,8 +264,8 @@ def main(argv=None) -> int:
                                       payload_bytes_per_token=[s.bytes_per_token for s in b.specs]),
         workspace_bytes_per_rank=b.a2a.workspace_bytes_per_rank,
         expert_major_bytes_per_rank=b.a2a.layout.expert_major_bytes(-(-b.num_experts // args.ranks)),
-        method=__doc__, rows=rows, host_overhead=host)
-    out = args.out or os.path.join("bench", "results", f"{dev.name.replace(' ', '_')}-{args.profile}-{args.protocol}-"
+        method=__doc__, rows=rows, host_overhead=host, measured_sentinel_max_tokens=crossover)
+    out = args.out or os.path.join("bench", "results", f"{dev.name.replace(' ', '_')}-{args.profile}-{args.format}-"
                                    f"{args.ranks}ranks-{datetime.date.today().isoformat()}.json")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with open(out, "w") as f:
@@ -270,17 +277,30 @@ def main(argv=None) -> int:
     return 0
 
 
+def _crossover(rows):
+    """Largest T at which SENTINEL's round trip beats FENCE's (None unless both were swept)."""
+    by = {(r["protocol"], r["tokens_per_rank"]): r["round_trip_us"] for r in rows}
+    Ts = sorted({t for p, t in by if p == "sentinel" and ("fence", t) in by})
+    best = None
+    for t in Ts:
+        if by[("sentinel", t)] < by[("fence", t)]:
+            best = t
+        else:
+            break
+    return best
+
+
 def _table(res) -> None:
     print(f"{res['device']}, {res['config']['ranks']} in-process ranks, {res['config']['profile']}, "
-          f"{res['config']['format']}, {res['config']['routing']} routing, protocol {res['config']['protocol']}, "
-          f"commit {res['commit']}")
-    print(f"{'T':>5} {'rt µs':>8} {'floor':>7} {'x':>5} {'disp µs':>8} {'floor':>7} {'comb µs':>8} "
+          f"{res['config']['format']}, {res['config']['routing']} routing, commit {res['commit']}")
+    print(f"{'proto':>8} {'T':>5} {'rt µs':>8} {'floor':>7} {'x':>5} {'disp µs':>8} {'floor':>7} {'comb µs':>8} "
           f"{'disp TB/s':>9} {'copy TB/s':>9} {'%copy':>6}")
     for r in res["rows"]:
-        print(f"{r['tokens_per_rank']:>5} {r['round_trip_us']:>8.1f} {r['floor_round_trip_us']:>7.1f} "
+        print(f"{r['protocol']:>8} {r['tokens_per_rank']:>5} {r['round_trip_us']:>8.1f} {r['floor_round_trip_us']:>7.1f} "
               f"{r['round_trip_over_floor']:>5.2f} {r['dispatch_us']:>8.1f} {r['floor_dispatch_us']:>7.1f} "
               f"{r['combine_us']:>8.1f} {r['dispatch_tbps']:>9.2f} {r['copy_floor_tbps']:>9.2f} "
               f"{100 * r['dispatch_over_copy_bw']:>5.0f}%")
+    print(f"measured crossover: SENTINEL faster up to {res['measured_sentinel_max_tokens']} tokens per rank")
     for h in res["host_overhead"]:
         print(f"host overhead, T={h['tokens_per_rank']}: {h['host_us_per_rank_step']:.1f} µs per rank per "
               f"eager dispatch+combine (two bare launches: {h['two_bare_launches_us']:.1f} µs)")
@@ -294,17 +314,19 @@ def _plot(res, path: str) -> None:
     except ImportError:
         print("matplotlib not installed: no plot", file=sys.stderr)
         return
-    rows = res["rows"]
-    T = [r["tokens_per_rank"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("round_trip_us", "round trip"), ("dispatch_us", "dispatch"), ("combine_us", "combine"),
-                       ("floor_round_trip_us", "empty-kernel floor (round trip)")):
-        ax.plot(T, [r[key] for r in rows], marker="o", label=label, linestyle="--" if "floor" in key else "-")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for proto in dict.fromkeys(r["protocol"] for r in res["rows"]):
+        rows = [r for r in res["rows"] if r["protocol"] == proto]
+        T = [r["tokens_per_rank"] for r in rows]
+        ax.plot(T, [r["round_trip_us"] for r in rows], marker="o", label=f"{proto} round trip")
+    rows = [r for r in res["rows"] if r["protocol"] == res["rows"][0]["protocol"]]
+    ax.plot([r["tokens_per_rank"] for r in rows], [r["floor_round_trip_us"] for r in rows], linestyle="--",
+            label="empty-kernel floor")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("tokens per rank")
     ax.set_ylabel("µs")
-    ax.set_title(f"{res['device']}: {res['config']['ranks']} ranks, {res['config']['profile']}, {res['config']['protocol']}")
+    ax.set_title(f"{res['device']}: {res['config']['ranks']} in-process ranks, {res['config']['profile']}")
     ax.legend()
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()

@@ -9,6 +9,7 @@ import numpy as np
 from . import reference as ref
 from .alltoall import PayloadSpec
 from .driver.memory import copy_from_numpy, empty, from_numpy, to_numpy
+from .layout import sentinel_kind
 
 # payload formats (besides the int32 expert ids, always sent): name -> specs for a hidden size
 def payload_formats(hidden: int, top_k: int) -> dict:
@@ -80,6 +81,7 @@ class StepReport:
     dispatch_bytes_checked: int = 0
     combine_rows_checked: int = 0
     mismatches: list = field(default_factory=list)
+    outputs: dict = field(default_factory=dict)   # rank -> combine output (host copy)
 
 
 def read_records(rank_a2a, T: int) -> np.ndarray:
@@ -91,7 +93,7 @@ def read_records(rank_a2a, T: int) -> np.ndarray:
 
 
 def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_copy=True, verify=True,
-             alpha=1.2, invalid_fraction=0.0) -> StepReport:
+             alpha=1.2, invalid_fraction=0.0, payload_fn=None) -> StepReport:
     """One dispatch/combine step on the ranks of `a2a` that live in this process.
 
     Every process draws the inputs of *all* ranks from `rng` (same seed everywhere in a
@@ -104,9 +106,11 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     local = {r.rank: r for r in a2a.ranks}
     rep = StepReport(list(tokens), runtime_max)
     ids_h = [routing(route, rng, tokens[s], top_k, E, ep, s, alpha, invalid_fraction) for s in range(ep)]
-    pay_h = [[random_payload(rng, spec, tokens[s]) for spec in a2a.payload_specs] for s in range(ep)]
+    payload_fn = payload_fn or random_payload
+    pay_h = [[payload_fn(rng, spec, tokens[s]) for spec in a2a.payload_specs] for s in range(ep)]
     H, cdt = a2a.combine_hidden_size, a2a.combine_dtype.name
     shape = (ep, runtime_max, H)
+    sentinel = a2a.protocol_for(runtime_max) == "sentinel"
     draw = (lambda: rng.integers(-64, 65, shape).astype(np.float32)) if exact else \
         (lambda: rng.standard_normal(shape).astype(np.float32))
     partial_h = [ref.from_float32(draw(), cdt) for _ in range(ep)]
@@ -125,7 +129,10 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     a2a.synchronize()
     records = {s: read_records(r, tokens[s]) for s, r in local.items()}
     if verify:
-        _check_dispatch(a2a, rep, ids_h, pay_h, records, views)
+        # what the protocol delivers: SENTINEL rewrites sentinel-colliding NaN words (layout.py)
+        want_pay = [[ref.sentinel_escape(x, k) for x, k in zip(pay_h[s], a2a.kinds[1:])] for s in range(ep)] \
+            if sentinel else pay_h
+        _check_dispatch(a2a, rep, ids_h, want_pay, records, views, sentinel)
     if zero_copy:
         for s, r in local.items():
             copy_from_numpy(r.combine_input(runtime_max), partial_h[s])
@@ -134,9 +141,11 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
         r.combine(part, runtime_max, out=outs[s])
     a2a.synchronize()
     if verify:
-        want = ref.combine(partial_h, [records.get(s, np.full((tokens[s], top_k, 2), -1)) for s in range(ep)], cdt)
+        ckind = sentinel_kind(cdt)
+        arrived = [ref.sentinel_escape(p.reshape(-1, H), ckind).reshape(p.shape) for p in partial_h] if sentinel else partial_h
+        want = ref.combine(arrived, [records.get(s, np.full((tokens[s], top_k, 2), -1)) for s in range(ep)], cdt)
         for s in local:
-            got = to_numpy(outs[s])
+            got = rep.outputs[s] = to_numpy(outs[s])
             if not np.array_equal(got.view(np.uint8), want[s].view(np.uint8)):
                 bad = np.argwhere((got != want[s]).reshape(tokens[s], -1).any(axis=1)).ravel()
                 rep.mismatches.append(f"combine rank {s}: {len(bad)} rows differ, first token {int(bad[0])}")
@@ -152,7 +161,7 @@ def _rows(*arrays) -> np.ndarray:
     return np.ascontiguousarray(flat).view(np.dtype((np.void, flat.shape[1]))).ravel()
 
 
-def _check_dispatch(a2a, rep, ids_h, pay_h, records, views) -> None:
+def _check_dispatch(a2a, rep, ids_h, pay_h, records, views, sentinel: bool) -> None:
     """For every (source, local target) region: the occupied slots hold exactly the
     reference's tokens (as a set for FENCE, whose slot order is nondeterministic; slot i =
     token i for SENTINEL), bitwise in every payload; every other slot carries expert id -1.
@@ -162,7 +171,7 @@ def _check_dispatch(a2a, rep, ids_h, pay_h, records, views) -> None:
     for s, rec in records.items():
         if not np.array_equal(rec[..., 0], ref_records[s][..., 0]):
             rep.mismatches.append(f"rank {s}: target ranks of its selections differ from the reference")
-    fence = a2a.protocol == "fence"
+    fence = not sentinel
     for t, (ids_v, pay_v) in views.items():
         got_ids = to_numpy(ids_v)
         got_pay = [to_numpy(v) for v in pay_v]

@@ -19,8 +19,22 @@ sections (each 256-byte aligned; offsets identical on every rank):
   combine     combine workspace: [ep_size, T^, combine bytes]. Its offset depends only on
               construction arguments, never on runtime_max_tokens_per_rank: a later dispatch
               must never overwrite combine data a peer may still be reading.
-  SENTINEL    landing[p] (same shape as recv[p]), expert-id slots I[2][ep_size][max][top_k],
-              combine slots M[max][ep_size][combine bytes]: all initialised to the sentinel.
+  SENTINEL    landing[p] [ep_size][max][landing_bytes(p)], expert-id slots
+              I[2][ep_size][max][top_k + 1] (the ids, then the sender's T^), combine slots
+              M[max][ep_size][round16(combine bytes)]: all initialised to their sentinel.
+              Landing and combine slots are strided by max_tokens_per_rank, never by T^.
+
+SENTINEL payload words (each aligned 32-bit word arrives whole, so a slot is complete when
+none of its words equals the sentinel 0xFFFFFFFF); how each payload avoids that pattern:
+  KIND_RAW16  formats where every bit pattern is data (packed FP4, ue8m0/uint8 scales, int32,
+              opaque bytes): each 32-bit word travels as two landing words holding 16 data
+              bits each (upper half zero), so no landing word can equal the sentinel. Exact,
+              at twice the landing bytes for those payloads.
+  KIND_F16    bf16/fp16: a word of two all-ones NaNs (0xFFFF) is stored as two 0x7FFF NaNs.
+  KIND_F32    fp32: 0xFFFFFFFF (a NaN) is stored as 0x7FFFFFFF (a NaN).
+  KIND_F8     fp8 e4m3/e5m2: four 0xFF NaN bytes are stored as four 0x7F NaN bytes.
+Only NaNs are rewritten, and only into NaNs of the same format; reference.sentinel_escape
+states the same rule for the tests.
 """
 from __future__ import annotations
 
@@ -34,6 +48,19 @@ MAX_TOP_K = 22
 ALIGN = 256
 SENTINEL_WORD = 0xFFFFFFFF      # landing and combine slots (payload words)
 SENTINEL_IDS = 0x88888888       # expert-id slots (differs from -1)
+KIND_RAW16, KIND_F16, KIND_F32, KIND_F8 = 0, 1, 2, 3
+_ESCAPABLE = {"bfloat16": KIND_F16, "float16": KIND_F16, "float32": KIND_F32,
+              "float8_e4m3fn": KIND_F8, "float8_e5m2": KIND_F8}
+
+
+def sentinel_kind(dtype_name: str) -> int:
+    return _ESCAPABLE.get(dtype_name, KIND_RAW16)
+
+
+def landing_bytes(bytes_per_token: int, kind: int) -> int:
+    """Bytes of one SENTINEL landing slot: whole 16-byte vectors, doubled for KIND_RAW16."""
+    b = align(bytes_per_token, 16)
+    return 2 * b if kind == KIND_RAW16 else b
 
 # error-record kinds and phases (host-mapped memory, read after a trap)
 ERR_TIMEOUT, ERR_TMAX_MISMATCH = 1, 2
@@ -47,8 +74,8 @@ class PayloadDesc(ctypes.Structure):
         ("landing_offset", ctypes.c_uint64), # SENTINEL landing slots (0 for FENCE)
         ("bytes_per_token", ctypes.c_uint32),
         ("vec", ctypes.c_uint32),            # widest aligned vector: 16, 8, 4, 2 or 1 bytes
-        ("sentinel_kind", ctypes.c_uint32),  # how SENTINEL escapes this payload's words
-        ("pad", ctypes.c_uint32),
+        ("sentinel_kind", ctypes.c_uint32),  # how SENTINEL keeps words off the sentinel (KIND_*)
+        ("landing_bytes", ctypes.c_uint32),  # SENTINEL landing slot stride
     ]
 
 
@@ -81,6 +108,8 @@ class A2AParams(ctypes.Structure):
         ("runtime_max_tokens_per_rank", ctypes.c_int32),
         ("max_tokens_per_rank", ctypes.c_int32),
         ("num_payloads", ctypes.c_int32),
+        ("combine_kind", ctypes.c_int32),            # SENTINEL escape of the partial results
+        ("combine_slot_bytes", ctypes.c_int32),      # SENTINEL combine slot stride
         ("trigger_early", ctypes.c_int32),           # PDL: let the next kernel launch at once (small grids)
         ("combine_splits", ctypes.c_int32),          # blocks sharing one token's reduction (small batches)
         ("payloads", PayloadDesc * MAX_PAYLOADS),
@@ -126,10 +155,14 @@ class WorkspaceLayout:
     off_landing: tuple = ()
     off_id_slots: int = 0
     off_combine_slots: int = 0
+    landing_bytes: tuple = ()
     size: int = 0
 
     @classmethod
-    def build(cls, ep_size, max_tokens_per_rank, top_k, payload_bytes, combine_bytes, sentinel=True):
+    def build(cls, ep_size, max_tokens_per_rank, top_k, payload_bytes, combine_bytes, sentinel=True,
+              landing=None):
+        """landing: bytes of each payload's SENTINEL landing slot (landing_bytes()); payload 0,
+        the expert ids, travels in the id slots instead."""
         P, T = ep_size, max_tokens_per_rank
         o = {}
         cur = 0
@@ -151,23 +184,25 @@ class WorkspaceLayout:
         take("off_combine", P * T * combine_bytes)
         landing, ids, cslots = (), 0, 0
         if sentinel:
-            landing = tuple(take(f"land{i}", P * T * b) for i, b in enumerate(payload_bytes) if i)
-            landing = (0,) + landing  # expert ids travel in the id slots, not in a landing slot
-            ids = take("off_id_slots", 2 * P * T * 4 * top_k)
-            cslots = take("off_combine_slots", T * P * combine_bytes)
+            landing_b = landing or tuple(landing_bytes(b, KIND_RAW16) for b in payload_bytes)
+            landing = (0,) + tuple(take(f"land{i}", P * T * landing_b[i]) for i in range(1, len(payload_bytes)))
+            ids = take("off_id_slots", 2 * P * T * 4 * (top_k + 1))
+            cslots = take("off_combine_slots", T * P * align(combine_bytes, 16))
+            o["landing_b"] = landing_b
         fields = {k: v for k, v in o.items() if k.startswith("off_")}
         return cls(ep_size=P, max_tokens_per_rank=T, top_k=top_k, payload_bytes=tuple(payload_bytes),
                    combine_bytes=combine_bytes, sentinel=sentinel, off_recv=recv, off_landing=landing,
-                   size=max(cur, ALIGN), **fields)
+                   landing_bytes=tuple(o.get("landing_b", ())), size=max(cur, ALIGN), **fields)
 
     def sentinel_ranges(self):
         """(offset, nbytes, word) ranges that SENTINEL needs initialised before the first step."""
         if not self.sentinel:
             return []
         P, T = self.ep_size, self.max_tokens_per_rank
-        out = [(self.off_landing[i], P * T * b, SENTINEL_WORD) for i, b in enumerate(self.payload_bytes) if i]
-        out.append((self.off_id_slots, 2 * P * T * 4 * self.top_k, SENTINEL_IDS))
-        out.append((self.off_combine_slots, T * P * self.combine_bytes, SENTINEL_WORD))
+        out = [(self.off_landing[i], P * T * self.landing_bytes[i], SENTINEL_WORD)
+               for i in range(1, len(self.payload_bytes))]
+        out.append((self.off_id_slots, 2 * P * T * 4 * (self.top_k + 1), SENTINEL_IDS))
+        out.append((self.off_combine_slots, T * P * align(self.combine_bytes, 16), SENTINEL_WORD))
         return out
 
     def expert_major_bytes(self, num_local_experts: int) -> int:
@@ -197,7 +232,8 @@ def _c_struct(st) -> str:
 
 
 def c_header() -> str:
-    consts = {"MAX_RANKS": MAX_RANKS, "MAX_PAYLOADS": MAX_PAYLOADS, "MAX_TOP_K": MAX_TOP_K,
+    consts = {"KIND_RAW16": KIND_RAW16, "KIND_F16": KIND_F16, "KIND_F32": KIND_F32, "KIND_F8": KIND_F8,
+              "MAX_RANKS": MAX_RANKS, "MAX_PAYLOADS": MAX_PAYLOADS, "MAX_TOP_K": MAX_TOP_K,
               "SENTINEL_WORD": f"0x{SENTINEL_WORD:08X}u", "SENTINEL_IDS": f"0x{SENTINEL_IDS:08X}u",
               "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_TMAX_MISMATCH": ERR_TMAX_MISMATCH}
     parts = ["// Generated by `python -m ep_a2a.layout --header` from ep_a2a/layout.py. Do not edit.",

@@ -114,3 +114,20 @@ def from_float32(x: np.ndarray, dtype) -> np.ndarray:
         nan = np.isnan(x)
         return np.where(nan, (b >> 16) | 0x40, rounded).astype(np.uint16)
     return x.astype(np.dtype(dtype))
+
+
+def sentinel_escape(x: np.ndarray, kind: int) -> np.ndarray:
+    """What SENTINEL delivers for payload rows `x` [rows, ...] of a given layout.KIND_*:
+    every 32-bit word (row bytes zero-padded to whole words) equal to 0xFFFFFFFF becomes the
+    kind's NaN word; KIND_RAW16 payloads arrive unchanged."""
+    from .layout import KIND_F16, KIND_F32, KIND_RAW16
+    if kind == KIND_RAW16 or x.shape[0] == 0:
+        return x
+    rows = np.ascontiguousarray(x).view(np.uint8).reshape(x.shape[0], -1)
+    n = rows.shape[1]
+    padded = np.zeros((rows.shape[0], -(-n // 4) * 4), np.uint8)
+    padded[:, :n] = rows
+    words = padded.view(np.uint32)
+    repl = {KIND_F16: 0x7FFF7FFF, KIND_F32: 0x7FFFFFFF}.get(kind, 0x7F7F7F7F)
+    words[words == 0xFFFFFFFF] = repl
+    return padded[:, :n].copy().view(x.dtype).reshape(x.shape)

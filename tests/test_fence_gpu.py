@@ -90,7 +90,8 @@ def test_1000_steps_changing_routing_and_runtime_max():
             run(a2a, rng, tokens, tmax, route=("uniform", "zipf", "perfect")[step % 3], verify=step % 10 == 0)
 
 
-def test_graph_replay_equals_eager():
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_graph_replay_equals_eager(protocol):
     """dispatch -> copy of the received hidden states into the combine input (an identity
     'MoE', so results do not depend on FENCE's slot order) -> combine, eager and as one graph
     over every rank's stream; replays must equal eager, and both the reference."""
@@ -101,7 +102,7 @@ def test_graph_replay_equals_eager():
     from ep_a2a import reference as ref
     rng = np.random.default_rng()
     ep, T, H, k = 4, 16, 256, 4
-    group, a2a = make(ep, hidden=H, top_k=k, max_tokens=T, validate_expert_ids=False)
+    group, a2a = make(ep, hidden=H, top_k=k, max_tokens=T, validate_expert_ids=False, protocol=protocol)
     with group, a2a:
         ids_h = [routing("uniform", rng, T, k, a2a.num_experts, ep) for _ in range(ep)]
         pay_h = [[random_payload(rng, sp, T) for sp in a2a.payload_specs] for _ in range(ep)]

@@ -1,0 +1,290 @@
+// NVLinkOneSided, SENTINEL protocol (paper §4.2, Algorithm 2): the data words themselves
+// signal arrival. Landing, expert-id and combine slots hold the sentinel between uses; a
+// slot is complete when none of its (aligned, whole-arriving) 32-bit words equals it.
+//
+// No fence orders these stores. A slot is reused only after a message the peer sends in a
+// later kernel (paper §4.2): landing slots after the combine data of the step, combine slots
+// after the expert ids of the next step, expert-id slots (two alternating sets) after the
+// expert ids of the step after; every reset is a store to our own memory that precedes,
+// through kernel boundaries, the message that lets the peer write the slot again.
+#include "moe_common.cuh"
+
+namespace {
+EP_DEVICE char* workspace(const A2AParams& p, int r) { return reinterpret_cast<char*>(p.peer_base[r]); }
+
+EP_DEVICE uint4 ld_volatile_v4(const void* a) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
+  return v;
+}
+EP_DEVICE unsigned ld_volatile(const unsigned* a) {
+  unsigned v; asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(a) : "memory"); return v;
+}
+EP_DEVICE bool any_sentinel(uint4 v) {
+  return v.x == EP_SENTINEL_WORD || v.y == EP_SENTINEL_WORD || v.z == EP_SENTINEL_WORD || v.w == EP_SENTINEL_WORD;
+}
+// Keep a data word off the sentinel by the payload's documented rule (layout.py).
+EP_DEVICE unsigned escape(unsigned w, unsigned kind) {
+  if (w != EP_SENTINEL_WORD) return w;
+  return kind == EP_KIND_F16 ? 0x7FFF7FFFu : kind == EP_KIND_F32 ? 0x7FFFFFFFu : 0x7F7F7F7Fu;
+}
+EP_DEVICE uint4 escape4(uint4 v, unsigned kind) {
+  return make_uint4(escape(v.x, kind), escape(v.y, kind), escape(v.z, kind), escape(v.w, kind));
+}
+EP_DEVICE uint4 sentinel4() { return make_uint4(EP_SENTINEL_WORD, EP_SENTINEL_WORD, EP_SENTINEL_WORD, EP_SENTINEL_WORD); }
+
+// Word w (4 bytes) of a token's payload, zero past its end; any source alignment.
+EP_DEVICE unsigned load_word(const unsigned char* src, unsigned bytes, unsigned vec, unsigned w) {
+  const unsigned o = 4 * w;
+  if (vec >= 4 && o + 4 <= bytes) return *reinterpret_cast<const unsigned*>(src + o);
+  unsigned v = 0;
+  for (unsigned b = 0; b < 4 && o + b < bytes; ++b) v |= unsigned(src[o + b]) << (8 * b);
+  return v;
+}
+EP_DEVICE void store_word(unsigned char* dst, unsigned bytes, unsigned vec, unsigned w, unsigned v) {
+  const unsigned o = 4 * w;
+  if (vec >= 4 && o + 4 <= bytes) { *reinterpret_cast<unsigned*>(dst + o) = v; return; }
+  for (unsigned b = 0; b < 4 && o + b < bytes; ++b) dst[o + b] = static_cast<unsigned char>(v >> (8 * b));
+}
+
+// Wait until no word of a 16-byte landing vector equals the sentinel.
+EP_DEVICE uint4 poll_v4(const A2AParams& p, const void* a, int phase, int peer, unsigned step) {
+  uint4 v = ld_volatile_v4(a);
+  if (!any_sentinel(v)) return v;
+  Deadline dl;
+  while (any_sentinel(v = ld_volatile_v4(a)))
+    if (dl.expired(p.timeout_ns)) fail_and_trap(p, EP_ERR_TIMEOUT, phase, peer, step, v.x, 0);
+  return v;
+}
+
+// Push one token's payload q (bytes) to landing slot `dst` of each target, in 16-byte
+// landing vectors: escaped words, or (KIND_RAW16) 16 data bits per landing word.
+EP_DEVICE void push_landing(const PayloadDesc& d, const unsigned char* src, char* const* dst, int n) {
+  const unsigned words = (d.bytes_per_token + 3) / 4;
+  const bool raw = d.sentinel_kind == EP_KIND_RAW16;
+  const bool fast = d.vec == 16;
+  for (unsigned g = threadIdx.x; 4 * g < words; g += blockDim.x) {  // group g: words 4g..4g+3
+    uint4 v;
+    if (fast) v = reinterpret_cast<const uint4*>(src)[g];
+    else v = make_uint4(load_word(src, d.bytes_per_token, d.vec, 4 * g), load_word(src, d.bytes_per_token, d.vec, 4 * g + 1),
+                        load_word(src, d.bytes_per_token, d.vec, 4 * g + 2), load_word(src, d.bytes_per_token, d.vec, 4 * g + 3));
+    if (raw) {
+      const uint4 lo = make_uint4(v.x & 0xFFFF, v.x >> 16, v.y & 0xFFFF, v.y >> 16);
+      const uint4 hi = make_uint4(v.z & 0xFFFF, v.z >> 16, v.w & 0xFFFF, v.w >> 16);
+      for (int j = 0; j < n; ++j) {
+        uint4* o = reinterpret_cast<uint4*>(dst[j]) + 2 * g;
+        o[0] = lo;
+        o[1] = hi;
+      }
+    } else {
+      v = escape4(v, d.sentinel_kind);
+      for (int j = 0; j < n; ++j) reinterpret_cast<uint4*>(dst[j])[g] = v;
+    }
+  }
+}
+
+// Wait for a landing slot, copy it into the dispatch workspace slot, reset it.
+EP_DEVICE void receive_landing(const A2AParams& p, const PayloadDesc& d, char* land, unsigned char* out,
+                               int peer, unsigned step) {
+  const unsigned words = (d.bytes_per_token + 3) / 4;
+  const bool raw = d.sentinel_kind == EP_KIND_RAW16;
+  const bool fast = d.vec == 16;
+  for (unsigned g = threadIdx.x; 4 * g < words; g += blockDim.x) {
+    uint4 v;
+    uint4* l = reinterpret_cast<uint4*>(land) + (raw ? 2 * g : g);
+    if (raw) {
+      const uint4 lo = poll_v4(p, l, 3, peer, step), hi = poll_v4(p, l + 1, 3, peer, step);
+      v = make_uint4(lo.x | (lo.y << 16), lo.z | (lo.w << 16), hi.x | (hi.y << 16), hi.z | (hi.w << 16));
+      l[0] = sentinel4();
+      l[1] = sentinel4();
+    } else {
+      v = poll_v4(p, l, 3, peer, step);
+      l[0] = sentinel4();
+    }
+    if (fast) {
+      reinterpret_cast<uint4*>(out)[g] = v;
+    } else {
+      store_word(out, d.bytes_per_token, d.vec, 4 * g, v.x);
+      store_word(out, d.bytes_per_token, d.vec, 4 * g + 1, v.y);
+      store_word(out, d.bytes_per_token, d.vec, 4 * g + 2, v.z);
+      store_word(out, d.bytes_per_token, d.vec, 4 * g + 3, v.w);
+    }
+  }
+}
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(512) sentinel_dispatch(const __grid_constant__ A2AParams p) {
+  __shared__ int s_target[EP_MAX_TOP_K];
+  __shared__ int s_n;
+  __shared__ unsigned char s_is_target[EP_MAX_RANKS];
+  __shared__ int s_last;
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k, W = p.top_k + 1;
+  char* const ws = workspace(p, s);
+  int* const records = reinterpret_cast<int*>(ws + p.off_records);
+
+  griddep_wait();
+  if (p.trigger_early) griddep_launch_dependents();
+  const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch) + 1;
+  const size_t id_set = static_cast<size_t>(step & 1) * p.ep_size * p.max_tokens_per_rank * W;
+
+  // Lines 2-4: token i lands in slot i of our region on each target; every rank gets the
+  // expert ids of every one of our T^ slots (-1 where nothing goes), plus our T^.
+  for (int i = blockIdx.x; i < tmax; i += gridDim.x) {
+    for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) s_is_target[r] = 0;
+    __syncthreads();
+    const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + static_cast<size_t>(i) * K;
+    if (threadIdx.x < 32) {
+      int t = -1;
+      bool first = false;
+      unsigned firsts = 0;
+      if (i < p.local_num_tokens) {
+        const Selection sel = select_targets(p, ids);
+        t = sel.target; first = sel.first; firsts = sel.firsts;
+      }
+      const int lane = threadIdx.x;
+      if (first) {
+        s_target[__popc(firsts & ((1u << lane) - 1))] = t;
+        s_is_target[t] = 1;
+      }
+      if (i < p.local_num_tokens && lane < K) records[i * K + lane] = first ? pack_record(i, t) : -1;
+      if (lane == 0) s_n = __popc(firsts);
+    }
+    __syncthreads();
+    const int n = s_n;
+    for (int q = 1; q < p.num_payloads; ++q) {
+      const PayloadDesc& d = p.payloads[q];
+      char* dst[EP_MAX_TOP_K];
+      for (int j = 0; j < n; ++j)
+        dst[j] = workspace(p, s_target[j]) + d.landing_offset +
+                 (static_cast<size_t>(s) * p.max_tokens_per_rank + i) * d.landing_bytes;
+      push_landing(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, dst, n);
+    }
+    for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
+      const int r = x / W, k = x % W;
+      const int v = k == K ? tmax : (s_is_target[r] ? ids[k] : -1);
+      unsigned* slot = reinterpret_cast<unsigned*>(workspace(p, r) + p.off_id_slots) + id_set +
+                       (static_cast<size_t>(s) * p.max_tokens_per_rank + i) * W;
+      slot[k] = static_cast<unsigned>(v);
+    }
+    __syncthreads();
+  }
+
+  // Lines 5-11: for every source r and slot i, wait for its expert ids; if a token came,
+  // wait for its payloads; copy into the dispatch workspace (slot i of region r); reset.
+  int* const out_ids = reinterpret_cast<int*>(ws + p.payloads[0].recv_offset);
+  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) {
+    const int r = w / tmax, i = w % tmax;
+    unsigned* slot = reinterpret_cast<unsigned*>(ws + p.off_id_slots) + id_set +
+                     (static_cast<size_t>(r) * p.max_tokens_per_rank + i) * W;
+    int has = 0;
+    if (threadIdx.x < W) {
+      unsigned v = ld_volatile(slot + threadIdx.x);
+      if (v == EP_SENTINEL_IDS) {
+        Deadline dl;
+        while ((v = ld_volatile(slot + threadIdx.x)) == EP_SENTINEL_IDS)
+          if (dl.expired(p.timeout_ns)) fail_and_trap(p, EP_ERR_TIMEOUT, 3, r, step, v, 0);
+      }
+      slot[threadIdx.x] = EP_SENTINEL_IDS;
+      if (threadIdx.x == K) {
+        if (v != static_cast<unsigned>(tmax)) fail_and_trap(p, EP_ERR_TMAX_MISMATCH, 3, r, step, v, tmax);
+      } else {
+        out_ids[(static_cast<size_t>(r) * tmax + i) * K + threadIdx.x] = static_cast<int>(v);
+        has = static_cast<int>(v) != -1;
+      }
+    }
+    if (__syncthreads_or(has)) {
+      for (int q = 1; q < p.num_payloads; ++q) {
+        const PayloadDesc& d = p.payloads[q];
+        receive_landing(p, d, ws + d.landing_offset + (static_cast<size_t>(r) * p.max_tokens_per_rank + i) * d.landing_bytes,
+                        reinterpret_cast<unsigned char*>(ws + d.recv_offset) + (static_cast<size_t>(r) * tmax + i) * d.bytes_per_token,
+                        r, step);
+      }
+    }
+  }
+
+  if (!p.trigger_early) griddep_launch_dependents();
+  // The step counter moves once every block has read it (the last block to finish).
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomic_add_acq_rel_gpu(reinterpret_cast<unsigned*>(ws + p.off_done), 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (s_last && threadIdx.x == 0) {
+    *reinterpret_cast<unsigned*>(ws + p.off_done) = 0;
+    *reinterpret_cast<unsigned*>(ws + p.off_epoch) = step;
+  }
+}
+
+// Lines 12-19. T: element type of the partial results.
+template <typename T>
+__device__ void sentinel_combine(const A2AParams& p) {
+  __shared__ const char* s_src[EP_MAX_TOP_K];
+  __shared__ int s_tgt[EP_MAX_TOP_K];
+  __shared__ int s_n;
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k;
+  char* const ws = workspace(p, s);
+  const int* const records = reinterpret_cast<const int*>(ws + p.off_records);
+  const int* const ids = reinterpret_cast<const int*>(ws + p.payloads[0].recv_offset);
+  griddep_wait();
+  if (p.trigger_early) griddep_launch_dependents();
+  const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch);
+  const unsigned slot_bytes = p.combine_slot_bytes, groups = (p.combine_bytes + 15) / 16;
+
+  // Line 13: push the partial result of every slot that held a token to its source, at once.
+  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) {
+    const int r = w / tmax, i = w % tmax;
+    const int* row = ids + (static_cast<size_t>(r) * tmax + i) * K;
+    int has = 0;
+    if (threadIdx.x < K) has = row[threadIdx.x] != -1;
+    if (!__syncthreads_or(has)) continue;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(ws + p.off_combine) +
+                               (static_cast<size_t>(r) * tmax + i) * p.combine_bytes;
+    uint4* dst = reinterpret_cast<uint4*>(workspace(p, r) + p.off_combine_slots +
+                                          (static_cast<size_t>(i) * p.ep_size + s) * slot_bytes);
+    for (unsigned g = threadIdx.x; g < groups; g += blockDim.x) {
+      uint4 v;
+      if (p.combine_vec == 16) v = reinterpret_cast<const uint4*>(src)[g];
+      else v = make_uint4(load_word(src, p.combine_bytes, p.combine_vec, 4 * g), load_word(src, p.combine_bytes, p.combine_vec, 4 * g + 1),
+                          load_word(src, p.combine_bytes, p.combine_vec, 4 * g + 2), load_word(src, p.combine_bytes, p.combine_vec, 4 * g + 3));
+      dst[g] = escape4(v, p.combine_kind);
+    }
+  }
+  if (!p.trigger_early) griddep_launch_dependents();
+
+  // Lines 15-19: poll the slots of our tokens' targets, reset them, reduce (FENCE's order).
+  const int splits = p.combine_splits;
+  const unsigned nvec = p.combine_bytes / p.combine_vec;
+  for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
+    const int i = w / splits, part = w % splits;
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int rec = lane < K ? records[i * K + lane] : -1;
+      const unsigned valid = __ballot_sync(0xffffffffu, rec >= 0);
+      if (rec >= 0) {
+        const int j = __popc(valid & ((1u << lane) - 1));
+        s_tgt[j] = record_target(rec);
+        s_src[j] = ws + p.off_combine_slots + (static_cast<size_t>(i) * p.ep_size + record_target(rec)) * slot_bytes;
+      }
+      if (lane == 0) s_n = __popc(valid);
+    }
+    __syncthreads();
+    // Wait for this slice of every target's slot, then reduce it from there (L2: the
+    // polling loads bypassed L1), then reset it. The host splits a token over blocks only
+    // when combine_vec is 16, so each block reduces exactly the 16-byte groups it polled.
+    const unsigned g0 = groups * part / splits, g1 = groups * (part + 1) / splits;
+    for (int k = 0; k < s_n; ++k)
+      for (unsigned g = g0 + threadIdx.x; g < g1; g += blockDim.x)
+        poll_v4(p, reinterpret_cast<const uint4*>(s_src[k]) + g, 4, s_tgt[k], step);
+    __syncthreads();
+    const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
+    reduce_token<T>(p.combine_vec, s_src, s_n,
+                    reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes, v0, v1);
+    __syncthreads();
+    for (int k = 0; k < s_n; ++k)
+      for (unsigned g = g0 + threadIdx.x; g < g1; g += blockDim.x)
+        reinterpret_cast<uint4*>(const_cast<char*>(s_src[k]))[g] = sentinel4();
+    __syncthreads();
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(512) sentinel_combine_bf16(const __grid_constant__ A2AParams p) { sentinel_combine<__nv_bfloat16>(p); }
+extern "C" __global__ void __launch_bounds__(512) sentinel_combine_f16(const __grid_constant__ A2AParams p) { sentinel_combine<__half>(p); }
+extern "C" __global__ void __launch_bounds__(512) sentinel_combine_f32(const __grid_constant__ A2AParams p) { sentinel_combine<float>(p); }
