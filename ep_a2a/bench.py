@@ -30,6 +30,8 @@ PROFILES = {
 
 
 def _commit() -> str:
+    if os.environ.get("EP_A2A_COMMIT"):  # the GPU machine gets a copy of the tree without .git
+        return os.environ["EP_A2A_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
@@ -131,14 +133,17 @@ class Bench:
 
         roundtrip()  # eager once: sets the grids, checks nothing hangs
         a.synchronize()
-        g_rt, g_d = self._graph(roundtrip, R), self._graph(dispatch_all, R)
-        g_ert, g_ed = self._graph(empty_like(True), R), self._graph(empty_like(False), R)
-        rt = self._time(g_rt, self.args.replays) / R
-        d = self._time(g_d, self.args.replays) / R
-        ert = self._time(g_ert, self.args.replays) / R
-        ed = self._time(g_ed, self.args.replays) / R
-        for g in (g_rt, g_d, g_ert, g_ed):
+        # SENTINEL reuses its landing slots only after combine: dispatch alone cannot be
+        # replayed, so its dispatch/combine split is not measured (round trip only)
+        split = ranks[0].last_protocol == "fence"
+        graphs = [self._graph(roundtrip, R), self._graph(empty_like(True), R)]
+        if split:
+            graphs += [self._graph(dispatch_all, R), self._graph(empty_like(False), R)]
+        t = [self._time(g, self.args.replays) / R for g in graphs]
+        for g in graphs:
             g.close()
+        rt, ert = t[:2]
+        d, ed = t[2:] if split else (None, None)
 
         # bytes: what dispatch writes (one copy per distinct target) and reads (once per token)
         from .reference import expert_owner, targets_of
@@ -164,16 +169,19 @@ class Bench:
         g_copy.close()
         del src, dst
         copy_tbps = 2 * nbytes / copy_us / 1e6
-        comb = rt - d
-        disp_tbps = (written + read) / d / 1e6
-        row = dict(tokens_per_rank=T, round_trip_us=rt, dispatch_us=d, combine_us=comb,
-                   floor_round_trip_us=ert, floor_dispatch_us=ed, floor_combine_us=ert - ed,
-                   round_trip_over_floor=rt / ert, dispatch_over_floor=d / ed,
+        row = dict(tokens_per_rank=T, resolved_protocol=ranks[0].last_protocol, round_trip_us=rt,
+                   floor_round_trip_us=ert, round_trip_over_floor=rt / ert,
                    dispatch_bytes_written=written, dispatch_bytes_read=read, bytes_crossing_gpus=remote * per_token,
-                   dispatch_tbps=disp_tbps, combine_tbps=combine_traffic / max(comb, 1e-9) / 1e6,
-                   copy_floor_tbps=copy_tbps, dispatch_over_copy_bw=disp_tbps / copy_tbps,
-                   logical_dispatch_gbps=T * min(self.args.ranks, self.top_k) * (per_token - 8 * self.top_k) / d / 1e3,
-                   logical_combine_gbps=T * min(self.args.ranks, self.top_k) * self.hidden * 2 / max(comb, 1e-9) / 1e3)
+                   copy_floor_tbps=copy_tbps, round_trip_tbps=(written + read + combine_traffic) / rt / 1e6,
+                   dispatch_us=None, combine_us=None)
+        if split:
+            comb = rt - d
+            disp_tbps = (written + read) / d / 1e6
+            row.update(dispatch_us=d, combine_us=comb, floor_dispatch_us=ed, floor_combine_us=ert - ed,
+                       dispatch_over_floor=d / ed, dispatch_tbps=disp_tbps,
+                       combine_tbps=combine_traffic / max(comb, 1e-9) / 1e6, dispatch_over_copy_bw=disp_tbps / copy_tbps,
+                       logical_dispatch_gbps=T * min(self.args.ranks, self.top_k) * (per_token - 4 * self.top_k) / d / 1e3,
+                       logical_combine_gbps=T * min(self.args.ranks, self.top_k) * self.hidden * 2 / max(comb, 1e-9) / 1e3)
         return row
 
     def host_overhead(self, T: int, rng, iters: int = 200) -> dict:
@@ -221,6 +229,7 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha", type=float, default=1.2)
     ap.add_argument("--format", default="bf16", choices=["bf16", "mxfp8", "nvfp4"])
     ap.add_argument("--protocol", default="fence,sentinel,auto", help="comma list of fence, sentinel, auto")
+    ap.add_argument("--sentinel-max", type=int, default=4096, help="sweep SENTINEL only up to this many tokens")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--no-pdl", action="store_true")
@@ -239,10 +248,10 @@ def main(argv=None) -> int:
     rng = np.random.default_rng()
     rows = []
     protocols = args.protocol.split(",")
-    n = len(args.tokens) * len(protocols)
+    n = sum(len([t for t in args.tokens if p != "sentinel" or t <= args.sentinel_max]) for p in protocols)
     for proto in protocols:
         b.a2a.protocol = proto
-        for T in args.tokens:
+        for T in [t for t in args.tokens if proto != "sentinel" or t <= args.sentinel_max]:
             rows.append(dict(protocol=proto, **b.measure(T, rng)))
             r = rows[-1]
             print(f"[{len(rows)}/{n}] {proto} T={T}: round trip {r['round_trip_us']:.1f} µs", file=sys.stderr, flush=True)
@@ -295,11 +304,14 @@ def _table(res) -> None:
           f"{res['config']['format']}, {res['config']['routing']} routing, commit {res['commit']}")
     print(f"{'proto':>8} {'T':>5} {'rt µs':>8} {'floor':>7} {'x':>5} {'disp µs':>8} {'floor':>7} {'comb µs':>8} "
           f"{'disp TB/s':>9} {'copy TB/s':>9} {'%copy':>6}")
+    def f(v, spec):
+        return format(v, spec) if v is not None else format("-", ">" + spec.split(".")[0].lstrip("<>^"))
     for r in res["rows"]:
+        pct = None if r.get("dispatch_over_copy_bw") is None else 100 * r["dispatch_over_copy_bw"]
         print(f"{r['protocol']:>8} {r['tokens_per_rank']:>5} {r['round_trip_us']:>8.1f} {r['floor_round_trip_us']:>7.1f} "
-              f"{r['round_trip_over_floor']:>5.2f} {r['dispatch_us']:>8.1f} {r['floor_dispatch_us']:>7.1f} "
-              f"{r['combine_us']:>8.1f} {r['dispatch_tbps']:>9.2f} {r['copy_floor_tbps']:>9.2f} "
-              f"{100 * r['dispatch_over_copy_bw']:>5.0f}%")
+              f"{r['round_trip_over_floor']:>5.2f} {f(r['dispatch_us'], '>8.1f')} {f(r.get('floor_dispatch_us'), '>7.1f')} "
+              f"{f(r['combine_us'], '>8.1f')} {f(r.get('dispatch_tbps'), '>9.2f')} {r['copy_floor_tbps']:>9.2f} "
+              f"{f(pct, '>5.0f')}%")
     print(f"measured crossover: SENTINEL faster up to {res['measured_sentinel_max_tokens']} tokens per rank")
     for h in res["host_overhead"]:
         print(f"host overhead, T={h['tokens_per_rank']}: {h['host_us_per_rank_step']:.1f} µs per rank per "

@@ -41,7 +41,7 @@ def _adversarial(rng, spec, T):
     (0xFFFF bf16 halves, 0xFF fp8 bytes, -1 int32, 0xFFFFFFFF fp32) and the id sentinel."""
     from ep_a2a.check import random_payload
     x = random_payload(rng, spec, T)
-    raw = np.ascontiguousarray(x).view(np.uint8).reshape(T, -1).copy()
+    raw = np.ascontiguousarray(x).view(np.uint8).reshape(T, spec.bytes_per_token).copy()
     n = raw.shape[1] // 4 * 4
     if n:
         words = raw[:, :n].copy().view(np.uint32)
