@@ -60,7 +60,8 @@ class Bench:
         self.a2a = ep_a2a.MoeAlltoAll(self.group, max_tokens_per_rank=max(args.tokens), top_k=self.top_k,
                                       num_experts=self.num_experts, payloads=self.specs,
                                       combine_hidden_size=self.hidden, protocol="auto",
-                                      validate_expert_ids=False, pdl=not args.no_pdl)
+                                      validate_expert_ids=False, pdl=not args.no_pdl,
+                                      threads_per_block=args.threads)
         self.ev0, self.ev1 = Event(self.dev, timing=True), Event(self.dev, timing=True)
         self.streams = [r.stream.handle for r in self.group.ranks]
 
@@ -233,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--threads", type=int, default=256, help="threads per block of the protocol kernels")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<device>-<date>.json)")
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
     ap.add_argument("--profile-host", action="store_true", help="print where the eager host time goes (cProfile)")

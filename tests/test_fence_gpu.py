@@ -90,45 +90,46 @@ def test_1000_steps_changing_routing_and_runtime_max():
             run(a2a, rng, tokens, tmax, route=("uniform", "zipf", "perfect")[step % 3], verify=step % 10 == 0)
 
 
-@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
-def test_graph_replay_equals_eager(protocol):
+def identity_step(a2a, rng, tokens, T, graph_replays=0):
     """dispatch -> copy of the received hidden states into the combine input (an identity
-    'MoE', so results do not depend on FENCE's slot order) -> combine, eager and as one graph
-    over every rank's stream; replays must equal eager, and both the reference."""
+    'MoE': results then do not depend on slot order) -> combine, on every in-process rank.
+    Checks the eager result against the reference (each token's hidden state summed once per
+    distinct target rank, in the kernels' order); with graph_replays, also captures the step
+    as one graph over every rank's stream and checks that replays equal eager.
+    Returns the eager outputs (host copies)."""
     from cuda.bindings import driver as d
+    from ep_a2a import reference as ref
     from ep_a2a.check import random_payload, routing
     from ep_a2a.driver.memory import copy_from_numpy, empty, from_numpy, to_numpy
     from ep_a2a.driver.stream import Event, Graph
-    from ep_a2a import reference as ref
-    rng = np.random.default_rng()
-    ep, T, H, k = 4, 16, 256, 4
-    group, a2a = make(ep, hidden=H, top_k=k, max_tokens=T, validate_expert_ids=False, protocol=protocol)
-    with group, a2a:
-        ids_h = [routing("uniform", rng, T, k, a2a.num_experts, ep) for _ in range(ep)]
-        pay_h = [[random_payload(rng, sp, T) for sp in a2a.payload_specs] for _ in range(ep)]
-        devs = [r.device for r in group.ranks]
-        ids = [from_numpy(ids_h[s], devs[s], "int32") for s in range(ep)]
-        pays = [[from_numpy(x, devs[s], sp.dtype) for x, sp in zip(pay_h[s], a2a.payload_specs)] for s in range(ep)]
-        outs = [empty((T, H), "bfloat16", devs[s]) for s in range(ep)]
+    ep, k, H = a2a.ep_size, a2a.top_k, a2a.combine_hidden_size
+    group = a2a.group
+    ids_h = [routing("uniform", rng, tokens[s], k, a2a.num_experts, ep) for s in range(ep)]
+    pay_h = [[random_payload(rng, sp, tokens[s]) for sp in a2a.payload_specs] for s in range(ep)]
+    devs = [r.device for r in group.ranks]
+    ids = [from_numpy(ids_h[s], devs[s], "int32") for s in range(ep)]
+    pays = [[from_numpy(x, devs[s], sp.dtype) for x, sp in zip(pay_h[s], a2a.payload_specs)] for s in range(ep)]
+    outs = [empty((tokens[s], H), "bfloat16", devs[s]) for s in range(ep)]
 
-        def step():
-            views = [r.dispatch(ids[s], pays[s], T) for s, r in enumerate(a2a.ranks)]
-            for s, r in enumerate(a2a.ranks):
-                hidden = views[s][1][0]
-                d.cuMemcpyDtoDAsync(r.combine_input(T).ptr, hidden.ptr, hidden.nbytes, r.default_stream)
-            for s, r in enumerate(a2a.ranks):
-                r.combine(r.combine_input(T), T, out=outs[s])
+    def step():
+        views = [r.dispatch(ids[s], pays[s], T) for s, r in enumerate(a2a.ranks)]
+        for s, r in enumerate(a2a.ranks):
+            hidden = views[s][1][0]
+            d.cuMemcpyDtoDAsync(r.combine_input(T).ptr, hidden.ptr, hidden.nbytes, r.default_stream)
+        for s, r in enumerate(a2a.ranks):
+            r.combine(r.combine_input(T), T, out=outs[s])
 
-        step()
-        a2a.synchronize()
-        eager = [to_numpy(o) for o in outs]
-        owner = ref.expert_owner(a2a.num_experts, ep)
-        for s in range(ep):
-            x = pay_h[s][0]
-            want = np.stack([ref.from_float32(ref.tree_sum([ref.to_float32(x[i], "bfloat16")] *
-                                                           len(ref.targets_of(ids_h[s][i], owner)), H), "bfloat16")
-                             for i in range(T)])
-            assert np.array_equal(eager[s].view(np.uint16), want)
+    step()
+    a2a.synchronize()
+    eager = [to_numpy(o) for o in outs]
+    owner = ref.expert_owner(a2a.num_experts, ep)
+    for s in range(ep):
+        x = pay_h[s][0]
+        want = np.stack([ref.from_float32(ref.tree_sum([ref.to_float32(x[i], "bfloat16")] *
+                                                       len(ref.targets_of(ids_h[s][i], owner)), H), "bfloat16")
+                         for i in range(tokens[s])]).reshape(tokens[s], H)
+        assert np.array_equal(eager[s].view(np.uint16), want)
+    if graph_replays:
         for o in outs:
             copy_from_numpy(o, np.full(o.nbytes, 0xFF, np.uint8))
         s0 = group.ranks[0].stream.handle
@@ -140,12 +141,20 @@ def test_graph_replay_equals_eager(protocol):
         for r in group.ranks[1:]:
             Event(devs[0]).record(r.stream.handle).wait_on(s0)
         g = Graph.end(s0)
-        for _ in range(5):
+        for _ in range(graph_replays):
             g.launch(s0)
         a2a.synchronize()
         for s in range(ep):
-            assert np.array_equal(to_numpy(outs[s]), eager[s])
+            assert np.array_equal(to_numpy(outs[s]).view(np.uint16), eager[s].view(np.uint16))
         g.close()
+    return eager
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_graph_replay_equals_eager(protocol):
+    group, a2a = make(4, hidden=256, top_k=4, max_tokens=16, validate_expert_ids=False, protocol=protocol)
+    with group, a2a:
+        identity_step(a2a, np.random.default_rng(), [16, 3, 0, 9], 16, graph_replays=5)
 
 
 def _run_child(code: str, timeout=120):

@@ -66,13 +66,17 @@ def test_adversarial_payloads_follow_the_documented_rule(fmt, hidden):
 
 
 def test_fence_and_sentinel_give_identical_combine():
-    outs = {}
+    """Same inputs through both protocols, with an identity 'MoE' (each rank copies the hidden
+    states it received into its combine input), so the partial results depend on the token,
+    not on the slot (FENCE and SENTINEL place tokens in different slots): bitwise equal."""
+    from test_fence_gpu import identity_step
     seed = int(np.random.default_rng().integers(1 << 31))
+    outs = {}
     for proto in ("fence", "sentinel"):
-        group, a2a = make(8, hidden=1024, protocol=proto)
+        group, a2a = make(8, hidden=1024, protocol=proto, validate_expert_ids=False)
         with group, a2a:
-            outs[proto] = run(a2a, np.random.default_rng(seed), [20, 0, 7, 64, 1, 33, 12, 5], 64, exact=False).outputs
-    for s in outs["fence"]:
+            outs[proto] = identity_step(a2a, np.random.default_rng(seed), [20, 0, 7, 64, 1, 33, 12, 5], 64)
+    for s in range(8):
         assert np.array_equal(outs["fence"][s].view(np.uint8), outs["sentinel"][s].view(np.uint8))
 
 
