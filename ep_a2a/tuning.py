@@ -8,7 +8,14 @@ the environment variable EP_A2A_SENTINEL_MAX_TOKENS.
 """
 import os
 
-SENTINEL_MAX_TOKENS_H200 = 16
+# Measured 2026-11-29 (bench/results/NVIDIA_H200-deepseek-v3-bf16-8ranks-fence-sentinel-*.json):
+# with 8 ranks sharing one H200, SENTINEL's round trip was slower than FENCE's at every size
+# (16.6 vs 11.1 µs at 1 token per rank, 75 vs 18.5 at 16): on one GPU a system-scope fence
+# is cheap, while SENTINEL's landing copy, per-word checks and resets cost memory traffic
+# that all ranks share. So "auto" means FENCE on this machine; re-measure on NVLink-connected
+# GPUs, where the paper finds SENTINEL faster at small batches.
+
+SENTINEL_MAX_TOKENS_H200 = 0
 
 
 def sentinel_max_tokens() -> int:
