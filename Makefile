@@ -48,8 +48,9 @@ gpu-test: cubins
 bench: cubins
 	PYTHONPATH=. $(PYTHON) -m ep_a2a.bench
 
-demo: cubins
-	PYTHONPATH=. $(PYTHON) -m ep_a2a
+# The main job: a dispatch/combine demo on the GPUs present (NumPy reference without one).
+demo: setup cubins
+	$(VPY) -m ep_a2a
 
 clean:
 	rm -rf $(CUBIN_DIR) kernels/generated

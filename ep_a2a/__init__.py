@@ -1,11 +1,15 @@
 """ep_a2a: one-sided expert-parallel all-to-all (MoE dispatch/combine) over NVLink
-symmetric memory, with the FENCE synchronization protocol (paper: NVLinkOneSided)."""
+symmetric memory, with the FENCE and SENTINEL synchronization protocols (paper: NVLinkOneSided)."""
 __version__ = "0.1.0"
 
 from .driver.errors import CudaError, EpA2AError, NoDriverError  # noqa: E402
 from .errors import PeerError, PeerTimeoutError, RuntimeMaxMismatchError  # noqa: E402
 from .group import LocalGroup, ProcessGroup, Rank  # noqa: E402
 from .alltoall import MoeAlltoAll, PayloadSpec, StateError  # noqa: E402
+from .bootstrap import MpiBootstrap, TorchDistributedBootstrap, UnixSocketBootstrap  # noqa: E402
+from .driver.tensor import Tensor, as_tensor  # noqa: E402
+from . import bootstrap  # noqa: E402,F401
 
 __all__ = ["CudaError", "EpA2AError", "NoDriverError", "PeerError", "PeerTimeoutError", "RuntimeMaxMismatchError",
-           "LocalGroup", "ProcessGroup", "Rank", "MoeAlltoAll", "PayloadSpec", "StateError"]
+           "LocalGroup", "ProcessGroup", "Rank", "MoeAlltoAll", "PayloadSpec", "StateError",
+           "UnixSocketBootstrap", "TorchDistributedBootstrap", "MpiBootstrap", "Tensor", "as_tensor"]

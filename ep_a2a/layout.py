@@ -182,16 +182,16 @@ class WorkspaceLayout:
         take("off_records", 4 * T * top_k)
         recv = tuple(take(f"recv{i}", P * T * b) for i, b in enumerate(payload_bytes))
         take("off_combine", P * T * combine_bytes)
-        landing, ids, cslots = (), 0, 0
+        off_landing, ids, cslots = (), 0, 0
         if sentinel:
             landing_b = landing or tuple(landing_bytes(b, KIND_RAW16) for b in payload_bytes)
-            landing = (0,) + tuple(take(f"land{i}", P * T * landing_b[i]) for i in range(1, len(payload_bytes)))
+            off_landing = (0,) + tuple(take(f"land{i}", P * T * landing_b[i]) for i in range(1, len(payload_bytes)))
             ids = take("off_id_slots", 2 * P * T * 4 * (top_k + 1))
             cslots = take("off_combine_slots", T * P * align(combine_bytes, 16))
             o["landing_b"] = landing_b
         fields = {k: v for k, v in o.items() if k.startswith("off_")}
         return cls(ep_size=P, max_tokens_per_rank=T, top_k=top_k, payload_bytes=tuple(payload_bytes),
-                   combine_bytes=combine_bytes, sentinel=sentinel, off_recv=recv, off_landing=landing,
+                   combine_bytes=combine_bytes, sentinel=sentinel, off_recv=recv, off_landing=off_landing,
                    landing_bytes=tuple(o.get("landing_b", ())), size=max(cur, ALIGN), **fields)
 
     def sentinel_ranges(self):

@@ -10,13 +10,15 @@ from ep_a2a.driver import module
 
 
 def test_layout_sections_aligned_disjoint_and_combine_offset_fixed():
-    L = layout.WorkspaceLayout.build(8, 4096, 8, (32, 14336, 32), 14336, sentinel=True)
+    land = (0, layout.landing_bytes(14336, layout.KIND_F16), layout.landing_bytes(32, layout.KIND_RAW16))
+    L = layout.WorkspaceLayout.build(8, 4096, 8, (32, 14336, 32), 14336, sentinel=True, landing=land)
+    assert L.landing_bytes[1:] == (14336, 64)
     spans = [(L.off_dispatch_flags, 64), (L.off_tmax, 32), (L.off_combine_flags, 32), (L.off_epoch, 4),
              (L.off_done, 4), (L.off_counters, 32), (L.off_records, 4096 * 8 * 4)]
     spans += [(o, 8 * 4096 * b) for o, b in zip(L.off_recv, L.payload_bytes)]
-    spans += [(L.off_combine, 8 * 4096 * 14336), (L.off_id_slots, 2 * 8 * 4096 * 32),
+    spans += [(L.off_combine, 8 * 4096 * 14336), (L.off_id_slots, 2 * 8 * 4096 * 4 * 9),
               (L.off_combine_slots, 4096 * 8 * 14336)]
-    spans += [(o, 8 * 4096 * b) for o, b in zip(L.off_landing[1:], L.payload_bytes[1:])]
+    spans += [(o, 8 * 4096 * b) for o, b in zip(L.off_landing[1:], L.landing_bytes[1:])]
     spans.sort()
     for (o1, n1), (o2, _) in zip(spans, spans[1:]):
         assert o1 % layout.ALIGN == 0 and o1 + n1 <= o2
@@ -94,3 +96,52 @@ def test_payload_spec_bytes():
     assert PayloadSpec("h", (7168,), "bfloat16").bytes_per_token == 14336
     assert PayloadSpec("s", (7168 // 32,), "uint8").bytes_per_token == 224
     assert PayloadSpec("fp8", (7,), "float8_e4m3fn").bytes_per_token == 7
+
+
+def test_sentinel_escape_rule():
+    from ep_a2a.layout import KIND_F16, KIND_F32, KIND_F8, KIND_RAW16, sentinel_kind
+    assert [sentinel_kind(n) for n in ("bfloat16", "float16", "float32", "float8_e4m3fn", "uint8", "int32")] == \
+        [KIND_F16, KIND_F16, KIND_F32, KIND_F8, KIND_RAW16, KIND_RAW16]
+    rng = np.random.default_rng()
+    x = rng.integers(0, 2**16, (5, 6), dtype=np.uint64).astype(np.uint16)
+    x[0, 0:2] = 0xFFFF          # a whole word of all-ones NaNs: rewritten
+    x[1, 2] = 0xFFFF            # one NaN half: the word is not the sentinel, kept
+    x[2, 4:6] = 0xFFFF
+    y = ref.sentinel_escape(x, KIND_F16)
+    assert y[0, 0] == y[0, 1] == 0x7FFF and y[2, 4] == y[2, 5] == 0x7FFF and y[1, 2] == 0xFFFF
+    mask = np.ones_like(x, bool)
+    mask[0, 0:2] = mask[2, 4:6] = False
+    assert np.array_equal(y[mask], x[mask])
+    b = np.full((2, 7), 0xFF, np.uint8)   # 7 bytes: the tail word is zero-padded, never the sentinel
+    e = ref.sentinel_escape(b, KIND_F8)
+    assert e[:, :4].tolist() == [[0x7F] * 4] * 2 and e[:, 4:].tolist() == [[0xFF] * 3] * 2
+    assert np.array_equal(ref.sentinel_escape(b, KIND_RAW16), b)
+    f = np.full((3,), 0xFFFFFFFF, np.uint32).view(np.float32).reshape(3, 1)
+    assert (ref.sentinel_escape(f, KIND_F32).view(np.uint32) == 0x7FFFFFFF).all()
+
+
+def test_bench_crossover_and_tuning_override(monkeypatch):
+    from ep_a2a.bench import _crossover
+    from ep_a2a import tuning
+    rows = [dict(protocol=p, tokens_per_rank=t, round_trip_us=v) for p, t, v in
+            [("fence", 1, 10), ("sentinel", 1, 8), ("fence", 2, 11), ("sentinel", 2, 10), ("fence", 4, 12),
+             ("sentinel", 4, 13)]]
+    assert _crossover(rows) == 2
+    assert _crossover([r for r in rows if r["protocol"] == "fence"]) is None
+    monkeypatch.setenv("EP_A2A_SENTINEL_MAX_TOKENS", "64")
+    assert tuning.sentinel_max_tokens() == 64
+    monkeypatch.delenv("EP_A2A_SENTINEL_MAX_TOKENS")
+    assert tuning.sentinel_max_tokens() == tuning.SENTINEL_MAX_TOKENS_H200
+
+
+def test_check_harness_routing_shapes():
+    from ep_a2a.check import routing
+    rng = np.random.default_rng()
+    for kind in ("uniform", "zipf", "perfect"):
+        ids = routing(kind, rng, 33, 6, 40, 8, source=3)
+        assert ids.shape == (33, 6) and ids.dtype == np.int32 and ((ids >= 0) & (ids < 40)).all()
+        if kind != "perfect":
+            assert all(len(set(row)) == 6 for row in ids)   # distinct experts per token
+    owner = ref.expert_owner(40, 8)
+    perfect = routing("perfect", rng, 8, 6, 40, 8, source=0)
+    assert all(len(set(owner[row])) == 6 for row in perfect)  # six consecutive ranks
