@@ -20,6 +20,7 @@ from cuda.bindings import driver as _drv
 
 from .driver.errors import CudaError, EpA2AError, call
 from .driver.launch import Launch, launch_once, occupancy
+from .driver.memory import DeviceAllocation
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
 from .driver.tensor import Tensor, as_dtype as lookup_dtype, as_tensor
@@ -237,7 +238,7 @@ class RankAlltoAll:
         self._empty = Launch(dev, load("util", dev).function("ep_empty"), [p], 1, a2a.threads, pdl=a2a.pdl)
         self.last_protocol = protos[0]
 
-        self._out = _DeviceArray(dev, a2a.max_tokens_per_rank * L.combine_bytes)
+        self._out = DeviceAllocation(dev, a2a.max_tokens_per_rank * L.combine_bytes)
         self.steps = 0
         self._prev_early = False
         self._views = {}               # runtime max -> cached workspace views (no per-call objects)
@@ -464,19 +465,3 @@ class RankAlltoAll:
             self._out.close()
             self.error.close()
             self.params = None
-
-
-class _DeviceArray:
-    """A plain device allocation (cuMemAlloc) for buffers no peer needs to see."""
-
-    def __init__(self, device, nbytes: int):
-        device.make_current()
-        self.device, self.nbytes = device, max(1, nbytes)
-        self._p = call(_drv.cuMemAlloc, self.nbytes)
-        self.ptr = int(self._p)
-
-    def close(self) -> None:
-        if self._p is not None:
-            self.device.make_current()
-            call(_drv.cuMemFree, self._p)
-            self._p = None

@@ -142,17 +142,9 @@ __device__ void fence_combine(const A2AParams& p) {
   const unsigned nvec = p.combine_bytes / p.combine_vec;
   for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
     const int i = w / splits, part = w % splits;
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
-      const int rec = lane < p.top_k ? records[i * p.top_k + lane] : -1;
-      const unsigned valid = __ballot_sync(0xffffffffu, rec >= 0);
-      if (rec >= 0) {
-        const int j = __popc(valid & ((1u << lane) - 1));
-        s_src[j] = workspace(p, record_target(rec)) + p.off_combine +
-                   (static_cast<size_t>(s) * tmax + record_slot(rec)) * p.combine_bytes;
-      }
-      if (lane == 0) s_n = __popc(valid);
-    }
+    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+      return workspace(p, t) + p.off_combine + (static_cast<size_t>(s) * tmax + slot) * p.combine_bytes;
+    }, s_src, nullptr, &s_n);
     __syncthreads();
     const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
     reduce_token<T>(p.combine_vec, s_src, s_n,

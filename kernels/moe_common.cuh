@@ -154,6 +154,23 @@ EP_DEVICE void reduce_token(unsigned vec, const char* const* src, int n, char* o
   }
 }
 
+// Warp 0: the targets recorded for token i by dispatch, in the order of their first
+// selection, into shared memory: src[j] = where(target, slot) and tgt[j] = target.
+// Returns nothing; *n (shared) gets the count. The caller synchronizes the block.
+template <typename Where>
+EP_DEVICE void collect_sources(const int* records, int top_k, int i, Where where, const char** src, int* tgt, int* n) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  const int rec = lane < top_k ? records[i * top_k + lane] : -1;
+  const unsigned valid = __ballot_sync(0xffffffffu, rec >= 0);
+  if (rec >= 0) {
+    const int j = __popc(valid & ((1u << lane) - 1));
+    src[j] = where(record_target(rec), record_slot(rec));
+    if (tgt) tgt[j] = record_target(rec);
+  }
+  if (lane == 0) *n = __popc(valid);
+}
+
 // Spin until a peer's 32-bit step word reaches `step` (wrap-safe), or trap with a record.
 EP_DEVICE uint32_t wait_step(const A2AParams& p, const uint32_t* flag, uint32_t step, int phase, int peer) {
   Deadline dl;

@@ -47,6 +47,13 @@ EP_DEVICE void store_word(unsigned char* dst, unsigned bytes, unsigned vec, unsi
   for (unsigned b = 0; b < 4 && o + b < bytes; ++b) dst[o + b] = static_cast<unsigned char>(v >> (8 * b));
 }
 
+// Words 4g..4g+3 of a row of `bytes` bytes (zero past its end), whatever its alignment.
+EP_DEVICE uint4 load_group(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
+  if (vec == 16) return reinterpret_cast<const uint4*>(src)[g];
+  return make_uint4(load_word(src, bytes, vec, 4 * g), load_word(src, bytes, vec, 4 * g + 1),
+                    load_word(src, bytes, vec, 4 * g + 2), load_word(src, bytes, vec, 4 * g + 3));
+}
+
 // Wait until no word of a 16-byte landing vector equals the sentinel.
 EP_DEVICE uint4 poll_v4(const A2AParams& p, const void* a, int phase, int peer, unsigned step) {
   uint4 v = ld_volatile_v4(a);
@@ -62,12 +69,8 @@ EP_DEVICE uint4 poll_v4(const A2AParams& p, const void* a, int phase, int peer, 
 EP_DEVICE void push_landing(const PayloadDesc& d, const unsigned char* src, char* const* dst, int n) {
   const unsigned words = (d.bytes_per_token + 3) / 4;
   const bool raw = d.sentinel_kind == EP_KIND_RAW16;
-  const bool fast = d.vec == 16;
   for (unsigned g = threadIdx.x; 4 * g < words; g += blockDim.x) {  // group g: words 4g..4g+3
-    uint4 v;
-    if (fast) v = reinterpret_cast<const uint4*>(src)[g];
-    else v = make_uint4(load_word(src, d.bytes_per_token, d.vec, 4 * g), load_word(src, d.bytes_per_token, d.vec, 4 * g + 1),
-                        load_word(src, d.bytes_per_token, d.vec, 4 * g + 2), load_word(src, d.bytes_per_token, d.vec, 4 * g + 3));
+    uint4 v = load_group(src, d.bytes_per_token, d.vec, g);
     if (raw) {
       const uint4 lo = make_uint4(v.x & 0xFFFF, v.x >> 16, v.y & 0xFFFF, v.y >> 16);
       const uint4 hi = make_uint4(v.z & 0xFFFF, v.z >> 16, v.w & 0xFFFF, v.w >> 16);
@@ -239,13 +242,8 @@ __device__ void sentinel_combine(const A2AParams& p) {
                                (static_cast<size_t>(r) * tmax + i) * p.combine_bytes;
     uint4* dst = reinterpret_cast<uint4*>(workspace(p, r) + p.off_combine_slots +
                                           (static_cast<size_t>(i) * p.ep_size + s) * slot_bytes);
-    for (unsigned g = threadIdx.x; g < groups; g += blockDim.x) {
-      uint4 v;
-      if (p.combine_vec == 16) v = reinterpret_cast<const uint4*>(src)[g];
-      else v = make_uint4(load_word(src, p.combine_bytes, p.combine_vec, 4 * g), load_word(src, p.combine_bytes, p.combine_vec, 4 * g + 1),
-                          load_word(src, p.combine_bytes, p.combine_vec, 4 * g + 2), load_word(src, p.combine_bytes, p.combine_vec, 4 * g + 3));
-      dst[g] = escape4(v, p.combine_kind);
-    }
+    for (unsigned g = threadIdx.x; g < groups; g += blockDim.x)
+      dst[g] = escape4(load_group(src, p.combine_bytes, p.combine_vec, g), p.combine_kind);
   }
   if (!p.trigger_early) griddep_launch_dependents();
 
@@ -254,17 +252,9 @@ __device__ void sentinel_combine(const A2AParams& p) {
   const unsigned nvec = p.combine_bytes / p.combine_vec;
   for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
     const int i = w / splits, part = w % splits;
-    if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
-      const int rec = lane < K ? records[i * K + lane] : -1;
-      const unsigned valid = __ballot_sync(0xffffffffu, rec >= 0);
-      if (rec >= 0) {
-        const int j = __popc(valid & ((1u << lane) - 1));
-        s_tgt[j] = record_target(rec);
-        s_src[j] = ws + p.off_combine_slots + (static_cast<size_t>(i) * p.ep_size + record_target(rec)) * slot_bytes;
-      }
-      if (lane == 0) s_n = __popc(valid);
-    }
+    collect_sources(records, K, i, [&](int t, int) -> const char* {
+      return ws + p.off_combine_slots + (static_cast<size_t>(i) * p.ep_size + t) * slot_bytes;
+    }, s_src, s_tgt, &s_n);
     __syncthreads();
     // Wait for this slice of every target's slot, then reduce it from there (L2: the
     // polling loads bypassed L1), then reset it. The host splits a token over blocks only

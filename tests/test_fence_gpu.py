@@ -164,15 +164,16 @@ def _run_child(code: str, timeout=120):
                           timeout=timeout, env=env)
 
 
-def test_timeout_names_missing_peer():
+@pytest.mark.parametrize("protocol,phase", [("fence", "dispatch"), ("sentinel", "sentinel-dispatch")])
+def test_timeout_names_missing_peer(protocol, phase):
     # a trap poisons the context: run it in a child process
-    r = _run_child("""
+    r = _run_child(f"""
         import numpy as np, ep_a2a
         from ep_a2a.check import payload_formats
         from ep_a2a.driver.memory import from_numpy
         g = ep_a2a.LocalGroup([0, 0, 0])
         a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=4, top_k=2, num_experts=6, payloads=payload_formats(32, 2)["bf16"],
-                               combine_hidden_size=32, timeout_s=0.5, first_timeout_s=0.5)
+                               combine_hidden_size=32, timeout_s=0.5, first_timeout_s=0.5, protocol="{protocol}")
         ids = [from_numpy(np.array([[0, 5]], np.int32), g.ranks[s].device) for s in range(3)]
         x = [[from_numpy(np.ones((1, 32), np.uint16), g.ranks[s].device, "bfloat16"),
               from_numpy(np.ones((1, 2), np.float32), g.ranks[s].device)] for s in range(3)]
@@ -184,18 +185,19 @@ def test_timeout_names_missing_peer():
             print("CAUGHT", e.rank, e.phase, e.peer, e.epoch)
         """)
     assert "CAUGHT" in r.stdout, r.stdout + r.stderr
-    rank, phase, peer, epoch = r.stdout.split("CAUGHT")[1].split()
-    assert phase == "dispatch" and peer == "2" and epoch == "1" and rank in ("0", "1")
+    rank, got_phase, peer, epoch = r.stdout.split("CAUGHT")[1].split()
+    assert got_phase == phase and peer == "2" and epoch == "1" and rank in ("0", "1")
 
 
-def test_runtime_max_mismatch_detected():
-    r = _run_child("""
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_runtime_max_mismatch_detected(protocol):
+    r = _run_child(f"""
         import numpy as np, ep_a2a
         from ep_a2a.check import payload_formats
         from ep_a2a.driver.memory import from_numpy
         g = ep_a2a.LocalGroup([0, 0])
         a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=8, top_k=2, num_experts=4, payloads=payload_formats(32, 2)["bf16"],
-                               combine_hidden_size=32, timeout_s=5)
+                               combine_hidden_size=32, timeout_s=5, protocol="{protocol}")
         ids = [from_numpy(np.array([[0, 3]], np.int32), g.ranks[s].device) for s in range(2)]
         x = [[from_numpy(np.ones((1, 32), np.uint16), g.ranks[s].device, "bfloat16"),
               from_numpy(np.ones((1, 2), np.float32), g.ranks[s].device)] for s in range(2)]

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from test_fence_gpu import _run_child, make, run
+from test_fence_gpu import make, run
 
 pytestmark = pytest.mark.gpu
 
@@ -98,47 +98,3 @@ def test_4096_tokens_per_rank():
     group, a2a = make(8, hidden=512, max_tokens=4096, protocol="sentinel")
     with group, a2a:
         run(a2a, rng, [4096] * 8, 4096, route="perfect")
-
-
-def test_timeout_names_missing_peer():
-    r = _run_child("""
-        import numpy as np, ep_a2a
-        from ep_a2a.check import payload_formats
-        from ep_a2a.driver.memory import from_numpy
-        g = ep_a2a.LocalGroup([0, 0, 0])
-        a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=4, top_k=2, num_experts=6, payloads=payload_formats(32, 2)["bf16"],
-                               combine_hidden_size=32, timeout_s=0.5, first_timeout_s=0.5, protocol="sentinel")
-        ids = [from_numpy(np.array([[0, 5]], np.int32), g.ranks[s].device) for s in range(3)]
-        x = [[from_numpy(np.ones((1, 32), np.uint16), g.ranks[s].device, "bfloat16"),
-              from_numpy(np.ones((1, 2), np.float32), g.ranks[s].device)] for s in range(3)]
-        a.ranks[0].dispatch(ids[0], x[0], 1)
-        a.ranks[1].dispatch(ids[1], x[1], 1)   # rank 2 never arrives
-        try:
-            a.synchronize()
-        except ep_a2a.PeerTimeoutError as e:
-            print("CAUGHT", e.rank, e.phase, e.peer, e.epoch)
-        """)
-    assert "CAUGHT" in r.stdout, r.stdout + r.stderr
-    rank, phase, peer, epoch = r.stdout.split("CAUGHT")[1].split()
-    assert phase == "sentinel-dispatch" and peer == "2" and epoch == "1"
-
-
-def test_runtime_max_mismatch_detected():
-    r = _run_child("""
-        import numpy as np, ep_a2a
-        from ep_a2a.check import payload_formats
-        from ep_a2a.driver.memory import from_numpy
-        g = ep_a2a.LocalGroup([0, 0])
-        a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=8, top_k=2, num_experts=4, payloads=payload_formats(32, 2)["bf16"],
-                               combine_hidden_size=32, timeout_s=5, protocol="sentinel")
-        ids = [from_numpy(np.array([[0, 3]], np.int32), g.ranks[s].device) for s in range(2)]
-        x = [[from_numpy(np.ones((1, 32), np.uint16), g.ranks[s].device, "bfloat16"),
-              from_numpy(np.ones((1, 2), np.float32), g.ranks[s].device)] for s in range(2)]
-        a.ranks[0].dispatch(ids[0], x[0], 4)
-        a.ranks[1].dispatch(ids[1], x[1], 8)
-        try:
-            a.synchronize()
-        except ep_a2a.RuntimeMaxMismatchError as e:
-            print("CAUGHT", e)
-        """)
-    assert "CAUGHT" in r.stdout and "differs" in r.stdout, r.stdout + r.stderr
