@@ -111,8 +111,10 @@ class MoeAlltoAll:
         self.validate_expert_ids, self.pdl, self.threads = validate_expert_ids, pdl, threads
         self.crossover_tokens = sentinel_max_tokens() if crossover_tokens is None else int(crossover_tokens)
         if not group.is_local:
+            kinds = tuple(sentinel_kind(lookup_dtype(p.dtype).name) for p in payloads)
             group.agree((max_tokens_per_rank, top_k, num_experts, combine_hidden_size, cdt.itemsize,
-                         PROTOCOLS.index(protocol)) + tuple(p.bytes_per_token for p in payloads), "MoeAlltoAll arguments")
+                         PROTOCOLS.index(protocol), self.crossover_tokens)
+                        + tuple(p.bytes_per_token for p in payloads) + kinds, "MoeAlltoAll arguments")
         self.kinds = (0,) + tuple(sentinel_kind(lookup_dtype(p.dtype).name) for p in payloads)
         pbytes = (4 * top_k,) + tuple(p.bytes_per_token for p in payloads)
         self.layout = WorkspaceLayout.build(ep, max_tokens_per_rank, top_k, pbytes, combine_hidden_size * cdt.itemsize,
@@ -241,6 +243,7 @@ class RankAlltoAll:
         self._out = DeviceAllocation(dev, a2a.max_tokens_per_rank * L.combine_bytes)
         self.steps = 0
         self._prev_early = False
+        self._prev_step_protocol = None  # every rank computes the same sequence (from T^)
         self._views = {}               # runtime max -> cached workspace views (no per-call objects)
         self._dispatched_tmax = None   # runtime_max of the dispatch awaiting its combine
         self._local_tokens = 0
@@ -303,6 +306,7 @@ class RankAlltoAll:
             d.vec = _vec(d.bytes_per_token, t.ptr)
         proto = a.protocol_for(tmax)
         launch = self._launches[proto][0]
+        p.wait_prev_combine = int(proto == "fence" and self._prev_step_protocol == "sentinel")
         if proto == "fence":
             sanitize_blocks = -(-a.ep_size * tmax * a.top_k // (a.threads * 8))
             launch.grid = self._grid(max(T, sanitize_blocks))
@@ -362,6 +366,7 @@ class RankAlltoAll:
             call(_drv.cuMemcpyDtoDAsync, dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes, s)
         self._launch(launch, s)
         self._dispatched_tmax = None
+        self._prev_step_protocol = proto
         out_t.stream = s
         return out_t
 

@@ -110,6 +110,7 @@ class A2AParams(ctypes.Structure):
         ("num_payloads", ctypes.c_int32),
         ("combine_kind", ctypes.c_int32),            # SENTINEL escape of the partial results
         ("combine_slot_bytes", ctypes.c_int32),      # SENTINEL combine slot stride
+        ("wait_prev_combine", ctypes.c_int32),       # FENCE dispatch after a SENTINEL step: wait for peers' combine
         ("trigger_early", ctypes.c_int32),           # PDL: let the next kernel launch at once (small grids)
         ("combine_splits", ctypes.c_int32),          # blocks sharing one token's reduction (small batches)
         ("payloads", PayloadDesc * MAX_PAYLOADS),

@@ -24,6 +24,14 @@ extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_co
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch) + 1;
+  // After a SENTINEL step (protocol="auto"), every target must have finished that step's
+  // combine before we write into its dispatch workspace (see the end of sentinel_combine).
+  // After a FENCE step our own combine already waited for every rank's flag.
+  if (p.wait_prev_combine) {
+    for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x)
+      wait_step(p, reinterpret_cast<const unsigned*>(ws + p.off_combine_flags) + r, step - 1, 1, r);
+    __syncthreads();
+  }
 
   // Algorithm 1, lines 2-6: pick a slot on every distinct target rank, push the token.
   for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {

@@ -154,7 +154,8 @@ extern "C" __global__ void __launch_bounds__(512) sentinel_dispatch(const __grid
     }
     __syncthreads();
     const int n = s_n;
-    for (int q = 1; q < p.num_payloads; ++q) {
+    // slots past our tokens (n == 0) send only expert ids: no payload row exists to read
+    for (int q = 1; n > 0 && q < p.num_payloads; ++q) {
       const PayloadDesc& d = p.payloads[q];
       char* dst[EP_MAX_TOP_K];
       for (int j = 0; j < n; ++j)
@@ -245,7 +246,6 @@ __device__ void sentinel_combine(const A2AParams& p) {
     for (unsigned g = threadIdx.x; g < groups; g += blockDim.x)
       dst[g] = escape4(load_group(src, p.combine_bytes, p.combine_vec, g), p.combine_kind);
   }
-  if (!p.trigger_early) griddep_launch_dependents();
 
   // Lines 15-19: poll the slots of our tokens' targets, reset them, reduce (FENCE's order).
   const int splits = p.combine_splits;
@@ -272,6 +272,28 @@ __device__ void sentinel_combine(const A2AParams& p) {
       for (unsigned g = g0 + threadIdx.x; g < g1; g += blockDim.x)
         reinterpret_cast<uint4*>(const_cast<char*>(s_src[k]))[g] = sentinel4();
     __syncthreads();
+  }
+  if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
+
+  // SENTINEL combine waits only on the ranks our tokens went to, so a rank that received
+  // nothing from us may still be reading its dispatch workspace for this step. A FENCE
+  // dispatch of the next step writes straight into that workspace, so (protocol="auto")
+  // the last block publishes "this rank is done with step `step`" as our combine flag on
+  // every peer; FENCE dispatch waits for it when the previous step was SENTINEL. The
+  // release fence orders this rank's reads of its workspace (phase 1 above, and the MoE
+  // kernels before us) before the flag.
+  __shared__ int s_last;
+  unsigned* const done = reinterpret_cast<unsigned*>(ws + p.off_done);
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (s_last && threadIdx.x < 32) {
+    ld_acquire_gpu(done);
+    fence_release_sys();
+    for (int r = threadIdx.x; r < p.ep_size; r += 32)
+      st_relaxed_sys(reinterpret_cast<unsigned*>(workspace(p, r) + p.off_combine_flags) + s, step);
+    __syncwarp();
+    if (threadIdx.x == 0) *done = 0;
   }
 }
 
