@@ -93,7 +93,7 @@ def read_records(rank_a2a, T: int) -> np.ndarray:
 
 
 def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_copy=True, verify=True,
-             alpha=1.2, invalid_fraction=0.0, payload_fn=None) -> StepReport:
+             alpha=1.2, invalid_fraction=0.0, payload_fn=None, upload=None) -> StepReport:
     """One dispatch/combine step on the ranks of `a2a` that live in this process.
 
     Every process draws the inputs of *all* ranks from `rng` (same seed everywhere in a
@@ -118,8 +118,9 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     # Every allocation and host copy happens before the first launch: in-process ranks spin
     # on each other, and a device-synchronizing call (cuMemFree, a pageable copy) issued
     # between two ranks' launches would wait for a kernel that waits for the next launch.
-    ins = {s: (from_numpy(ids_h[s], r.device, "int32"),
-               [from_numpy(x, r.device, spec.dtype) for x, spec in zip(pay_h[s], a2a.payload_specs)])
+    upload = upload or from_numpy  # (array, device, dtype) -> device tensor holding a copy
+    ins = {s: (upload(ids_h[s], r.device, "int32"),
+               [upload(x, r.device, spec.dtype) for x, spec in zip(pay_h[s], a2a.payload_specs)])
            for s, r in local.items()}
     staged = {s: from_numpy(partial_h[s], r.device, cdt) for s, r in local.items()} if not zero_copy else {}
     outs = {s: empty((tokens[s], H), cdt, r.device) for s, r in local.items()}

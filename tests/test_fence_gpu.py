@@ -158,6 +158,37 @@ def test_graph_replay_equals_eager(protocol):
         identity_step(a2a, np.random.default_rng(), [16, 3, 0, 9], 16, graph_replays=5)
 
 
+def _upload_at_end_of_mapping(keep):
+    """An uploader that places each input so it ends exactly where its VMM mapping ends:
+    a kernel reading one byte past an input faults instead of reading a neighbour."""
+    from ep_a2a.driver.memory import copy_from_numpy
+    from ep_a2a.driver.tensor import Tensor
+    from ep_a2a.driver.vmm import DeviceBuffer
+
+    def upload(array, device, dtype):
+        a = np.ascontiguousarray(array)
+        buf = DeviceBuffer(max(a.nbytes, 1), device)
+        keep.append(buf)
+        t = Tensor(buf.ptr + buf.size - a.nbytes, a.shape, dtype, device=(2, device.ordinal), owner=buf)
+        copy_from_numpy(t, a)
+        return t
+    return upload
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_no_read_past_inputs_when_tokens_below_runtime_max(protocol):
+    # ranks with fewer tokens than T^ (and none at all): no kernel may touch input rows past
+    # local_num_tokens (SENTINEL once did, for the slots it only sends expert ids for)
+    rng = np.random.default_rng()
+    group, a2a = make(4, fmt="mxfp8", hidden=200, top_k=4, max_tokens=16, protocol=protocol)
+    keep = []
+    with group, a2a:
+        run(a2a, rng, [5, 0, 16, 1], 16, upload=_upload_at_end_of_mapping(keep))
+        a2a.synchronize()
+    for b in keep:
+        b.close()
+
+
 def _run_child(code: str, timeout=120):
     env = dict(os.environ, PYTHONPATH=ROOT)
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
