@@ -160,7 +160,8 @@ def test_graph_replay_equals_eager(protocol):
 
 def _upload_at_end_of_mapping(keep):
     """An uploader that places each input so it ends exactly where its VMM mapping ends:
-    a kernel reading one byte past an input faults instead of reading a neighbour."""
+    a kernel reading past an input then normally faults (the VA after a reservation is
+    usually unmapped) instead of silently reading a neighbour."""
     from ep_a2a.driver.memory import copy_from_numpy
     from ep_a2a.driver.tensor import Tensor
     from ep_a2a.driver.vmm import DeviceBuffer
