@@ -253,11 +253,11 @@ class RankAlltoAll:
         return Tensor(self.base + offset, tuple(shape), lookup_dtype(dtype), device=(_CUDA, self.device.ordinal),
                       owner=self, stream=stream)
 
-    def dispatch_views(self, tmax: int, stream=None):
+    def dispatch_views(self, tmax: int):
         """(expert ids [ep, T^, top_k], [payload views [ep, T^, *shape]]) for runtime max T^."""
         a, L = self.a2a, self.a2a.layout
-        ids = self._view(L.off_recv[0], (a.ep_size, tmax, a.top_k), "int32", stream)
-        views = [self._view(L.off_recv[q + 1], (a.ep_size, tmax) + tuple(s.shape), s.dtype, stream)
+        ids = self._view(L.off_recv[0], (a.ep_size, tmax, a.top_k), "int32", None)
+        views = [self._view(L.off_recv[q + 1], (a.ep_size, tmax) + tuple(s.shape), s.dtype, None)
                  for q, s in enumerate(a.payload_specs)]
         return ids, views
 
@@ -341,7 +341,7 @@ class RankAlltoAll:
                  f"combine got {tmax} but the dispatch of this step used {self._dispatched_tmax}")
         s = self.default_stream if stream is None else stream_handle(stream)
         H, T = a.combine_hidden_size, self._local_tokens
-        part = self._input(partial, "partial", (H,), a.combine_dtype.name, None)
+        part = self._input(partial, "partial", (H,), a.combine_dtype.name, None, leading_dims=(1, 2))
         _require(part.shape[0] == a.ep_size * tmax or (part.ndim == 3 and part.shape[:2] == (a.ep_size, tmax)),
                  "partial", f"must be [ep_size={a.ep_size}, runtime_max_tokens_per_rank={tmax}, {H}], got {part.shape}")
         if out is None:
@@ -406,7 +406,9 @@ class RankAlltoAll:
                  "runtime_max_tokens_per_rank",
                  f"must be an int in 1..max_tokens_per_rank={self.a2a.max_tokens_per_rank}, got {tmax!r}")
 
-    def _input(self, obj, name: str, inner: tuple, dtype: str, rows) -> Tensor:
+    def _input(self, obj, name: str, inner: tuple, dtype: str, rows, leading_dims=(1,)) -> Tensor:
+        """`obj` as a Tensor, checked: dtype, this GPU, contiguous, shape [*leading, *inner]
+        with len(leading) in leading_dims, and `rows` rows when given."""
         if obj is None:
             raise TypeError(f"{name}: expected a tensor, got None")
         t = as_tensor(obj)
@@ -417,9 +419,8 @@ class RankAlltoAll:
             raise ValueError(f"{name}: must be on cuda:{self.device.ordinal} (this rank's GPU), got device {t.device}")
         if not t.is_contiguous:
             raise ValueError(f"{name}: must be contiguous (row-major), got strides {t.strides} for shape {t.shape}")
-        if name == "partial":
-            flat = t.shape[-len(inner):] == inner and t.ndim in (2, 3)
-            if not flat:
+        if leading_dims != (1,):
+            if t.ndim - len(inner) not in leading_dims or tuple(t.shape[-len(inner):]) != inner:
                 raise ValueError(f"{name}: last dimension must be {inner}, got shape {t.shape}")
             return t
         if t.ndim != 1 + len(inner) or tuple(t.shape[1:]) != inner:

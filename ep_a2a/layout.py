@@ -83,7 +83,6 @@ class A2AParams(ctypes.Structure):
     _fields_ = [
         ("peer_base", ctypes.c_uint64 * MAX_RANKS),  # every rank's workspace, as mapped here
         ("error_record", ctypes.c_uint64),           # host-mapped ErrorRecord (survives a trap)
-        ("combine_in", ctypes.c_uint64),             # unused: combine reads peers' workspaces
         ("combine_out", ctypes.c_uint64),            # [local_num_tokens, hidden] output
         ("timeout_ns", ctypes.c_uint64),
         ("off_dispatch_flags", ctypes.c_uint64),

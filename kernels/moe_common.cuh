@@ -45,8 +45,8 @@ EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token) 
 
 // Each thread loads a vector of the token once and stores it to every target (the stores
 // of one token are in flight together); U vectors per thread per round for ILP.
-// Destination of target j: dst_base[j] + dst_stride * 0 ... computed from shared arrays so
-// that no per-thread pointer array lands in local memory.
+// The distinct targets of one token: the destination of target j is computed on use from
+// the shared arrays, so that no per-thread pointer array lands in local memory.
 struct Targets {
   const unsigned long long* peer_base;  // A2AParams::peer_base
   const int* target;                    // shared: distinct target ranks of the token

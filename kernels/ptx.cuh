@@ -15,9 +15,6 @@ EP_DEVICE uint32_t ld_acquire_sys(const uint32_t* p) {
 EP_DEVICE uint64_t ld_acquire_sys(const uint64_t* p) {
   uint64_t v; asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v;
 }
-EP_DEVICE uint32_t ld_relaxed_sys(const uint32_t* p) {
-  uint32_t v; asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
-}
 EP_DEVICE uint32_t ld_acquire_gpu(const uint32_t* p) {
   uint32_t v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
@@ -34,7 +31,6 @@ EP_DEVICE void st_release_sys(uint32_t* p, uint32_t v) {
 // acq_rel fence on sm_90; it orders every prior access of this thread (and, by
 // cumulativity, every write this thread has observed) before its later writes.
 EP_DEVICE void fence_release_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
-EP_DEVICE void fence_acquire_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
 // Finished-blocks counter: release so that the block's stores are ordered before it,
 // acquire so that the last block sees every other block's (gpu scope: only our blocks).
 EP_DEVICE uint32_t atomic_add_acq_rel_gpu(uint32_t* p, uint32_t v) {

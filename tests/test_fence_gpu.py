@@ -53,21 +53,23 @@ def test_large_top_k_and_routing(top_k, route):
             run(a2a, rng, list(rng.integers(1, 129, 8)), 128, route=route, invalid_fraction=0.1)
 
 
+@pytest.mark.parametrize("protocol,route", [("fence", "zipf"), ("sentinel", "perfect")])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "nvfp4", "opaque"])
 @pytest.mark.parametrize("hidden", [7168, 200, 7])  # 7 and 200: byte counts not multiples of 16
-def test_payload_formats(fmt, hidden):
+def test_payload_formats(fmt, hidden, protocol, route):
     rng = np.random.default_rng()
-    group, a2a = make(4, fmt=fmt, hidden=hidden, top_k=6, max_tokens=64)
+    group, a2a = make(4, fmt=fmt, hidden=hidden, top_k=6, max_tokens=64, protocol=protocol)
     with group, a2a:
-        run(a2a, rng, [64, 3, 0, 17], 64, route="zipf")
+        run(a2a, rng, [64, 3, 0, 17], 64, route=route)
 
 
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
 @pytest.mark.parametrize("cdtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("zero_copy", [True, False])
-def test_combine_dtypes_random_values(cdtype, zero_copy):
+def test_combine_dtypes_random_values(cdtype, zero_copy, protocol):
     # random normals: the reference sums in the kernels' order, so even these are bitwise
     rng = np.random.default_rng()
-    group, a2a = make(8, cdtype=cdtype, hidden=520)
+    group, a2a = make(8, cdtype=cdtype, hidden=520, protocol=protocol)
     with group, a2a:
         run(a2a, rng, [33] * 8, 40, exact=False, zero_copy=zero_copy)
 

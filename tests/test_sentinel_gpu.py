@@ -18,24 +18,6 @@ def test_sizes_and_top_k(ep, top_k):
         run(a2a, rng, list(rng.integers(0, 100, ep)), 100)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "nvfp4", "opaque"])
-@pytest.mark.parametrize("hidden", [7168, 200, 7])
-def test_payload_formats(fmt, hidden):
-    rng = np.random.default_rng()
-    group, a2a = make(4, fmt=fmt, hidden=hidden, top_k=6, max_tokens=64, protocol="sentinel")
-    with group, a2a:
-        run(a2a, rng, [64, 3, 0, 17], 64, route="perfect")
-
-
-@pytest.mark.parametrize("cdtype", ["bfloat16", "float16", "float32"])
-@pytest.mark.parametrize("zero_copy", [True, False])
-def test_combine_dtypes_random_values(cdtype, zero_copy):
-    rng = np.random.default_rng()
-    group, a2a = make(8, cdtype=cdtype, hidden=520, protocol="sentinel")
-    with group, a2a:
-        run(a2a, rng, [33] * 8, 40, exact=False, zero_copy=zero_copy)
-
-
 def _adversarial(rng, spec, T):
     """Random data with a third of its 32-bit words set to sentinel-like patterns: all-ones
     (0xFFFF bf16 halves, 0xFF fp8 bytes, -1 int32, 0xFFFFFFFF fp32) and the id sentinel."""
