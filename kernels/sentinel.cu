@@ -64,9 +64,12 @@ EP_DEVICE uint4 poll_v4(const A2AParams& p, const void* a, int phase, int peer, 
   return v;
 }
 
-// Push one token's payload q (bytes) to landing slot `dst` of each target, in 16-byte
-// landing vectors: escaped words, or (KIND_RAW16) 16 data bits per landing word.
-EP_DEVICE void push_landing(const PayloadDesc& d, const unsigned char* src, char* const* dst, int n) {
+// Push one token's payload q (bytes) to the landing slot at byte `slot_offset` of each of
+// the n target workspaces, in 16-byte landing vectors: escaped words, or (KIND_RAW16) 16
+// data bits per landing word. Targets are read from shared memory, not kept in a per-thread
+// pointer array (that array spilled to a 176-byte stack frame).
+EP_DEVICE void push_landing(const A2AParams& p, const PayloadDesc& d, const unsigned char* src,
+                            const int* target, int n, size_t slot_offset) {
   const unsigned words = (d.bytes_per_token + 3) / 4;
   const bool raw = d.sentinel_kind == EP_KIND_RAW16;
   for (unsigned g = threadIdx.x; 4 * g < words; g += blockDim.x) {  // group g: words 4g..4g+3
@@ -75,13 +78,13 @@ EP_DEVICE void push_landing(const PayloadDesc& d, const unsigned char* src, char
       const uint4 lo = make_uint4(v.x & 0xFFFF, v.x >> 16, v.y & 0xFFFF, v.y >> 16);
       const uint4 hi = make_uint4(v.z & 0xFFFF, v.z >> 16, v.w & 0xFFFF, v.w >> 16);
       for (int j = 0; j < n; ++j) {
-        uint4* o = reinterpret_cast<uint4*>(dst[j]) + 2 * g;
+        uint4* o = reinterpret_cast<uint4*>(workspace(p, target[j]) + slot_offset) + 2 * g;
         o[0] = lo;
         o[1] = hi;
       }
     } else {
       v = escape4(v, d.sentinel_kind);
-      for (int j = 0; j < n; ++j) reinterpret_cast<uint4*>(dst[j])[g] = v;
+      for (int j = 0; j < n; ++j) reinterpret_cast<uint4*>(workspace(p, target[j]) + slot_offset)[g] = v;
     }
   }
 }
@@ -157,11 +160,8 @@ extern "C" __global__ void __launch_bounds__(512) sentinel_dispatch(const __grid
     // slots past our tokens (n == 0) send only expert ids: no payload row exists to read
     for (int q = 1; n > 0 && q < p.num_payloads; ++q) {
       const PayloadDesc& d = p.payloads[q];
-      char* dst[EP_MAX_TOP_K];
-      for (int j = 0; j < n; ++j)
-        dst[j] = workspace(p, s_target[j]) + d.landing_offset +
-                 (static_cast<size_t>(s) * p.max_tokens_per_rank + i) * d.landing_bytes;
-      push_landing(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, dst, n);
+      push_landing(p, d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
+                   s_target, n, d.landing_offset + (static_cast<size_t>(s) * p.max_tokens_per_rank + i) * d.landing_bytes);
     }
     for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
       const int r = x / W, k = x % W;
