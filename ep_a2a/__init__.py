@@ -3,13 +3,15 @@ symmetric memory, with the FENCE and SENTINEL synchronization protocols (paper: 
 __version__ = "0.1.0"
 
 from .driver.errors import CudaError, EpA2AError, NoDriverError  # noqa: E402
-from .errors import PeerError, PeerTimeoutError, RuntimeMaxMismatchError  # noqa: E402
+from .errors import (ActiveRanksMismatchError, PeerAbortedError, PeerError, PeerTimeoutError,  # noqa: E402
+                     RuntimeMaxMismatchError)
 from .group import LocalGroup, ProcessGroup, Rank  # noqa: E402
 from .alltoall import MoeAlltoAll, PayloadSpec, StateError  # noqa: E402
 from .bootstrap import MpiBootstrap, TorchDistributedBootstrap, UnixSocketBootstrap  # noqa: E402
 from .driver.tensor import Tensor, as_tensor  # noqa: E402
 from . import bootstrap  # noqa: E402,F401
 
-__all__ = ["CudaError", "EpA2AError", "NoDriverError", "PeerError", "PeerTimeoutError", "RuntimeMaxMismatchError",
+__all__ = ["CudaError", "EpA2AError", "NoDriverError", "PeerError", "PeerTimeoutError", "PeerAbortedError", "RuntimeMaxMismatchError",
+           "ActiveRanksMismatchError",
            "LocalGroup", "ProcessGroup", "Rank", "MoeAlltoAll", "PayloadSpec", "StateError",
            "UnixSocketBootstrap", "TorchDistributedBootstrap", "MpiBootstrap", "Tensor", "as_tensor"]

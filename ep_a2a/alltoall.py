@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import zlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,12 +27,13 @@ from .driver.stream import is_capturing, stream_handle
 from .driver.tensor import Tensor, as_dtype as lookup_dtype, as_tensor
 from .driver.vmm import HostMapped
 from .errors import error_from_record
-from .layout import (A2AParams, ErrorRecord, MAX_PAYLOADS, MAX_RANKS, MAX_TOP_K, WorkspaceLayout, align,
-                     landing_bytes, sentinel_kind)
+from .layout import (A2AParams, ErrorRecord, MAX_PAYLOADS, MAX_RANKS, MAX_TOP_K, Q8_BLOCK, TAG_TMAX_BITS,
+                     WorkspaceLayout, align, landing_bytes, sentinel_kind)
 from .tuning import sentinel_max_tokens
 from .symmetric import SymmetricWorkspace
 
 PROTOCOLS = ("fence", "sentinel", "auto")
+ON_TIMEOUT = ("trap", "abort")
 COMBINE_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 _CUDA = 2  # DLPack kDLCUDA
 
@@ -77,8 +79,19 @@ class MoeAlltoAll:
         (default: the crossover measured on the H200, ep_a2a/tuning.py), FENCE above. Both
         protocols share the step counter, so consecutive steps may use either.
       timeout_s / first_timeout_s: how long a kernel waits for a peer before it records who
-        was missing and traps; the first steps get the longer one (peers may still be
-        loading). validate_expert_ids: copy the ids to the host and check their range
+        was missing; the first steps get the longer one (peers may still be loading).
+      combine_quant: None, or "fp8": combine quantizes the partial results to float8 e4m3
+        with one fp32 scale per 128 values (hidden must be a multiple of 128) and the
+        sources pull those, dequantize and reduce in fp32: about half the combine bytes.
+        Error per value of a partial result: at most 1/16 of its 128-block's largest
+        magnitude (e4m3 keeps 3 mantissa bits). FENCE only.
+      on_timeout: "trap" (default): the kernel then traps; the CUDA context of the process is
+        lost and the next CUDA call raises, as PeerTimeoutError. "abort": the kernel tells
+        every peer to stop waiting too and returns; the context survives. The error is
+        raised by the next call on this object (dispatch, combine, synchronize,
+        check_errors) and every call after it: close the object and build a new one (the
+        workspace of an aborted step is not reusable). Results of the aborted step are
+        garbage. validate_expert_ids: copy the ids to the host and check their range
         before launching (skipped while a graph is being captured; off, out-of-range ids
         are dropped by the kernel).
     """
@@ -86,7 +99,8 @@ class MoeAlltoAll:
     def __init__(self, group, *, max_tokens_per_rank: int, top_k: int, num_experts: int, payloads=(),
                  combine_hidden_size: int, combine_dtype: str = "bfloat16", protocol: str = "fence",
                  timeout_s: float = 10.0, first_timeout_s: float = 60.0, validate_expert_ids: bool = True,
-                 pdl: bool = True, threads_per_block: int = 256, crossover_tokens: int = None):
+                 pdl: bool = True, threads_per_block: int = 256, crossover_tokens: int = None,
+                 on_timeout: str = "trap", combine_quant: str = None):
         ep = group.ep_size
         _require(1 <= ep <= MAX_RANKS, "group", f"ep_size must be in 1..{MAX_RANKS}, got {ep}")
         _require(1 <= top_k <= MAX_TOP_K, "top_k", f"must be in 1..{MAX_TOP_K}, got {top_k}")
@@ -94,6 +108,13 @@ class MoeAlltoAll:
         _require(1 <= max_tokens_per_rank < 2 ** 23, "max_tokens_per_rank", f"must be in 1..2**23-1, got {max_tokens_per_rank}")
         _require(combine_hidden_size >= 1, "combine_hidden_size", f"must be >= 1, got {combine_hidden_size}")
         _require(protocol in PROTOCOLS, "protocol", f"must be one of {PROTOCOLS}, got {protocol!r}")
+        _require(on_timeout in ON_TIMEOUT, "on_timeout", f"must be one of {ON_TIMEOUT}, got {on_timeout!r}")
+        _require(timeout_s > 0 and first_timeout_s > 0, "timeout_s", "timeouts must be > 0 seconds")
+        _require(combine_quant in (None, "fp8"), "combine_quant", f"must be None or 'fp8', got {combine_quant!r}")
+        if combine_quant:
+            _require(protocol == "fence", "combine_quant", f"'fp8' needs protocol='fence', got {protocol!r}")
+            _require(combine_hidden_size % Q8_BLOCK == 0, "combine_quant",
+                     f"'fp8' needs combine_hidden_size to be a multiple of {Q8_BLOCK}, got {combine_hidden_size}")
         cdt = lookup_dtype(combine_dtype)
         _require(cdt.name in COMBINE_DTYPES, "combine_dtype", f"must be one of {tuple(COMBINE_DTYPES)}, got {cdt.name}")
         payloads = tuple(payloads)
@@ -109,17 +130,21 @@ class MoeAlltoAll:
         self.combine_hidden_size, self.combine_dtype = combine_hidden_size, cdt
         self.timeout_s, self.first_timeout_s = timeout_s, first_timeout_s
         self.validate_expert_ids, self.pdl, self.threads = validate_expert_ids, pdl, threads
+        self.on_timeout, self.combine_quant = on_timeout, combine_quant
+        self.active_ranks = tuple(range(ep))
         self.crossover_tokens = sentinel_max_tokens() if crossover_tokens is None else int(crossover_tokens)
         if not group.is_local:
             kinds = tuple(sentinel_kind(lookup_dtype(p.dtype).name) for p in payloads)
             group.agree((max_tokens_per_rank, top_k, num_experts, combine_hidden_size, cdt.itemsize,
-                         PROTOCOLS.index(protocol), self.crossover_tokens)
+                         PROTOCOLS.index(protocol), self.crossover_tokens, int(combine_quant is not None),
+                         ON_TIMEOUT.index(on_timeout))
                         + tuple(p.bytes_per_token for p in payloads) + kinds, "MoeAlltoAll arguments")
         self.kinds = (0,) + tuple(sentinel_kind(lookup_dtype(p.dtype).name) for p in payloads)
         pbytes = (4 * top_k,) + tuple(p.bytes_per_token for p in payloads)
         self.layout = WorkspaceLayout.build(ep, max_tokens_per_rank, top_k, pbytes, combine_hidden_size * cdt.itemsize,
                                             sentinel=protocol != "fence",
-                                            landing=tuple(landing_bytes(b, k) for b, k in zip(pbytes, self.kinds)))
+                                            landing=tuple(landing_bytes(b, k) for b, k in zip(pbytes, self.kinds)),
+                                            q8_hidden=combine_hidden_size if combine_quant else 0)
         self.workspace = SymmetricWorkspace(group, self.layout.size)
         self.ranks = []
         try:
@@ -160,6 +185,27 @@ class MoeAlltoAll:
         if self.protocol != "auto":
             return self.protocol
         return "sentinel" if runtime_max_tokens_per_rank <= self.crossover_tokens else "fence"
+
+    def set_active_ranks(self, ranks) -> None:
+        """Go on without failed ranks: from the next step no kernel waits on a rank outside
+        `ranks`, and selections of its experts are dropped (counted by dropped_selections()).
+
+        Collective over the surviving ranks: every active rank must call it, with the same
+        set, between the same two steps (a rank that disagrees makes its peers' next step
+        fail with ActiveRanksMismatchError). Ranks can only be removed; to add one back,
+        build a new all-to-all. An inactive rank of this process may not dispatch any more.
+        """
+        new = tuple(sorted({int(r) for r in ranks}))
+        _require(bool(new) and all(0 <= r < self.ep_size for r in new), "ranks",
+                 f"must be a non-empty set of ranks in 0..{self.ep_size - 1}, got {ranks!r}")
+        _require(set(new) <= set(self.active_ranks), "ranks",
+                 f"can only remove ranks (active now: {list(self.active_ranks)}); rebuild to add {sorted(set(new) - set(self.active_ranks))}")
+        for r in self.ranks:
+            if r._dispatched_tmax is not None:
+                raise StateError(f"rank {r.rank}: set_active_ranks between dispatch and combine")
+        self.active_ranks = new
+        for r in self.ranks:
+            r._set_active(new)
 
     def synchronize(self) -> None:
         for r in self.ranks:
@@ -211,8 +257,9 @@ class RankAlltoAll:
         for q, b in enumerate(a2a.workspace.peers(index)):
             p.peer_base[q] = b
         p.error_record = self.error.device_ptr
-        for f in ("off_dispatch_flags", "off_tmax", "off_combine_flags", "off_epoch", "off_done", "off_counters",
-                  "off_records", "off_combine", "off_id_slots", "off_combine_slots"):
+        for f in ("off_dispatch_flags", "off_tmax", "off_combine_flags", "off_epoch", "off_done", "off_abort",
+                  "off_dropped", "off_counters", "off_records", "off_combine", "off_combine_q", "off_combine_scales",
+                  "off_id_slots", "off_combine_slots"):
             setattr(p, f, getattr(L, f))
         p.combine_bytes = L.combine_bytes
         p.rank, p.ep_size, p.top_k, p.num_experts = self.rank, a2a.ep_size, a2a.top_k, a2a.num_experts
@@ -227,10 +274,13 @@ class RankAlltoAll:
         p.combine_vec = _vec(L.combine_bytes, self.base + L.off_combine)
         p.combine_kind = sentinel_kind(a2a.combine_dtype.name)
         p.combine_slot_bytes = align(L.combine_bytes, 16)
+        p.abort_on_timeout = int(a2a.on_timeout == "abort")
+        self._set_active(a2a.active_ranks)
 
         cdt = COMBINE_DTYPES[a2a.combine_dtype.name]
         protos = ("fence", "sentinel") if a2a.protocol == "auto" else (a2a.protocol,)
-        fns = {pr: (load(pr, dev).function(f"{pr}_dispatch"), load(pr, dev).function(f"{pr}_combine_{cdt}"))
+        q8 = "q8_" if a2a.combine_quant else ""
+        fns = {pr: (load(pr, dev).function(f"{pr}_dispatch"), load(pr, dev).function(f"{pr}_combine_{q8}{cdt}"))
                for pr in protos}
         occ = min(occupancy(f, a2a.threads) for pair in fns.values() for f in pair)
         # kernels of every rank sharing this GPU spin on each other: all must be resident
@@ -248,6 +298,25 @@ class RankAlltoAll:
         self._dispatched_tmax = None   # runtime_max of the dispatch awaiting its combine
         self._local_tokens = 0
 
+    def _set_active(self, ranks) -> None:
+        words = [0] * len(self.params.active)
+        for r in ranks:
+            words[r >> 5] |= 1 << (r & 31)
+        self.params.active[:] = words
+        # 8 bits of the mask's hash ride above T^ in the step tag peers compare (bit 31 stays
+        # clear, so a tag never equals an id sentinel or -1)
+        self._tag_hi = (zlib.crc32(np.array(words, np.uint32).tobytes()) & 0xFF) << TAG_TMAX_BITS
+        self.is_active = self.rank in ranks
+
+    def dropped_selections(self) -> int:
+        """Selections this rank dropped since it was built because their expert's rank was
+        inactive (set_active_ranks). Synchronizes this rank's GPU."""
+        self._check_open()
+        self.synchronize()
+        v = np.zeros(1, np.uint32)
+        call(_drv.cuMemcpyDtoH, v.ctypes.data, self.base + self.a2a.layout.off_dropped, 4)
+        return int(v[0])
+
     # -- views into the workspace ------------------------------------------------------
     def _view(self, offset: int, shape, dtype, stream) -> Tensor:
         return Tensor(self.base + offset, tuple(shape), lookup_dtype(dtype), device=(_CUDA, self.device.ordinal),
@@ -264,6 +333,7 @@ class RankAlltoAll:
     def combine_input(self, runtime_max_tokens_per_rank: int) -> Tensor:
         """Where the MoE writes its partial results for combine: [ep_size, T^, hidden]."""
         a = self.a2a
+        self._check_open()
         self._check_tmax(runtime_max_tokens_per_rank)
         return self._view(a.layout.off_combine, (a.ep_size, runtime_max_tokens_per_rank, a.combine_hidden_size),
                           a.combine_dtype.name, None)
@@ -282,6 +352,8 @@ class RankAlltoAll:
         self._check_open()
         if self._dispatched_tmax is not None:
             raise StateError(f"rank {self.rank}: dispatch called twice without combine")
+        if not self.is_active:
+            raise StateError(f"rank {self.rank}: not an active rank (set_active_ranks({list(a.active_ranks)}))")
         tmax = runtime_max_tokens_per_rank
         self._check_tmax(tmax)
         s = self.default_stream if stream is None else stream_handle(stream)
@@ -289,6 +361,8 @@ class RankAlltoAll:
         T = ids.shape[0]
         _require(T <= tmax, "token_selected_experts",
                  f"{T} local tokens exceed runtime_max_tokens_per_rank={tmax}")
+        if not isinstance(payloads, (list, tuple)):
+            raise TypeError(f"payloads: expected a list of tensors, got {type(payloads).__name__}")
         payloads = list(payloads)
         _require(len(payloads) == len(a.payload_specs), "payloads",
                  f"expected {len(a.payload_specs)} tensors ({', '.join(p.name for p in a.payload_specs)}), got {len(payloads)}")
@@ -299,6 +373,7 @@ class RankAlltoAll:
 
         p = self.params
         p.local_num_tokens, p.runtime_max_tokens_per_rank = T, tmax
+        p.step_tag = tmax | self._tag_hi
         p.timeout_ns = int(1e9 * (a.first_timeout_s if self.steps < 4 else a.timeout_s))
         for q, t in enumerate([ids] + ins):
             d = p.payloads[q]
@@ -337,12 +412,13 @@ class RankAlltoAll:
         tmax = runtime_max_tokens_per_rank
         if self._dispatched_tmax is None:
             raise StateError(f"rank {self.rank}: combine called without a dispatch before it")
+        self._check_tmax(tmax)
         _require(tmax == self._dispatched_tmax, "runtime_max_tokens_per_rank",
                  f"combine got {tmax} but the dispatch of this step used {self._dispatched_tmax}")
         s = self.default_stream if stream is None else stream_handle(stream)
         H, T = a.combine_hidden_size, self._local_tokens
         part = self._input(partial, "partial", (H,), a.combine_dtype.name, None, leading_dims=(1, 2))
-        _require(part.shape[0] == a.ep_size * tmax or (part.ndim == 3 and part.shape[:2] == (a.ep_size, tmax)),
+        _require(part.shape[:-1] in ((a.ep_size * tmax,), (a.ep_size, tmax)),
                  "partial", f"must be [ep_size={a.ep_size}, runtime_max_tokens_per_rank={tmax}, {H}], got {part.shape}")
         if out is None:
             out_t = Tensor(self._out.ptr, (T, H), a.combine_dtype, device=(_CUDA, self.device.ordinal), owner=self._out)
@@ -354,12 +430,14 @@ class RankAlltoAll:
         # small batches: spread each token over blocks until a thread issues one round of loads
         # (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16 bytes)
         proto = self.last_protocol
-        splits = max(1, min(self.max_grid // max(T, 1), -(-a.layout.combine_bytes // vec // a.threads)))
+        units = H // 8 if a.combine_quant else a.layout.combine_bytes // vec  # a thread's share of a token
+        splits = max(1, min(self.max_grid // max(T, 1), -(-units // a.threads)))
         if proto == "sentinel" and vec != 16:
             splits = 1
         p.combine_splits = splits
         launch = self._launches[proto][1]
-        launch.grid = self._grid(max(T * splits, a.ep_size * tmax if proto == "sentinel" else 0))
+        # SENTINEL pushes and FP8 quantizes every received slot: those grids cover the slots too
+        launch.grid = self._grid(max(T * splits, a.ep_size * tmax if proto == "sentinel" or a.combine_quant else 0))
         self.device.make_current()
         dst = self.base + a.layout.off_combine
         if part.ptr != dst:  # staged: the partial results live outside the workspace
@@ -400,9 +478,11 @@ class RankAlltoAll:
     def _check_open(self) -> None:
         if self.params is None:
             raise StateError(f"rank {self.rank}: this all-to-all is closed")
+        if self.record.kind:  # a kernel gave up (abort mode): refuse every call from then on
+            self.raise_recorded()
 
     def _check_tmax(self, tmax) -> None:
-        _require(isinstance(tmax, (int, np.integer)) and 1 <= tmax <= self.a2a.max_tokens_per_rank,
+        _require(isinstance(tmax, (int, np.integer)) and not isinstance(tmax, bool) and 1 <= tmax <= self.a2a.max_tokens_per_rank,
                  "runtime_max_tokens_per_rank",
                  f"must be an int in 1..max_tokens_per_rank={self.a2a.max_tokens_per_rank}, got {tmax!r}")
 
@@ -411,7 +491,10 @@ class RankAlltoAll:
         with len(leading) in leading_dims, and `rows` rows when given."""
         if obj is None:
             raise TypeError(f"{name}: expected a tensor, got None")
-        t = as_tensor(obj)
+        try:
+            t = as_tensor(obj)
+        except TypeError as e:
+            raise TypeError(f"{name}: {e}") from None
         want = lookup_dtype(dtype)
         if t.dtype != want:
             raise TypeError(f"{name}: dtype must be {want.name}, got {t.dtype.name}")
@@ -419,6 +502,8 @@ class RankAlltoAll:
             raise ValueError(f"{name}: must be on cuda:{self.device.ordinal} (this rank's GPU), got device {t.device}")
         if not t.is_contiguous:
             raise ValueError(f"{name}: must be contiguous (row-major), got strides {t.strides} for shape {t.shape}")
+        if t.ptr % t.dtype.itemsize:  # kernels read whole elements (a DLPack byte offset can break this)
+            raise ValueError(f"{name}: data pointer 0x{t.ptr:x} is not aligned to its {t.dtype.itemsize}-byte elements")
         if leading_dims != (1,):
             if t.ndim - len(inner) not in leading_dims or tuple(t.shape[-len(inner):]) != inner:
                 raise ValueError(f"{name}: last dimension must be {inner}, got shape {t.shape}")
@@ -455,18 +540,24 @@ class RankAlltoAll:
             raise err from cause
 
     def synchronize(self) -> None:
+        """Wait for this rank's GPU; raise the PeerError a kernel recorded, if any."""
         try:
             self.device.make_current()
             call(_drv.cuCtxSynchronize)
         except CudaError as e:
             self.raise_recorded(e)
             raise
+        self.raise_recorded()
 
     def close(self) -> None:
         if self.params is None:
             return
         try:
-            self.synchronize()
+            self.device.make_current()
+            call(_drv.cuCtxSynchronize)  # a recorded PeerError was raised already; closing is allowed
+        except CudaError:
+            if not self.record.kind:
+                raise
         finally:
             self._out.close()
             self.error.close()

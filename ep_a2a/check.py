@@ -82,6 +82,7 @@ class StepReport:
     combine_rows_checked: int = 0
     mismatches: list = field(default_factory=list)
     outputs: dict = field(default_factory=dict)   # rank -> combine output (host copy)
+    expert_ids: list = field(default_factory=list)  # the routing drawn for every rank
 
 
 def read_records(rank_a2a, T: int) -> np.ndarray:
@@ -101,11 +102,14 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     combined. The stand-in MoE writes random partial results into every slot (small
     integers when `exact`, so sums are exact; random normals otherwise, still compared
     bitwise since the reference sums in the kernels' order).
+    Ranks outside a2a.active_ranks (set_active_ranks) must have 0 tokens and are not run.
     """
     ep, top_k, E = a2a.ep_size, a2a.top_k, a2a.num_experts
-    local = {r.rank: r for r in a2a.ranks}
+    active = set(a2a.active_ranks)
+    assert all(tokens[s] == 0 for s in range(ep) if s not in active), "inactive ranks have no tokens"
+    local = {r.rank: r for r in a2a.ranks if r.rank in active}
     rep = StepReport(list(tokens), runtime_max)
-    ids_h = [routing(route, rng, tokens[s], top_k, E, ep, s, alpha, invalid_fraction) for s in range(ep)]
+    ids_h = rep.expert_ids = [routing(route, rng, tokens[s], top_k, E, ep, s, alpha, invalid_fraction) for s in range(ep)]
     payload_fn = payload_fn or random_payload
     pay_h = [[payload_fn(rng, spec, tokens[s]) for spec in a2a.payload_specs] for s in range(ep)]
     H, cdt = a2a.combine_hidden_size, a2a.combine_dtype.name
@@ -144,7 +148,10 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     if verify:
         ckind = sentinel_kind(cdt)
         arrived = [ref.sentinel_escape(p.reshape(-1, H), ckind).reshape(p.shape) for p in partial_h] if sentinel else partial_h
-        want = ref.combine(arrived, [records.get(s, np.full((tokens[s], top_k, 2), -1)) for s in range(ep)], cdt)
+        in_dtype = None
+        if a2a.combine_quant == "fp8":
+            arrived, in_dtype = [ref.q8_roundtrip(ref.to_float32(p, cdt)) for p in arrived], "float32"
+        want = ref.combine(arrived, [records.get(s, np.full((tokens[s], top_k, 2), -1)) for s in range(ep)], cdt, in_dtype)
         for s in local:
             got = rep.outputs[s] = to_numpy(outs[s])
             if not np.array_equal(got.view(np.uint8), want[s].view(np.uint8)):
@@ -168,7 +175,7 @@ def _check_dispatch(a2a, rep, ids_h, pay_h, records, views, sentinel: bool) -> N
     token i for SENTINEL), bitwise in every payload; every other slot carries expert id -1.
     The records of local sources name the reference's target ranks."""
     ep, T_hat = a2a.ep_size, rep.runtime_max
-    received, ref_records = ref.dispatch(ids_h, pay_h, ep, a2a.num_experts, T_hat)
+    received, ref_records = ref.dispatch(ids_h, pay_h, ep, a2a.num_experts, T_hat, set(a2a.active_ranks))
     for s, rec in records.items():
         if not np.array_equal(rec[..., 0], ref_records[s][..., 0]):
             rep.mismatches.append(f"rank {s}: target ranks of its selections differ from the reference")

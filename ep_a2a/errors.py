@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .driver.errors import EpA2AError
-from .layout import ERR_TIMEOUT, ERR_TMAX_MISMATCH, PHASE_NAMES
+from .layout import ERR_PEER_ABORTED, ERR_TIMEOUT, ERR_TMAX_MISMATCH, PHASE_NAMES, TAG_TMAX_BITS
 
 
 class PeerError(EpA2AError):
@@ -10,7 +10,8 @@ class PeerError(EpA2AError):
 
     Attributes: rank (who waited), phase ('dispatch', 'combine', ...), peer (for whom),
     epoch (the step), observed/expected (what the flag read and what it needed).
-    The CUDA context of the process is lost after such a trap: tear down and restart.
+    With on_timeout="trap" the CUDA context of the process is lost: tear down and restart.
+    With on_timeout="abort" it survives: close the all-to-all and build a new one.
     """
 
     def __init__(self, rec, message: str):
@@ -24,15 +25,32 @@ class PeerTimeoutError(PeerError, TimeoutError):
     pass
 
 
+class PeerAbortedError(PeerError):
+    """on_timeout="abort": another rank gave up (`peer`), so this one stopped waiting too."""
+
+
 class RuntimeMaxMismatchError(PeerError):
     """Ranks passed different runtime_max_tokens_per_rank in one step."""
 
 
+class ActiveRanksMismatchError(PeerError):
+    """Ranks used different active-rank sets (set_active_ranks) in one step."""
+
+
 def error_from_record(rec):
+    phase = PHASE_NAMES.get(rec.phase, rec.phase)
     if rec.kind == ERR_TIMEOUT:
-        return PeerTimeoutError(rec, f"rank {rec.rank} timed out in {PHASE_NAMES.get(rec.phase, rec.phase)} "
+        return PeerTimeoutError(rec, f"rank {rec.rank} timed out in {phase} "
                                 f"waiting for rank {rec.peer} at step {rec.epoch} (its flag read {rec.observed})")
-    if rec.kind == ERR_TMAX_MISMATCH:
+    if rec.kind == ERR_PEER_ABORTED:
+        return PeerAbortedError(rec, f"rank {rec.rank} stopped waiting in {phase} at step {rec.epoch}: "
+                                f"rank {rec.peer} gave up on a peer (on_timeout='abort')")
+    if rec.kind == ERR_TMAX_MISMATCH:  # observed/expected are step tags: T^ | mask hash above
+        low = (1 << TAG_TMAX_BITS) - 1
+        theirs, ours = rec.observed & low, rec.expected & low
+        if theirs == ours:
+            return ActiveRanksMismatchError(rec, f"active ranks differ between ranks at step {rec.epoch}: rank "
+                                            f"{rec.peer} did not call set_active_ranks with the same set as rank {rec.rank}")
         return RuntimeMaxMismatchError(rec, f"runtime_max_tokens_per_rank differs between ranks at step {rec.epoch}: "
-                                       f"rank {rec.rank} used {rec.expected}, rank {rec.peer} used {rec.observed}")
+                                       f"rank {rec.rank} used {ours}, rank {rec.peer} used {theirs}")
     return None

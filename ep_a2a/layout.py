@@ -9,9 +9,10 @@ sections (each 256-byte aligned; offsets identical on every rank):
 
   sync        peers write here: dispatch flags u64[ep_size] (step << 32 | slot count),
               the sender's runtime_max_tokens_per_rank u32[ep_size], combine flags
-              u32[ep_size]; SENTINEL adds nothing here.
-  local       this rank only: step counter (epoch), finished-blocks counter, slot counters
-              u32[ep_size], and the (target rank, slot) record of every selection
+              u32[ep_size]; the abort word (0, or 1 + the rank that gave up: abort mode
+              only, written by whichever rank timed out first). SENTINEL adds nothing here.
+  local       this rank only: step counter (epoch), finished-blocks counter, count of
+              selections dropped because their rank was inactive, slot counters u32[ep_size], and the (target rank, slot) record of every selection
               i32[max_tokens_per_rank][top_k].
   recv[p]     dispatch workspace of payload p: ep_size regions of runtime_max_tokens_per_rank
               slots, packed with that runtime stride (so views are contiguous), sized for
@@ -19,6 +20,9 @@ sections (each 256-byte aligned; offsets identical on every rank):
   combine     combine workspace: [ep_size, T^, combine bytes]. Its offset depends only on
               construction arguments, never on runtime_max_tokens_per_rank: a later dispatch
               must never overwrite combine data a peer may still be reading.
+  combine_q   FP8 combine only: e4m3 copies of the partial results [ep_size, T^, hidden]
+              and their fp32 scales [ep_size, T^, hidden / 128] (quantized by combine,
+              pulled by the sources: half the bytes of bf16 over NVLink).
   SENTINEL    landing[p] [ep_size][max][landing_bytes(p)], expert-id slots
               I[2][ep_size][max][top_k + 1] (the ids, then the sender's T^), combine slots
               M[max][ep_size][round16(combine bytes)]: all initialised to their sentinel.
@@ -63,7 +67,11 @@ def landing_bytes(bytes_per_token: int, kind: int) -> int:
     return 2 * b if kind == KIND_RAW16 else b
 
 # error-record kinds and phases (host-mapped memory, read after a trap)
-ERR_TIMEOUT, ERR_TMAX_MISMATCH = 1, 2
+ERR_TIMEOUT, ERR_TMAX_MISMATCH, ERR_PEER_ABORTED = 1, 2, 3
+# SENTINEL's id slots and FENCE's T^ words carry a step tag: T^ (< 2**23) in the low bits and
+# 9 bits of the active-rank mask's hash above, so a rank can tell both mismatches apart.
+TAG_TMAX_BITS = 23
+Q8_BLOCK = 128  # FP8 combine: values per fp32 scale
 PHASE_NAMES = {1: "dispatch", 2: "combine", 3: "sentinel-dispatch", 4: "sentinel-combine"}
 
 
@@ -90,9 +98,13 @@ class A2AParams(ctypes.Structure):
         ("off_combine_flags", ctypes.c_uint64),
         ("off_epoch", ctypes.c_uint64),
         ("off_done", ctypes.c_uint64),
+        ("off_abort", ctypes.c_uint64),
+        ("off_dropped", ctypes.c_uint64),
         ("off_counters", ctypes.c_uint64),
         ("off_records", ctypes.c_uint64),
         ("off_combine", ctypes.c_uint64),
+        ("off_combine_q", ctypes.c_uint64),          # FP8 combine: e4m3 partial results [ep, T^, hidden]
+        ("off_combine_scales", ctypes.c_uint64),     # FP8 combine: fp32 scale per 128 values [ep, T^, hidden/128]
         ("off_id_slots", ctypes.c_uint64),           # SENTINEL expert-id slots (two sets)
         ("off_combine_slots", ctypes.c_uint64),      # SENTINEL combine slots
         ("combine_bytes", ctypes.c_uint32),          # hidden * element size
@@ -112,6 +124,9 @@ class A2AParams(ctypes.Structure):
         ("wait_prev_combine", ctypes.c_int32),       # FENCE dispatch after a SENTINEL step: wait for peers' combine
         ("trigger_early", ctypes.c_int32),           # PDL: let the next kernel launch at once (small grids)
         ("combine_splits", ctypes.c_int32),          # blocks sharing one token's reduction (small batches)
+        ("abort_on_timeout", ctypes.c_int32),        # 1: a failed wait records, tells the peers and returns; 0: traps
+        ("step_tag", ctypes.c_uint32),               # T^ | mask hash << TAG_TMAX_BITS: what peers must agree on
+        ("active", ctypes.c_uint32 * ((MAX_RANKS + 31) // 32)),  # bit r: rank r takes part (active-rank mask)
         ("payloads", PayloadDesc * MAX_PAYLOADS),
     ]
 
@@ -119,7 +134,7 @@ class A2AParams(ctypes.Structure):
 class ErrorRecord(ctypes.Structure):
     """What a kernel leaves for the host before it traps (or, in abort mode, returns)."""
     _fields_ = [
-        ("kind", ctypes.c_uint32),       # 0: none, ERR_TIMEOUT, ERR_TMAX_MISMATCH
+        ("kind", ctypes.c_uint32),       # 0: none, ERR_TIMEOUT, ERR_TMAX_MISMATCH, ERR_PEER_ABORTED
         ("rank", ctypes.c_int32),        # the rank that waited
         ("phase", ctypes.c_int32),       # PHASE_NAMES
         ("peer", ctypes.c_int32),        # the rank it waited for
@@ -148,10 +163,14 @@ class WorkspaceLayout:
     off_combine_flags: int = 0
     off_epoch: int = 0
     off_done: int = 0
+    off_abort: int = 0
+    off_dropped: int = 0
     off_counters: int = 0
     off_records: int = 0
     off_recv: tuple = ()
     off_combine: int = 0
+    off_combine_q: int = 0
+    off_combine_scales: int = 0
     off_landing: tuple = ()
     off_id_slots: int = 0
     off_combine_slots: int = 0
@@ -160,9 +179,10 @@ class WorkspaceLayout:
 
     @classmethod
     def build(cls, ep_size, max_tokens_per_rank, top_k, payload_bytes, combine_bytes, sentinel=True,
-              landing=None):
+              landing=None, q8_hidden=0):
         """landing: bytes of each payload's SENTINEL landing slot (landing_bytes()); payload 0,
-        the expert ids, travels in the id slots instead."""
+        the expert ids, travels in the id slots instead. q8_hidden: hidden size of an FP8
+        combine (0: none)."""
         P, T = ep_size, max_tokens_per_rank
         o = {}
         cur = 0
@@ -178,10 +198,15 @@ class WorkspaceLayout:
         take("off_combine_flags", 4 * P)
         take("off_epoch", 4)
         take("off_done", 4)
+        take("off_abort", 4)
+        take("off_dropped", 4)
         take("off_counters", 4 * P)
         take("off_records", 4 * T * top_k)
         recv = tuple(take(f"recv{i}", P * T * b) for i, b in enumerate(payload_bytes))
         take("off_combine", P * T * combine_bytes)
+        if q8_hidden:
+            take("off_combine_q", P * T * q8_hidden)
+            take("off_combine_scales", P * T * (q8_hidden // Q8_BLOCK) * 4)
         off_landing, ids, cslots = (), 0, 0
         if sentinel:
             landing_b = landing or tuple(landing_bytes(b, KIND_RAW16) for b in payload_bytes)
@@ -235,7 +260,8 @@ def c_header() -> str:
     consts = {"KIND_RAW16": KIND_RAW16, "KIND_F16": KIND_F16, "KIND_F32": KIND_F32, "KIND_F8": KIND_F8,
               "MAX_RANKS": MAX_RANKS, "MAX_PAYLOADS": MAX_PAYLOADS, "MAX_TOP_K": MAX_TOP_K,
               "SENTINEL_WORD": f"0x{SENTINEL_WORD:08X}u", "SENTINEL_IDS": f"0x{SENTINEL_IDS:08X}u",
-              "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_TMAX_MISMATCH": ERR_TMAX_MISMATCH}
+              "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_TMAX_MISMATCH": ERR_TMAX_MISMATCH,
+              "ERR_PEER_ABORTED": ERR_PEER_ABORTED, "TAG_TMAX_BITS": TAG_TMAX_BITS, "Q8_BLOCK": Q8_BLOCK}
     parts = ["// Generated by `python -m ep_a2a.layout --header` from ep_a2a/layout.py. Do not edit.",
              "#pragma once"]
     parts += [f"#define EP_{k} {v}" for k, v in consts.items()]

@@ -21,7 +21,16 @@ def targets_of(ids_row: np.ndarray, owner: np.ndarray) -> list:
     return out
 
 
-def dispatch(expert_ids, payloads, ep_size: int, num_experts: int, runtime_max_tokens_per_rank: int):
+def dropped_selections(expert_ids, num_experts: int, ep_size: int, active) -> int:
+    """Selections whose expert lives on a rank outside `active` (what dispatch drops)."""
+    owner = expert_owner(num_experts, ep_size)
+    out = set(range(ep_size)) - set(active)
+    return int(sum(sum(1 for e in row if 0 <= e < num_experts and int(owner[e]) in out)
+                   for ids in expert_ids for row in ids))
+
+
+def dispatch(expert_ids, payloads, ep_size: int, num_experts: int, runtime_max_tokens_per_rank: int,
+             active=None):
     """expert_ids[s]: int32 [T_s, top_k]; payloads[s]: list of arrays [T_s, ...] of rank s.
 
     Returns (received, records):
@@ -32,6 +41,7 @@ def dispatch(expert_ids, payloads, ep_size: int, num_experts: int, runtime_max_t
       where it sends nothing (invalid id or a rank the token already reaches).
     Slot j of region s on rank t is the j-th token of s (in token order) that reaches t:
     SENTINEL's order when every token is sent; FENCE fills the same set in any order.
+    active: ranks taking part (default all); selections of other ranks' experts are dropped.
     """
     owner = expert_owner(num_experts, ep_size)
     tmax = runtime_max_tokens_per_rank
@@ -55,7 +65,7 @@ def dispatch(expert_ids, payloads, ep_size: int, num_experts: int, runtime_max_t
                 if not 0 <= e < num_experts:
                     continue
                 t = int(owner[e])
-                if t in seen:
+                if t in seen or (active is not None and t not in active):
                     continue
                 r = received[t]
                 slot = int(r["counts"][s])
@@ -83,9 +93,10 @@ def tree_sum(vectors: list, width: int) -> np.ndarray:
     return acc
 
 
-def combine(partials, records, dtype) -> list:
+def combine(partials, records, dtype, in_dtype=None) -> list:
     """partials[t]: [ep, T^, hidden] partial results on target t (numpy, any float dtype,
-    bfloat16 given as uint16 bits with dtype='bfloat16'); records from dispatch().
+    bfloat16 given as uint16 bits with dtype='bfloat16'; in_dtype when they differ from the
+    output's, e.g. float32 after q8_roundtrip); records from dispatch().
     Returns, per source rank, its [T_s, hidden] output in `dtype` (uint16 bits for bf16)."""
     out = []
     for s, rec in enumerate(records):
@@ -93,10 +104,33 @@ def combine(partials, records, dtype) -> list:
         hidden = partials[0].shape[-1]
         res = np.zeros((T, hidden), np.float32)
         for i in range(T):
-            vecs = [to_float32(partials[t][s, slot], dtype) for t, slot in rec[i] if t >= 0]
+            vecs = [to_float32(partials[t][s, slot], in_dtype or dtype) for t, slot in rec[i] if t >= 0]
             res[i] = tree_sum(vecs, hidden)
         out.append(from_float32(res, dtype))
     return out
+
+
+def e4m3_round(y: np.ndarray) -> np.ndarray:
+    """fp32 -> the nearest float8 e4m3fn value (ties to even), saturated at +-448, as fp32
+    (the value of cvt.rn.satfinite.e4m3x2.f32). NaN stays NaN."""
+    y = np.asarray(y, np.float32)
+    a = np.abs(y)
+    _, e = np.frexp(a)                                   # a = m * 2**e, m in [0.5, 1)
+    quantum = np.where(a >= 2.0 ** -6, np.ldexp(np.float32(1), e - 4), np.float32(2.0 ** -9)).astype(np.float32)
+    q = np.minimum(np.rint(a / quantum) * quantum, np.float32(448)).astype(np.float32)
+    return np.copysign(q, y).astype(np.float32)
+
+
+def q8_roundtrip(x: np.ndarray, block: int = 128) -> np.ndarray:
+    """What the FP8 combine delivers of partial rows x (fp32 [..., hidden]): per block of
+    `block` values, scale = amax / 448 (1 for an all-zero block; NaNs ignored by amax, as
+    fmaxf does), q = e4m3(x / scale), returned dequantized: q * scale, in fp32."""
+    x = np.asarray(x, np.float32)
+    b = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+    amax = np.fmax.reduce(np.abs(b), axis=-1, keepdims=True)
+    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+    with np.errstate(invalid="ignore"):
+        return (e4m3_round(b / scale) * scale).astype(np.float32).reshape(x.shape)
 
 
 def to_float32(x: np.ndarray, dtype) -> np.ndarray:

@@ -28,8 +28,7 @@ extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_co
   // combine before we write into its dispatch workspace (see the end of sentinel_combine).
   // After a FENCE step our own combine already waited for every rank's flag.
   if (p.wait_prev_combine) {
-    for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x)
-      wait_step(p, reinterpret_cast<const unsigned*>(ws + p.off_combine_flags) + r, step - 1, 1, r);
+    wait_steps(p, p.off_combine_flags, step - 1, 1);
     __syncthreads();
   }
 
@@ -73,15 +72,15 @@ extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_co
   __syncthreads();
   if (s_last && threadIdx.x < 32) {
     ld_acquire_gpu(done);  // every publishing lane acquires, not only thread 0
-    for (int r = threadIdx.x; r < p.ep_size; r += 32) {
-      reinterpret_cast<unsigned*>(workspace(p, r) + p.off_tmax)[s] = tmax;
-    }
+    for (int r = threadIdx.x; r < p.ep_size; r += 32)
+      if (rank_active(p, r)) reinterpret_cast<unsigned*>(workspace(p, r) + p.off_tmax)[s] = p.step_tag;
     fence_release_sys();
     for (int r = threadIdx.x; r < p.ep_size; r += 32) {
       const unsigned c = cnt[r];
       cnt[r] = 0;
-      st_relaxed_sys(reinterpret_cast<uint64_t*>(workspace(p, r) + p.off_dispatch_flags) + s,
-                     (static_cast<uint64_t>(step) << 32) | c);
+      if (rank_active(p, r))
+        st_relaxed_sys(reinterpret_cast<uint64_t*>(workspace(p, r) + p.off_dispatch_flags) + s,
+                       (static_cast<uint64_t>(step) << 32) | c);
     }
     if (threadIdx.x == 0) {
       *done = 0;
@@ -90,17 +89,20 @@ extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_co
   }
 
   // Line 11, in every block (the sanitize below is spread over the grid): wait for the
-  // flags of all source ranks; each carries that source's slot count for our region.
+  // flags of all active source ranks; each carries that source's slot count for our region
+  // (an inactive rank sent nothing: count 0). After a failed wait (abort mode) the count is
+  // the previous step's, bounded by max_tokens_per_rank like every count.
   for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) {
+    s_count[r] = 0;
+    if (!rank_active(p, r)) continue;
     const uint64_t* f = reinterpret_cast<const uint64_t*>(ws + p.off_dispatch_flags) + r;
     Deadline dl;
     uint64_t v;
     while (static_cast<int>(static_cast<unsigned>((v = ld_acquire_sys(f)) >> 32) - step) < 0)
-      if (dl.expired(p.timeout_ns)) fail_and_trap(p, EP_ERR_TIMEOUT, 1, r, step, unsigned(v >> 32), step);
-    s_count[r] = static_cast<unsigned>(v);
-    const unsigned peer_tmax = reinterpret_cast<const unsigned*>(ws + p.off_tmax)[r];
-    if (peer_tmax != static_cast<unsigned>(tmax))
-      fail_and_trap(p, EP_ERR_TMAX_MISMATCH, 1, r, step, peer_tmax, tmax);
+      if (dl.give_up(p, 1, r, step, unsigned(v >> 32), step)) break;
+    s_count[r] = min(static_cast<unsigned>(v), static_cast<unsigned>(tmax));
+    const unsigned peer_tag = reinterpret_cast<const unsigned*>(ws + p.off_tmax)[r];
+    if (peer_tag != p.step_tag) report_failure(p, EP_ERR_TMAX_MISMATCH, 1, r, step, peer_tag, p.step_tag);
   }
   __syncthreads();
   // With large grids the next kernel may launch only now: its blocks then wait on work that
@@ -119,10 +121,35 @@ extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_co
   }
 }
 
-// Lines 16-23. T: the element type of the partial results (bf16, fp16, fp32).
+// combine_quant: quantize the partial results of every slot that holds a token (FP8 e4m3 +
+// per-128 scales, moe_common.cuh) into the combine_q section, where the sources pull them.
+// The last block to finish publishes, as dispatch does (the same cumulativity argument).
 template <typename T>
+EP_DEVICE void quantize_partials(const A2AParams& p, char* ws, int tmax, bool& last) {
+  __shared__ int s_last;
+  const int* const ids = reinterpret_cast<const int*>(ws + p.payloads[0].recv_offset);
+  const unsigned H = p.combine_bytes / sizeof(T);
+  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) {
+    const int has = threadIdx.x < p.top_k && ids[static_cast<size_t>(w) * p.top_k + threadIdx.x] != -1;
+    if (!__syncthreads_or(has)) continue;
+    quantize_row_q8<T>(reinterpret_cast<const T*>(ws + p.off_combine) + static_cast<size_t>(w) * H, H,
+                       reinterpret_cast<unsigned char*>(ws + p.off_combine_q) + static_cast<size_t>(w) * H,
+                       reinterpret_cast<float*>(ws + p.off_combine_scales) + static_cast<size_t>(w) * (H / EP_Q8_BLOCK));
+  }
+  __syncthreads();
+  unsigned* const done = reinterpret_cast<unsigned*>(ws + p.off_done);
+  if (threadIdx.x == 0) s_last = atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  last = s_last;
+  if (last && threadIdx.x == 0) ld_acquire_gpu(done);
+}
+
+// Lines 16-23. T: the element type of the partial results (bf16, fp16, fp32); Q8: pull
+// FP8 copies of them (combine_quant; its own kernels, so the plain path keeps its registers).
+template <typename T, bool Q8>
 __device__ void fence_combine(const A2AParams& p) {
   __shared__ const char* s_src[EP_MAX_TOP_K];
+  __shared__ const char* s_scale[EP_MAX_TOP_K];
   __shared__ int s_n;
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
   char* const ws = workspace(p, s);
@@ -132,36 +159,53 @@ __device__ void fence_combine(const A2AParams& p) {
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch);
 
-  if (blockIdx.x == 0 && threadIdx.x < 32) {
-    // Our partial results were written by earlier kernels of this stream (MoE compute or the
-    // staging copy); the release fence makes them visible to peers before our flag is.
+  // Who publishes: block 0 at once (our partial results were written by earlier kernels of
+  // this stream: MoE compute or the staging copy), or, quantizing, the last block.
+  bool publish = blockIdx.x == 0;
+  if constexpr (Q8) quantize_partials<T>(p, ws, tmax, publish);
+  if (publish && threadIdx.x < 32) {
+    // the release fence makes the partial results visible to peers before our flag is
     fence_release_sys();
     for (int r = threadIdx.x; r < p.ep_size; r += 32)
-      st_relaxed_sys(reinterpret_cast<unsigned*>(workspace(p, r) + p.off_combine_flags) + s, step);
+      if (rank_active(p, r)) st_relaxed_sys(reinterpret_cast<unsigned*>(workspace(p, r) + p.off_combine_flags) + s, step);
+    if (Q8 && threadIdx.x == 0) *reinterpret_cast<unsigned*>(ws + p.off_done) = 0;
   }
-  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x)
-    wait_step(p, reinterpret_cast<const unsigned*>(ws + p.off_combine_flags) + r, step, 2, r);
+  wait_steps(p, p.off_combine_flags, step, 2);
   __syncthreads();  // the pollers' acquires order the whole block's pulls (bar.sync is cumulative)
   if (!p.trigger_early) griddep_launch_dependents();
 
   // Work item w: token w / splits, slice w % splits of its vectors (small batches spread a
   // token over several blocks so each thread issues one round of loads).
   const int splits = p.combine_splits;
-  const unsigned nvec = p.combine_bytes / p.combine_vec;
+  const unsigned H = p.combine_bytes / sizeof(T);
+  const unsigned nvec = Q8 ? H / 8 : p.combine_bytes / p.combine_vec;
   for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
     const int i = w / splits, part = w % splits;
-    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
-      return workspace(p, t) + p.off_combine + (static_cast<size_t>(s) * tmax + slot) * p.combine_bytes;
-    }, s_src, nullptr, &s_n);
-    __syncthreads();
     const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
-    reduce_token<T>(p.combine_vec, s_src, s_n,
-                    reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes,
-                    v0, v1);
+    char* const out = reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes;
+    if constexpr (Q8) {
+      collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+        return workspace(p, t) + p.off_combine_q + (static_cast<size_t>(s) * tmax + slot) * H;
+      }, s_src, nullptr, &s_n);
+      collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+        return workspace(p, t) + p.off_combine_scales + (static_cast<size_t>(s) * tmax + slot) * (H / EP_Q8_BLOCK) * 4;
+      }, s_scale, nullptr, &s_n);
+      __syncthreads();
+      reduce_q8<T>(s_src, s_scale, s_n, reinterpret_cast<T*>(out), v0, v1);
+    } else {
+      collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+        return workspace(p, t) + p.off_combine + (static_cast<size_t>(s) * tmax + slot) * p.combine_bytes;
+      }, s_src, nullptr, &s_n);
+      __syncthreads();
+      reduce_token<T>(p.combine_vec, s_src, s_n, out, v0, v1);
+    }
     __syncthreads();
   }
 }
 
-extern "C" __global__ void __launch_bounds__(512) fence_combine_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16>(p); }
-extern "C" __global__ void __launch_bounds__(512) fence_combine_f16(const __grid_constant__ A2AParams p) { fence_combine<__half>(p); }
-extern "C" __global__ void __launch_bounds__(512) fence_combine_f32(const __grid_constant__ A2AParams p) { fence_combine<float>(p); }
+extern "C" __global__ void __launch_bounds__(512) fence_combine_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, false>(p); }
+extern "C" __global__ void __launch_bounds__(512) fence_combine_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, false>(p); }
+extern "C" __global__ void __launch_bounds__(512) fence_combine_f32(const __grid_constant__ A2AParams p) { fence_combine<float, false>(p); }
+extern "C" __global__ void __launch_bounds__(512) fence_combine_q8_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, true>(p); }
+extern "C" __global__ void __launch_bounds__(512) fence_combine_q8_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, true>(p); }
+extern "C" __global__ void __launch_bounds__(512) fence_combine_q8_f32(const __grid_constant__ A2AParams p) { fence_combine<float, true>(p); }

@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include "ptx.cuh"
 
 // Experts are split over ranks in contiguous blocks; the first `experts_remainder` ranks
@@ -28,16 +29,22 @@ template <> struct VecT<1> { using T = unsigned char; };
 
 // Warp 0 of a block turns token i's top_k expert ids into its distinct target ranks, in
 // the order of their first selection. Returns, in lanes < top_k, this selection's target
-// or -1, and whether this lane is the first selection of its target.
+// or -1, and whether this lane is the first selection of its target. Selections of experts
+// on inactive ranks are dropped and counted in our `dropped` word (the host reports it).
 struct Selection { int target; bool first; unsigned firsts; };
 EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token) {
   const int lane = threadIdx.x & 31;
   int t = -1;
+  bool inactive = false;
   if (lane < p.top_k) {
     const int e = ids_of_token[lane];
     // ids past num_experts (only possible when the host check is off) are dropped, never followed
     t = (e >= 0 && e < p.num_experts) ? rank_of_expert(p, e) : -1;
+    if (t >= 0 && !rank_active(p, t)) { t = -1; inactive = true; }
   }
+  const unsigned lost = __ballot_sync(0xffffffffu, inactive);
+  if (lost && lane == 0)
+    atomicAdd(reinterpret_cast<unsigned*>(reinterpret_cast<char*>(p.peer_base[p.rank]) + p.off_dropped), __popc(lost));
   const unsigned same = __match_any_sync(0xffffffffu, t);
   const bool first = lane < p.top_k && t >= 0 && (__ffs(same) - 1) == lane;
   return {t, first, __ballot_sync(0xffffffffu, first)};
@@ -154,6 +161,76 @@ EP_DEVICE void reduce_token(unsigned vec, const char* const* src, int n, char* o
   }
 }
 
+// ---- FP8 combine (combine_quant): e4m3 partial results with one fp32 scale per 128 values.
+// A warp quantizes one 128-value block: 4 values a lane, scale = amax / 448 (the largest
+// finite e4m3), q = e4m3(x / scale) rounded to nearest even and saturated; an all-zero block
+// gets scale 1. Division and conversion are exactly rounded, so reference.py reproduces
+// every byte. Dequantization is e4m3 -> fp32 (exact) times the scale. EP_Q8_BLOCK: layout.py.
+template <typename T>
+EP_DEVICE void quantize_row_q8(const T* x, unsigned n, unsigned char* q, float* scales) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (unsigned b = warp; b < n / EP_Q8_BLOCK; b += warps) {
+    float v[4];
+    float amax = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      v[e] = to_float<T>(x[b * EP_Q8_BLOCK + 4 * lane + e]);
+      amax = fmaxf(amax, fabsf(v[e]));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+    unsigned packed = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      packed |= unsigned(__nv_cvt_float_to_fp8(__fdiv_rn(v[e], scale), __NV_SATFINITE, __NV_E4M3)) << (8 * e);
+    reinterpret_cast<unsigned*>(q + b * EP_Q8_BLOCK)[lane] = packed;
+    if (lane == 0) scales[b] = scale;
+  }
+}
+
+EP_DEVICE float q8_to_float(unsigned char b) {
+  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
+}
+
+// The FP8 variant of reduce_vectors: thread unit v = 8 values (8 bytes of e4m3 from each
+// source, one scale); same tree over groups of 8 sources, same fp32 order.
+template <typename T>
+EP_DEVICE void reduce_q8(const char* const* q, const char* const* sc_ptr, int n, T* out, unsigned v0, unsigned v1) {
+  for (unsigned v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
+    float acc[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int c = 0; c < n || c == 0; c += 8) {
+      uint2 raw[8];
+      float sc[8];
+#pragma unroll
+      for (int k = 0; k < 8; ++k) {
+        raw[k] = make_uint2(0, 0);
+        sc[k] = 0.f;
+        if (c + k < n) {
+          raw[k] = __ldcg(reinterpret_cast<const uint2*>(q[c + k]) + v);
+          sc[k] = __ldcg(reinterpret_cast<const float*>(sc_ptr[c + k]) + v * 8 / EP_Q8_BLOCK);
+        }
+      }
+      // one value at a time keeps 8 dequantized floats live, not 64
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        float x[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          const unsigned w = e < 4 ? raw[k].x : raw[k].y;
+          x[k] = c + k < n ? __fmul_rn(q8_to_float(static_cast<unsigned char>(w >> (8 * (e & 3)))), sc[k]) : 0.f;
+        }
+        const float t = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
+        acc[e] = (c == 0) ? t : acc[e] + t;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) out[8 * v + e] = from_float<T>(acc[e]);
+  }
+}
+
 // Warp 0: the targets recorded for token i by dispatch, in the order of their first
 // selection, into shared memory: src[j] = where(target, slot) and tgt[j] = target.
 // Returns nothing; *n (shared) gets the count. The caller synchronizes the block.
@@ -171,11 +248,18 @@ EP_DEVICE void collect_sources(const int* records, int top_k, int i, Where where
   if (lane == 0) *n = __popc(valid);
 }
 
-// Spin until a peer's 32-bit step word reaches `step` (wrap-safe), or trap with a record.
+// Spin until a peer's 32-bit step word reaches `step` (wrap-safe), or fail with a record.
 EP_DEVICE uint32_t wait_step(const A2AParams& p, const uint32_t* flag, uint32_t step, int phase, int peer) {
   Deadline dl;
   uint32_t v;
   while (static_cast<int>((v = ld_acquire_sys(flag)) - step) < 0)
-    if (dl.expired(p.timeout_ns)) fail_and_trap(p, EP_ERR_TIMEOUT, phase, peer, step, v, step);
+    if (dl.give_up(p, phase, peer, step, v, step)) break;
   return v;
+}
+
+// Thread-strided over the active ranks only: an inactive rank is never waited for.
+EP_DEVICE void wait_steps(const A2AParams& p, unsigned off_flags, uint32_t step, int phase) {
+  const unsigned* f = reinterpret_cast<const unsigned*>(reinterpret_cast<char*>(p.peer_base[p.rank]) + off_flags);
+  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x)
+    if (rank_active(p, r)) wait_step(p, f + r, step, phase, r);
 }

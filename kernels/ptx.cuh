@@ -54,9 +54,19 @@ EP_DEVICE void griddep_launch_dependents() {
 #endif
 }
 
+EP_DEVICE bool rank_active(const A2AParams& p, int r) { return (p.active[r >> 5] >> (r & 31)) & 1u; }
+EP_DEVICE unsigned* abort_word(const A2AParams& p, int r) {
+  return reinterpret_cast<unsigned*>(reinterpret_cast<char*>(p.peer_base[r]) + p.off_abort);
+}
+
 // Record why a wait failed where the host can read it even after the context is lost
-// (host-mapped pinned memory), then trap. The first failing thread wins the record.
-EP_DEVICE void fail_and_trap(const A2AParams& p, unsigned kind, int phase, int peer,
+// (host-mapped pinned memory); the first failing thread of this rank wins the record.
+// Then either trap (the default: the context is lost, nothing can run on stale data), or,
+// with abort_on_timeout, tell every active peer through its abort word so that all ranks
+// stop waiting at once, and return: the caller carries on without the data it waited for
+// (every index it uses stays within this rank's own workspace), and the host refuses the
+// all-to-all from then on.
+EP_DEVICE void report_failure(const A2AParams& p, unsigned kind, int phase, int peer,
                              unsigned epoch, unsigned observed, unsigned expected) {
   ErrorRecord* rec = reinterpret_cast<ErrorRecord*>(p.error_record);
   if (atomicCAS(&rec->kind, 0u, kind) == 0u) {
@@ -65,16 +75,31 @@ EP_DEVICE void fail_and_trap(const A2AParams& p, unsigned kind, int phase, int p
     v->observed = observed; v->expected = expected;
     __threadfence_system();
   }
-  asm volatile("trap;");
+  if (!p.abort_on_timeout) asm volatile("trap;");
+  for (int r = 0; r < p.ep_size; ++r)
+    if (rank_active(p, r)) atomicCAS(abort_word(p, r), 0u, static_cast<unsigned>(p.rank) + 1);
 }
 
-// A bounded spin: `deadline` is set on first use so that a wait that succeeds at once
-// never reads the timer.
+// A bounded spin. `give_up` is called once per failed poll: the deadline is set on first
+// use (a wait that succeeds at once never reads the timer); every 16th poll also looks at
+// our abort word, so that in abort mode one rank's failure ends every rank's waits.
+// Returns true when the caller must stop waiting (only ever in abort mode).
 struct Deadline {
   uint64_t end = 0;
-  EP_DEVICE bool expired(uint64_t timeout_ns) {
-    uint64_t now = globaltimer_ns();
-    if (end == 0) end = now + timeout_ns;
-    return now > end;
+  unsigned polls = 0;
+  EP_DEVICE bool give_up(const A2AParams& p, int phase, int peer, unsigned epoch, unsigned observed,
+                         unsigned expected) {
+    if (p.abort_on_timeout && (++polls & 15) == 0) {
+      const unsigned a = *reinterpret_cast<volatile unsigned*>(abort_word(p, p.rank));
+      if (a != 0) {
+        report_failure(p, EP_ERR_PEER_ABORTED, phase, static_cast<int>(a) - 1, epoch, observed, expected);
+        return true;
+      }
+    }
+    const uint64_t now = globaltimer_ns();
+    if (end == 0) end = now + p.timeout_ns;
+    if (now <= end) return false;
+    report_failure(p, EP_ERR_TIMEOUT, phase, peer, epoch, observed, expected);
+    return true;
   }
 };

@@ -60,7 +60,7 @@ EP_DEVICE uint4 poll_v4(const A2AParams& p, const void* a, int phase, int peer, 
   if (!any_sentinel(v)) return v;
   Deadline dl;
   while (any_sentinel(v = ld_volatile_v4(a)))
-    if (dl.expired(p.timeout_ns)) fail_and_trap(p, EP_ERR_TIMEOUT, phase, peer, step, v.x, 0);
+    if (dl.give_up(p, phase, peer, step, v.x, 0)) break;
   return v;
 }
 
@@ -165,7 +165,8 @@ extern "C" __global__ void __launch_bounds__(512) sentinel_dispatch(const __grid
     }
     for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
       const int r = x / W, k = x % W;
-      const int v = k == K ? tmax : (s_is_target[r] ? ids[k] : -1);
+      if (!rank_active(p, r)) continue;
+      const int v = k == K ? static_cast<int>(p.step_tag) : (s_is_target[r] ? ids[k] : -1);
       unsigned* slot = reinterpret_cast<unsigned*>(workspace(p, r) + p.off_id_slots) + id_set +
                        (static_cast<size_t>(s) * p.max_tokens_per_rank + i) * W;
       slot[k] = static_cast<unsigned>(v);
@@ -181,16 +182,19 @@ extern "C" __global__ void __launch_bounds__(512) sentinel_dispatch(const __grid
     unsigned* slot = reinterpret_cast<unsigned*>(ws + p.off_id_slots) + id_set +
                      (static_cast<size_t>(r) * p.max_tokens_per_rank + i) * W;
     int has = 0;
-    if (threadIdx.x < W) {
+    if (!rank_active(p, r)) {  // an inactive rank sends nothing: its region holds no token
+      if (threadIdx.x < K) out_ids[(static_cast<size_t>(r) * tmax + i) * K + threadIdx.x] = -1;
+    } else if (threadIdx.x < W) {
       unsigned v = ld_volatile(slot + threadIdx.x);
       if (v == EP_SENTINEL_IDS) {
         Deadline dl;
         while ((v = ld_volatile(slot + threadIdx.x)) == EP_SENTINEL_IDS)
-          if (dl.expired(p.timeout_ns)) fail_and_trap(p, EP_ERR_TIMEOUT, 3, r, step, v, 0);
+          if (dl.give_up(p, 3, r, step, v, 0)) { v = static_cast<unsigned>(-1); break; }
       }
       slot[threadIdx.x] = EP_SENTINEL_IDS;
       if (threadIdx.x == K) {
-        if (v != static_cast<unsigned>(tmax)) fail_and_trap(p, EP_ERR_TMAX_MISMATCH, 3, r, step, v, tmax);
+        if (v != p.step_tag && v != static_cast<unsigned>(-1))
+          report_failure(p, EP_ERR_TMAX_MISMATCH, 3, r, step, v, p.step_tag);
       } else {
         out_ids[(static_cast<size_t>(r) * tmax + i) * K + threadIdx.x] = static_cast<int>(v);
         has = static_cast<int>(v) != -1;
@@ -291,7 +295,7 @@ __device__ void sentinel_combine(const A2AParams& p) {
     ld_acquire_gpu(done);
     fence_release_sys();
     for (int r = threadIdx.x; r < p.ep_size; r += 32)
-      st_relaxed_sys(reinterpret_cast<unsigned*>(workspace(p, r) + p.off_combine_flags) + s, step);
+      if (rank_active(p, r)) st_relaxed_sys(reinterpret_cast<unsigned*>(workspace(p, r) + p.off_combine_flags) + s, step);
     __syncwarp();
     if (threadIdx.x == 0) *done = 0;
   }

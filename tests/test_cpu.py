@@ -145,3 +145,54 @@ def test_check_harness_routing_shapes():
     owner = ref.expert_owner(40, 8)
     perfect = routing("perfect", rng, 8, 6, 40, 8, source=0)
     assert all(len(set(owner[row])) == 6 for row in perfect)  # six consecutive ranks
+
+
+def test_e4m3_round_matches_ml_dtypes_where_finite():
+    ml_dtypes = pytest.importorskip("ml_dtypes", reason="ml_dtypes (the float8 oracle) not installed")
+    rng = np.random.default_rng()
+    y = np.concatenate([rng.standard_normal(20000) * 10.0 ** rng.uniform(-4, 2.6, 20000),
+                        np.array([0.0, -0.0, 2.0 ** -9, 2.0 ** -10, 3 * 2.0 ** -10, 448.0, -448.0, 15.5, 0.01953125])])
+    y = y[np.abs(y) <= 448].astype(np.float32)
+    want = y.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = ref.e4m3_round(y)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), y[got != want][:5]
+
+
+def test_e4m3_round_saturates():
+    assert list(ref.e4m3_round(np.array([500.0, -1e9, 449.0], np.float32))) == [448.0, -448.0, 448.0]
+
+
+def test_q8_roundtrip_error_bound_and_combine_bound():
+    """The stated bound: each dequantized value is within 1/16 of its 128-block's amax; so a
+    combined value is within the sum of its partials' block amax / 16 (plus output rounding)."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((64, 512)) * rng.uniform(0.01, 100, (64, 1))).astype(np.float32)
+    x[3, :128] = 0.0                                          # an all-zero block
+    d = ref.q8_roundtrip(x)
+    amax = np.abs(x.reshape(64, 4, 128)).max(axis=-1, keepdims=True)
+    err = np.abs(d - x).reshape(64, 4, 128)
+    assert (err <= amax / 16).all()
+    assert (d[3, :128] == 0).all()
+    parts = [x[8 * k:8 * k + 8] for k in range(8)]            # 8 partial results of 8 tokens
+    exact = sum(p.astype(np.float64) for p in parts)
+    q = sum(ref.q8_roundtrip(p).astype(np.float64) for p in parts)
+    bound = sum(np.repeat(np.abs(p.reshape(8, 4, 128)).max(axis=-1), 128, axis=-1) for p in parts) / 16
+    assert (np.abs(q - exact) <= bound + 1e-6).all()
+
+
+def test_e4m3_round_against_the_format_definition():
+    """Every finite e4m3fn value (decoded from its 256 bit patterns) maps to itself; every
+    midpoint between neighbours goes to the one with an even mantissa; beyond 448 saturates."""
+    vals = []
+    for b in range(128):
+        e, m = b >> 3, b & 7
+        if b == 0x7F:
+            continue                                          # NaN
+        vals.append(m * 2.0 ** -9 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+    vals = np.array(sorted(vals), np.float32)
+    assert np.array_equal(ref.e4m3_round(vals), vals) and np.array_equal(ref.e4m3_round(-vals), -vals)
+    mids = ((vals[:-1].astype(np.float64) + vals[1:]) / 2).astype(np.float32)
+    got = ref.e4m3_round(mids)
+    codes = {float(v): i for i, v in enumerate(vals)}          # index parity = mantissa parity
+    assert all(codes[float(g)] % 2 == 0 for g in got)
+    assert all(lo <= g <= hi for g, lo, hi in zip(got, vals[:-1], vals[1:]))

@@ -77,7 +77,7 @@ def as_dtype(x) -> DType:
         return DTYPES[x]
     try:
         d = _BY_NUMPY.get(np.dtype(x))
-    except TypeError:
+    except (TypeError, ValueError, SyntaxError):  # np.dtype("01") raises SyntaxError
         d = None
     if d is None:
         raise TypeError(f"dtype {x!r} is not supported: use one of {', '.join(DTYPES)}")
