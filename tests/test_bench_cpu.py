@@ -1,0 +1,183 @@
+"""The benchmark's command line, rank placement, cross-process reduction and process
+supervision: everything of `python -m ep_a2a.bench` that runs without a GPU."""
+import multiprocessing as mp
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from ep_a2a import bench, bench_procs
+from ep_a2a.bootstrap import UnixSocketBootstrap
+from ep_a2a.driver import device
+from ep_a2a.layout import MAX_RANKS
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--mode", "threads"], "invalid choice"),
+    (["--mode", "procs", "--procs", "1"], "--procs: must be in 2..72"),
+    (["--mode", "procs", "--procs", str(MAX_RANKS + 1)], "--procs: must be in 2..72"),
+    (["--mode", "procs", "--procs", "two"], "--procs: expected an integer"),
+    (["--procs", "2"], "--procs needs --mode procs"),
+    (["--mode", "procs", "--ranks", "4"], "--ranks is for --mode inproc"),
+    (["--mode", "procs", "--device", "1"], "--device is for --mode inproc"),
+    (["--mode", "procs", "--profile-host"], "--profile-host is for --mode inproc"),
+    (["--ranks", "0"], "--ranks: must be in 1..72"),
+    (["--device", "-1"], "--device: must be >= 0"),
+    (["--tokens", "1,,8"], "comma list of positive integers"),
+    (["--tokens", "4,0"], "token counts must be positive"),
+    (["--protocol", "fence,eager"], "['eager'] not among fence, sentinel, auto"),
+    (["--rounds", "0"], "--rounds: must be >= 1"),
+    (["--replays", "0"], "--replays: must be >= 1"),
+    (["--threads", "100"], "multiple of 32 in 96..512"),
+    (["--threads", "1024"], "multiple of 32 in 96..512"),
+    (["--profile", "custom", "--hidden", "64"], "--profile custom needs"),
+])
+def test_bad_arguments_exit_with_a_message(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.parse_args(argv)
+    assert e.value.code == 2
+    assert words in capsys.readouterr().err
+
+
+def test_defaults_per_mode():
+    a = bench.parse_args([])
+    assert (a.mode, a.ranks, a.device, a.procs) == ("inproc", 8, 0, None)
+    assert a.tokens == [2 ** i for i in range(13)] and a.protocol == "fence,sentinel,auto"
+    p = bench.parse_args(["--mode", "procs", "--procs", "3", "--tokens", "1,8", "--protocol", "fence"])
+    assert (p.mode, p.procs, p.ranks, p.device) == ("procs", 3, None, None)  # placement decides the GPUs
+    assert p.tokens == [1, 8] and p.protocol == "fence"
+    c = bench.parse_args(["--profile", "custom", "--hidden", "64", "--top-k", "2", "--experts", "8", "--ranks", "2"])
+    assert (c.hidden, c.top_k, c.experts, c.ranks) == (64, 2, 8, 2)
+
+
+@pytest.mark.parametrize("procs,gpus,want", [
+    (None, 8, list(range(8))),
+    (None, 2, [0, 1]),
+    (5, 2, [0, 1, 0, 1, 0]),
+    (2, 1, [0, 0]),
+    (3, 4, [0, 1, 2]),
+])
+def test_placement_round_robin(procs, gpus, want):
+    assert bench_procs.placement(procs, gpus) == want
+
+
+@pytest.mark.parametrize("procs,gpus,words", [
+    (None, 1, "--procs N"),
+    (None, 0, "no visible GPU"),
+    (MAX_RANKS + 1, 8, f"at most {MAX_RANKS}"),
+])
+def test_placement_refuses(procs, gpus, words):
+    with pytest.raises(ValueError, match=words):
+        bench_procs.placement(procs, gpus)
+
+
+@pytest.mark.skipif(device.available(), reason="checks the no-GPU exit; this machine has a GPU")
+@pytest.mark.parametrize("mode", [["--mode", "inproc"], ["--mode", "procs", "--procs", "2"]])
+def test_main_without_gpu_says_so(mode, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert bench.main(mode + ["--tokens", "1", "--out", str(out)]) == 1
+    assert "no CUDA GPU" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def _in_threads(n, fn):
+    """fn(rank) in n threads; their results in rank order (the first exception re-raised)."""
+    out, errs = [None] * n, []
+
+    def body(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errs.append(e)
+    ts = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert not any(t.is_alive() for t in ts), "a rank thread hung"
+    if errs:
+        raise errs[0]
+    return out
+
+
+def test_gather_over_a_real_bootstrap_gives_every_rank_every_row(tmp_path):
+    name, n = "g" + uuid.uuid4().hex[:12], 3
+    rng = np.random.default_rng()
+    rows = rng.standard_normal((n, 5))
+    rows[1, 2] = np.nan  # a floor one rank could not measure travels as NaN
+
+    def rank(r):
+        with UnixSocketBootstrap(r, n, name=name, base_dir=tmp_path, timeout=10) as b:
+            return bench.gather(b, list(rows[r]))
+    got = _in_threads(n, rank)
+    for g in got:
+        np.testing.assert_array_equal(g, rows)  # bit-exact, NaN included, in rank order
+    # without a bootstrap (one process holds every rank) the values come back as one row
+    np.testing.assert_array_equal(bench.gather(None, rows[0]), rows[:1])
+
+
+def test_gather_refuses_ranks_passing_different_counts(tmp_path):
+    name, n = "g" + uuid.uuid4().hex[:12], 2
+
+    def rank(r):
+        with UnixSocketBootstrap(r, n, name=name, base_dir=tmp_path, timeout=10) as b:
+            with pytest.raises(ValueError, match=r"ranks passed \[3, 4\] values"):
+                bench.gather(b, [1.0] * (3 + r))
+    _in_threads(n, rank)
+
+
+def _supervise(*targets):
+    """Start one spawned process per (function, args) and supervise them as the bench does."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=f, args=a) for f, a in targets]
+    try:
+        for p in procs:
+            p.start()
+        return bench_procs._wait(procs), procs
+    finally:
+        bench_procs._stop(procs)
+
+
+def test_a_failing_rank_stops_the_others_at_once():
+    t0 = time.monotonic()
+    rc, (sleeper, failer) = _supervise((time.sleep, (60,)), (os._exit, (3,)))
+    assert rc == 1 and time.monotonic() - t0 < 30
+    assert failer.exitcode == 3 and sleeper.exitcode not in (None, 0)  # the sleeper was stopped
+    assert not sleeper.is_alive()
+
+
+def test_all_ranks_succeeding_is_success():
+    rc, procs = _supervise(*[(time.sleep, (0.2 * i,)) for i in range(3)])
+    assert rc == 0 and [p.exitcode for p in procs] == [0, 0, 0]
+
+
+def _row(T, rt, disp, peer):
+    """A row as measure() lays it out, from round numbers (the table must print every case)."""
+    r = dict(protocol="fence", tokens_per_rank=T, round_trip_us=rt, floor_round_trip_us=rt / 2,
+             round_trip_over_floor=2.0, dispatch_us=disp, combine_us=None if disp is None else rt - disp,
+             copy_floor_tbps=3.0, peer_copy_floor_tbps=peer)
+    if disp is not None:
+        r.update(floor_dispatch_us=disp / 2, dispatch_tbps=1.5, dispatch_over_copy_bw=0.5)
+    return r
+
+
+@pytest.mark.parametrize("mode,procs,gpus,shared,peer", [
+    ("inproc", 1, 1, False, None), ("procs", 2, 1, True, None), ("procs", 4, 2, True, 0.4), ("procs", 8, 8, False, 0.5)])
+def test_table_prints_every_mode(mode, procs, gpus, shared, peer, capsys):
+    res = dict(device="GPU", mode=mode, ep_size=procs if mode == "procs" else 4, procs=procs, gpus=gpus,
+               shared_gpu=shared, peer_copy_floor_reason=bench.ONE_GPU if gpus == 1 else None, commit="abc",
+               config=dict(ranks=procs if mode == "procs" else 4, profile="deepseek-v3", format="bf16",
+                           routing="perfect"),
+               rows=[_row(1, 20.0, 12.0, peer), _row(8, 30.0, None, peer)], measured_sentinel_max_tokens=None,
+               host_overhead=[dict(tokens_per_rank=1, host_us_per_rank_step=9.0, two_bare_launches_us=5.0)])
+    bench._table(res)
+    out = capsys.readouterr().out
+    assert ("in-process ranks" in out) == (mode == "inproc")
+    assert (f"{procs} rank processes on {gpus} GPU(s)" in out) == (mode == "procs")
+    assert ("NOT performance" in out) == shared
+    assert ("peer copy floor: none" in out) == (gpus == 1)
+    if peer is not None:
+        assert f"{peer:.2f}" in out

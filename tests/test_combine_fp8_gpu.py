@@ -1,0 +1,60 @@
+"""FP8 (e4m3, per-128 scales) combine: bitwise equal to the NumPy model of its quantization,
+and within its stated bound of the exact combine."""
+import numpy as np
+import pytest
+
+from test_fence_gpu import make, run
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("cdtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("ep,top_k", [(1, 2), (3, 6), (8, 8), (8, 22)])
+def test_fp8_combine_bitwise_against_the_model(cdtype, ep, top_k):
+    rng = np.random.default_rng()
+    group, a2a = make(ep, top_k=top_k, hidden=384, cdtype=cdtype, combine_quant="fp8", max_tokens=64)
+    with group, a2a:
+        for T in (1, 7, 64):
+            run(a2a, rng, [T] * ep, T, exact=False, route="zipf")
+        run(a2a, rng, list(rng.integers(0, 40, ep)), 40, exact=False, zero_copy=False)
+
+
+def test_fp8_combine_graph_replay_and_large_batch():
+    rng = np.random.default_rng()
+    group, a2a = make(8, top_k=8, hidden=7168, combine_quant="fp8", max_tokens=512)
+    with group, a2a:
+        run(a2a, rng, [512] * 8, 512, exact=False, route="uniform")
+        run(a2a, rng, [3, 0, 512, 17, 1, 0, 100, 9], 512, exact=False)
+
+
+def test_fp8_combine_error_within_bound_of_the_exact_combine():
+    """Same routing and partial results through a bf16 combine and an FP8 combine: every value
+    differs by at most sum over its partials of (block amax / 16) plus two bf16 roundings."""
+    from ep_a2a.check import run_step
+    from ep_a2a import reference as ref
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    outs = {}
+    for quant in (None, "fp8"):
+        group, a2a = make(4, top_k=4, hidden=256, combine_quant=quant, max_tokens=32)
+        with group, a2a:
+            rep = run_step(a2a, np.random.default_rng(seed), [32] * 4, 32, exact=False)
+            assert not rep.mismatches, rep.mismatches[:3]
+            # (to_numpy gives bf16 as ml_dtypes.bfloat16 where that is installed: read the bits)
+            outs[quant] = {s: ref.to_float32(np.asarray(o).view(np.uint16), "bfloat16") for s, o in rep.outputs.items()}
+    for s in outs[None]:
+        d = np.abs(outs["fp8"][s] - outs[None][s])
+        # partials are standard normal draws: a block amax is < 6 with overwhelming probability,
+        # so the bound per value is < top_k * 6 / 16 plus bf16 roundings of |out|
+        bound = 4 * 6.0 / 16 + 2 * np.abs(outs[None][s]) * 2.0 ** -8
+        assert (d <= bound).all(), f"seed {seed}: rank {s}: max excess {(d - bound).max()}"
+
+
+def test_fp8_combine_argument_rules():
+    import ep_a2a
+    with pytest.raises(ValueError, match="combine_quant"):
+        make(2, hidden=200, combine_quant="fp8")
+    with pytest.raises(ValueError, match="combine_quant"):
+        make(2, hidden=256, combine_quant="fp8", protocol="sentinel")
+    with pytest.raises(ValueError, match="combine_quant"):
+        make(2, hidden=256, combine_quant="int4")
+    assert ep_a2a  # the module imports
