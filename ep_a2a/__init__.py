@@ -9,9 +9,11 @@ from .group import LocalGroup, ProcessGroup, Rank  # noqa: E402
 from .alltoall import MoeAlltoAll, PayloadSpec, StateError  # noqa: E402
 from .bootstrap import MpiBootstrap, TorchDistributedBootstrap, UnixSocketBootstrap  # noqa: E402
 from .driver.tensor import Tensor, as_tensor  # noqa: E402
+from .moe import ExpertIndex, build_index, finalize, gather_rows  # noqa: E402,F401
 from . import bootstrap  # noqa: E402,F401
 
 __all__ = ["CudaError", "EpA2AError", "NoDriverError", "PeerError", "PeerTimeoutError", "PeerAbortedError", "RuntimeMaxMismatchError",
            "ActiveRanksMismatchError",
            "LocalGroup", "ProcessGroup", "Rank", "MoeAlltoAll", "PayloadSpec", "StateError",
-           "UnixSocketBootstrap", "TorchDistributedBootstrap", "MpiBootstrap", "Tensor", "as_tensor"]
+           "UnixSocketBootstrap", "TorchDistributedBootstrap", "MpiBootstrap", "Tensor", "as_tensor",
+           "ExpertIndex", "build_index", "gather_rows", "finalize"]

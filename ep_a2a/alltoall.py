@@ -356,6 +356,7 @@ class RankAlltoAll:
             raise StateError(f"rank {self.rank}: not an active rank (set_active_ranks({list(a.active_ranks)}))")
         tmax = runtime_max_tokens_per_rank
         self._check_tmax(tmax)
+        tmax = int(tmax)  # (a NumPy integer would keep its width in the arithmetic below)
         s = self.default_stream if stream is None else stream_handle(stream)
         ids = self._input(token_selected_experts, "token_selected_experts", (a.top_k,), "int32", None)
         T = ids.shape[0]

@@ -83,6 +83,8 @@ class StepReport:
     mismatches: list = field(default_factory=list)
     outputs: dict = field(default_factory=dict)   # rank -> combine output (host copy)
     expert_ids: list = field(default_factory=list)  # the routing drawn for every rank
+    partials: list = field(default_factory=list)    # the stand-in MoE's partial results, per rank
+    records: dict = field(default_factory=dict)     # rank -> its (target, slot) records
 
 
 def read_records(rank_a2a, T: int) -> np.ndarray:
@@ -117,7 +119,7 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     sentinel = a2a.protocol_for(runtime_max) == "sentinel"
     draw = (lambda: rng.integers(-64, 65, shape).astype(np.float32)) if exact else \
         (lambda: rng.standard_normal(shape).astype(np.float32))
-    partial_h = [ref.from_float32(draw(), cdt) for _ in range(ep)]
+    partial_h = rep.partials = [ref.from_float32(draw(), cdt) for _ in range(ep)]
 
     # Every allocation and host copy happens before the first launch: in-process ranks spin
     # on each other, and a device-synchronizing call (cuMemFree, a pageable copy) issued
@@ -132,7 +134,7 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
         copy_from_numpy(o, np.full(o.nbytes, 0xFF, np.uint8))  # poison: NaN in every float format
     views = {s: r.dispatch(ins[s][0], ins[s][1], runtime_max) for s, r in local.items()}
     a2a.synchronize()
-    records = {s: read_records(r, tokens[s]) for s, r in local.items()}
+    records = rep.records = {s: read_records(r, tokens[s]) for s, r in local.items()}
     if verify:
         # what the protocol delivers: SENTINEL rewrites sentinel-colliding NaN words (layout.py)
         want_pay = [[ref.sentinel_escape(x, k) for x, k in zip(pay_h[s], a2a.kinds[1:])] for s in range(ep)] \

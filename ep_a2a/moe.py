@@ -1,0 +1,371 @@
+"""MoE compute on the rank-major dispatch workspace: what the experts of one rank need between
+dispatch and combine.
+
+    ids, (x, w) = r.dispatch(topk_ids, [hidden, topk_weights], T_hat)    # [ep_size, T^, ...] views
+    index = build_index(ids, w, num_experts=E, ep_size=ep, rank=r.rank)  # local experts' rows
+    gather_rows(index, x, x_rows)             # x_rows[p] = x[slot of row p]: expert-major input
+    ...  grouped GEMMs over index.offsets: fc2_out[p] = expert(x_rows[p]) ...
+    finalize(index, fc2_out, r.combine_input(T_hat))   # weighted sum per slot, into the workspace
+    y = r.combine(r.combine_input(T_hat), T_hat)
+
+Slots: slot s = source rank * T^ + i is the i-th token source rank sent here. Every selection
+(s, k) whose expert is a local expert of this rank gets one permuted row p; rows are grouped
+by local expert (expert-major, as grouped GEMMs want them) and, inside an expert, ordered by
+slot then k. The order is a stable counting sort (kernels/moe_compute.cu), so it is the same
+on every run; moe_reference.py computes the same index, gather and finalize in NumPy.
+
+Everything runs on the device without host synchronisation, with launch shapes fixed by T^,
+so build_index + gather_rows + finalize capture into a CUDA graph: create the ExpertIndex
+first (`ExpertIndex(...)` or `ExpertIndex.for_rank(a2a.ranks[i])`) and pass it as `out=`.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import operator
+
+from .alltoall import _vec
+from .driver.device import Device, get_device
+from .driver.launch import Launch
+from .driver.memory import DeviceAllocation
+from .driver.module import load
+from .driver.stream import stream_handle
+from .driver.tensor import Tensor, as_tensor, float32, int32
+from .layout import MAX_RANKS, MAX_TOP_K
+
+MAX_LOCAL_EXPERTS = 1024
+_CUDA = 2                      # DLPack kDLCUDA
+_TABLE_SHARED_INTS = 10240     # the [local expert][warp] table in shared memory: 40 KiB of the 48 KiB default
+_TILE_ROUNDS = 16              # a warp tile is at most 16 rounds of 32 entries while the table is small
+_MAX_TABLE = 1 << 16           # [local expert][tile] counts the one-block scan reads (multi-kernel path)
+_THREADS = 256                 # gather / finalize blocks
+_FINALIZE_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+_KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_scatter", "moe_gather_rows") + tuple(
+    f"moe_finalize_{i}_{o}" for i in _FINALIZE_DTYPES.values() for o in _FINALIZE_DTYPES.values())
+
+
+class _IndexArgs(ctypes.Structure):
+    """MoeIndexArgs of kernels/moe_compute.cu, field for field."""
+    _fields_ = [("expert_ids", ctypes.c_uint64), ("weights", ctypes.c_uint64), ("counts", ctypes.c_uint64),
+                ("offsets", ctypes.c_uint64), ("rows", ctypes.c_uint64), ("row_weight", ctypes.c_uint64),
+                ("row_of", ctypes.c_uint64), ("tile_counts", ctypes.c_uint64),
+                ("n_entries", ctypes.c_int32), ("top_k", ctypes.c_int32), ("first_expert", ctypes.c_int32),
+                ("num_local", ctypes.c_int32), ("tile_entries", ctypes.c_int32), ("num_tiles", ctypes.c_int32)]
+
+
+assert ctypes.sizeof(_IndexArgs) == 88, "kernels/moe_compute.cu static_asserts the same size"
+
+
+def _require(ok: bool, arg: str, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{arg}: {rule}")
+
+
+def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
+    """(first local expert, number of local experts) of `rank`: the all-to-all's split, contiguous
+    blocks with the first num_experts % ep_size ranks owning one more (kernels' rank_of_expert)."""
+    per, rem = divmod(num_experts, ep_size)
+    return rank * per + min(rank, rem), per + (1 if rank < rem else 0)
+
+
+def index_plan(n_entries: int, num_local: int) -> tuple:
+    """How the index of `n_entries` selections is cut: (fused, warps per block, tile entries, tiles).
+
+    fused: one block, one tile per warp, the table in shared memory (one launch: decode sizes).
+    Otherwise count / scan / scatter kernels over `tiles` warp tiles; tiles grow past 16 rounds
+    only to keep the [local expert][tile] table within what one block scans quickly.
+    """
+    budget = _TABLE_SHARED_INTS // max(num_local, 1)
+    fused_warps = min(32, budget)
+    if n_entries <= fused_warps * 32 * _TILE_ROUNDS:
+        warps = max(1, min(fused_warps, -(-n_entries // 32)))
+        return True, warps, -(-n_entries // (warps * 32)) * 32, warps
+    warps = min(8, budget)
+    max_tiles = (_MAX_TABLE // max(num_local, 1)) // warps * warps
+    tile = max(32 * _TILE_ROUNDS, -(-n_entries // (max_tiles * 32)) * 32)
+    tiles = -(-(-(-n_entries // tile)) // warps) * warps
+    return False, warps, tile, tiles
+
+
+def _int(x, name: str, lo: int, hi: int = None) -> int:
+    """x as a Python int in [lo, hi] (hi None: no upper bound), else ValueError naming `name`."""
+    try:
+        v = operator.index(x)
+    except TypeError:
+        v = None
+    if v is None or v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name}: must be an int in {lo}..{'' if hi is None else hi}, got {x!r}")
+    return v
+
+
+def _check_routing(num_experts, ep_size, rank) -> tuple:
+    ep_size = _int(ep_size, "ep_size", 1, MAX_RANKS)
+    num_experts = _int(num_experts, "num_experts", 1)
+    rank = _int(rank, "rank", 0, ep_size - 1)
+    n_local = local_experts(num_experts, ep_size, rank)[1]
+    _require(n_local <= MAX_LOCAL_EXPERTS, "num_experts",
+             f"rank {rank} would own {n_local} local experts; at most {MAX_LOCAL_EXPERTS} are supported")
+    return num_experts, ep_size, rank
+
+
+class ExpertIndex:
+    """The local experts' rows of one rank for one dispatch, as device tensors (ep_a2a Tensors:
+    DLPack / CUDA Array Interface, so PyTorch, JAX and CuPy take them without copies).
+
+      counts      int32 [num_local_experts]       rows of each local expert
+      offsets     int32 [num_local_experts + 1]   first row of each local expert; offsets[-1] = total
+      rows        int32 [capacity]                slot (source rank * T^ + i) of permuted row p < total
+      row_weight  fp32  [capacity]                router weight of permuted row p < total
+      row_of      int32 [ep_size * T^, top_k]     permuted row of (slot, k); -1: not a local expert
+
+    capacity = ep_size * T^ * top_k for the T^ of the last build; entries of rows and row_weight
+    past the total are not written. Memory is allocated once, for max_tokens_per_rank, and
+    reused by every build_index(..., out=index) with T^ <= max_tokens_per_rank.
+    """
+
+    def __init__(self, device, *, num_experts: int, ep_size: int, rank: int, max_tokens_per_rank: int, top_k: int):
+        num_experts, ep_size, rank = _check_routing(num_experts, ep_size, rank)
+        top_k = _int(top_k, "top_k", 1, MAX_TOP_K)
+        max_tokens_per_rank = _int(max_tokens_per_rank, "max_tokens_per_rank", 1)
+        _require(ep_size * max_tokens_per_rank * top_k < 2 ** 31, "max_tokens_per_rank",
+                 "ep_size * max_tokens_per_rank * top_k must stay below 2**31 (int32 rows)")
+        self.device = device if isinstance(device, Device) else get_device(int(device))
+        self.num_experts, self.ep_size, self.rank, self.top_k = num_experts, ep_size, rank, top_k
+        self.max_tokens_per_rank = max_tokens_per_rank
+        self.first_local_expert, self.num_local_experts = local_experts(num_experts, ep_size, rank)
+        L, cap = self.num_local_experts, ep_size * max_tokens_per_rank * top_k
+        # the [local expert][tile] table of the multi-kernel path (fused plans need none; fusion
+        # is monotone in the entry count, so a fused capacity means every T^ is fused)
+        table = 0 if index_plan(cap, L)[0] else _MAX_TABLE
+        sizes = {"counts": L, "offsets": L + 1, "rows": cap, "row_weight": cap, "row_of": cap, "tile_counts": table}
+        offsets, end = {}, 0
+        for name, n in sizes.items():
+            offsets[name], end = end, end + -(-4 * n // 256) * 256
+        self._alloc = DeviceAllocation(self.device, end)  # contents are undefined until the first build
+        self._base = {k: self._alloc.ptr + o for k, o in offsets.items()}
+        self.nbytes = end
+        self.counts = self._tensor("counts", (L,), int32)
+        self.offsets = self._tensor("offsets", (L + 1,), int32)
+        # every kernel is fetched (hence loaded, under lazy loading) now, never during a graph capture
+        self._module = load("moe_compute", self.device)
+        for name in _KERNELS:
+            self._module.function(name)
+        self._launches = {}
+        self._views = {}
+        self.runtime_max_tokens_per_rank, self.stream = None, None
+        self.rows, self.row_weight, self.row_of = self._views_for(max_tokens_per_rank)
+        a = self._args = _IndexArgs()
+        for f in ("counts", "offsets", "rows", "row_weight", "row_of", "tile_counts"):
+            setattr(a, f, self._base[f])
+        a.top_k, a.first_expert, a.num_local = top_k, self.first_local_expert, L
+
+    @classmethod
+    def for_rank(cls, rank_a2a) -> "ExpertIndex":
+        """An index sized for one rank of a MoeAlltoAll (a2a.ranks[i])."""
+        a = rank_a2a.a2a
+        return cls(rank_a2a.device, num_experts=a.num_experts, ep_size=a.ep_size, rank=rank_a2a.rank,
+                   max_tokens_per_rank=a.max_tokens_per_rank, top_k=a.top_k)
+
+    # -- shapes of the last build ---------------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        return self.ep_size * (self.runtime_max_tokens_per_rank or self.max_tokens_per_rank)
+
+    @property
+    def capacity(self) -> int:
+        return self.slots * self.top_k
+
+    def _tensor(self, name, shape, dtype) -> Tensor:
+        return Tensor(self._base[name], shape, dtype, device=(_CUDA, self.device.ordinal), owner=self._alloc)
+
+    def _views_for(self, tmax: int) -> tuple:
+        v = self._views.get(tmax)
+        if v is None:
+            cap = self.ep_size * tmax * self.top_k
+            v = self._views[tmax] = (self._tensor("rows", (cap,), int32), self._tensor("row_weight", (cap,), float32),
+                                     self._tensor("row_of", (self.ep_size * tmax, self.top_k), int32))
+        return v
+
+    def _launch(self, name: str, args, grid: int, block: int, shared: int, stream: int) -> None:
+        """Launch kernel `name`. Its Launch keeps the first call's argument objects (the packed
+        pointer array points at them); later calls copy their values in."""
+        launch = self._launches.get(name)
+        if launch is None:
+            launch = self._launches[name] = Launch(self.device, self._module.function(name), args, grid, block)
+        else:
+            for mine, new in zip(launch.args, args):
+                if mine is not new:
+                    mine.value = new.value
+        cfg = launch.config
+        cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes = grid, block, shared
+        launch(stream)
+
+    def _build(self, ids: Tensor, weights: Tensor, tmax: int, stream: int) -> None:
+        a, L = self._args, self.num_local_experts
+        a.expert_ids, a.weights = ids.ptr, weights.ptr
+        a.n_entries = n = self.ep_size * tmax * self.top_k
+        fused, warps, tile, tiles = index_plan(n, L)
+        a.tile_entries, a.num_tiles = tile, tiles
+        self.device.make_current()
+        shared = 4 * L * warps
+        if fused:
+            self._launch("moe_index_fused", [a], 1, 32 * warps, shared, stream)
+        else:
+            self._launch("moe_index_count", [a], tiles // warps, 32 * warps, shared, stream)
+            self._launch("moe_index_scan", [a], 1, 1024, 0, stream)
+            self._launch("moe_index_scatter", [a], tiles // warps, 32 * warps, shared, stream)
+        self.runtime_max_tokens_per_rank, self.stream = tmax, stream
+        self.rows, self.row_weight, self.row_of = self._views_for(tmax)
+        for t in (self.counts, self.offsets, self.rows, self.row_weight, self.row_of):
+            t.stream = stream or 1  # DLPack consumers on other streams wait for this build (1: legacy stream)
+
+    def close(self) -> None:
+        if self._alloc is not None:
+            self._alloc.close()
+            self._alloc = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# -- checks ----------------------------------------------------------------------------------------
+def _cuda_tensor(obj, name: str, stream: int, ordinal=None) -> Tensor:
+    if obj is None:
+        raise ValueError(f"{name}: expected a tensor, got None")
+    t = as_tensor(obj, stream=stream)
+    _require(t.device[0] == _CUDA and (ordinal is None or t.device[1] == ordinal), name,
+             f"must be on cuda:{'?' if ordinal is None else ordinal}, got device {t.device}")
+    _require(t.is_contiguous, name, f"must be contiguous (row-major), got strides {t.strides} for shape {t.shape}")
+    _require(t.ptr % t.itemsize == 0, name, f"address {t.ptr:#x} is not aligned to {t.dtype.name}")
+    return t
+
+
+def _slot_rows(t: Tensor, name: str, index: ExpertIndex) -> tuple:
+    """The per-slot row shape of a [ep_size, T^, ...] (3+ dims) or [ep_size * T^, ...] tensor."""
+    tmax = index.runtime_max_tokens_per_rank
+    if t.ndim >= 3 and t.shape[:2] == (index.ep_size, tmax):
+        return t.shape[2:]
+    _require(t.ndim >= 2 and t.shape[0] == index.slots, name,
+             f"must be [ep_size={index.ep_size}, T^={tmax}, ...] or [{index.slots}, ...] (the index's slots), "
+             f"got {list(t.shape)}")
+    return t.shape[1:]
+
+
+def _stream(stream, default) -> int:
+    return default if stream is None else stream_handle(stream)
+
+
+def _groups(vectors: int) -> tuple:
+    """(threads per row: a power of two up to a block, rows per block) for rows of `vectors` vectors."""
+    group = min(_THREADS, 1 << max(0, vectors - 1).bit_length())
+    return group, _THREADS // group
+
+
+# -- the three pieces ---------------------------------------------------------------------------
+def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: int, stream=None,
+                out: ExpertIndex = None) -> ExpertIndex:
+    """Index the slots of one dispatch by the local experts of `rank`.
+
+    expert_ids: int32 [ep_size, T^, top_k], the dispatched expert ids (dispatch's view, or any
+      DLPack / CUDA Array Interface tensor); ids of other ranks' experts, -1 and out-of-range
+      ids are skipped. weights: fp32 [ep_size, T^, top_k], the dispatched router weights.
+    stream: where to run (default: the stream expert_ids was produced on when it is an ep_a2a
+      view, such as dispatch's; else the legacy default stream).
+    out: an ExpertIndex to reuse (same routing and top_k, max_tokens_per_rank >= T^); required
+      under CUDA graph capture, where nothing may be allocated. Returns the index.
+    """
+    num_experts, ep_size, rank = _check_routing(num_experts, ep_size, rank)
+    produced_on = expert_ids.stream if isinstance(expert_ids, Tensor) else None
+    s = _stream(stream, 0 if produced_on is None else produced_on)
+    ids = _cuda_tensor(expert_ids, "expert_ids", s)
+    _require(ids.dtype == int32, "expert_ids", f"dtype must be int32, got {ids.dtype.name}")
+    _require(ids.ndim == 3 and ids.shape[0] == ep_size and ids.shape[1] >= 1 and 1 <= ids.shape[2] <= MAX_TOP_K,
+             "expert_ids", f"shape must be [ep_size={ep_size}, T^ >= 1, top_k in 1..{MAX_TOP_K}], got {list(ids.shape)}")
+    w = _cuda_tensor(weights, "weights", s, ids.device[1])
+    _require(w.dtype == float32, "weights", f"dtype must be float32, got {w.dtype.name}")
+    _require(w.shape == ids.shape, "weights", f"shape must equal expert_ids' {list(ids.shape)}, got {list(w.shape)}")
+    tmax, top_k = ids.shape[1], ids.shape[2]
+    if out is None:
+        out = ExpertIndex(ids.device[1], num_experts=num_experts, ep_size=ep_size, rank=rank,
+                          max_tokens_per_rank=tmax, top_k=top_k)
+    else:
+        _require(isinstance(out, ExpertIndex) and out._alloc is not None, "out", "must be an open ExpertIndex")
+        _require((out.num_experts, out.ep_size, out.rank, out.top_k) == (num_experts, ep_size, rank, top_k), "out",
+                 f"was made for num_experts={out.num_experts}, ep_size={out.ep_size}, rank={out.rank}, "
+                 f"top_k={out.top_k}; this call has {num_experts}, {ep_size}, {rank}, {top_k}")
+        _require(out.device.ordinal == ids.device[1], "out", f"lives on cuda:{out.device.ordinal}, expert_ids on cuda:{ids.device[1]}")
+        _require(tmax <= out.max_tokens_per_rank, "expert_ids",
+                 f"T^={tmax} exceeds the index's max_tokens_per_rank={out.max_tokens_per_rank}")
+    out._build(ids, w, tmax, s)
+    return out
+
+
+def _check_built(index, what: str) -> None:
+    _require(isinstance(index, ExpertIndex) and index._alloc is not None, "index", "must be an open ExpertIndex")
+    _require(index.runtime_max_tokens_per_rank is not None, "index", f"build it with build_index() before {what}")
+
+
+def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
+    """out[p, ...] = src[rows[p], ...] for every permuted row p < total (rows past it untouched).
+
+    src: a dispatched payload [ep_size, T^, ...] (or [ep_size * T^, ...]) of any dtype; out:
+    [rows >= index.capacity, ...] of src's dtype and row shape. Copies in 16-byte vectors when
+    the row size and both addresses allow. stream: default, the stream of the index's build.
+    """
+    _check_built(index, "gather_rows")
+    s = _stream(stream, index.stream)
+    dev = index.device.ordinal
+    x = _cuda_tensor(src, "src", s, dev)
+    inner = _slot_rows(x, "src", index)
+    y = _cuda_tensor(out, "out", s, dev)
+    _require(y.dtype == x.dtype, "out", f"dtype must be src's {x.dtype.name}, got {y.dtype.name}")
+    _require(y.ndim == 1 + len(inner) and y.shape[1:] == inner and y.shape[0] >= index.capacity, "out",
+             f"shape must be [rows >= capacity={index.capacity}, {', '.join(map(str, inner))}], got {list(y.shape)}")
+    row_bytes = math.prod(inner) * x.itemsize
+    _require(0 < row_bytes < 2 ** 31, "src", f"rows must hold 1..2**31-1 bytes, got {row_bytes}")
+    vec = _vec(row_bytes, x.ptr, y.ptr)
+    group, per_block = _groups(row_bytes // vec)
+    grid = max(1, min(-(-index.capacity // per_block), 8 * index.device.sm_count))
+    args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(y.ptr), ctypes.c_uint64(index._base["rows"]),
+            ctypes.c_uint64(index._base["offsets"]), ctypes.c_int32(index.num_local_experts),
+            ctypes.c_uint32(row_bytes), ctypes.c_uint32(vec), ctypes.c_int32(group)]
+    index.device.make_current()
+    index._launch("moe_gather_rows", args, grid, _THREADS, 0, s)
+
+
+def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
+    """out[s, :] = sum over k ascending, row = row_of[s, k] >= 0, of row_weight[row] * fc2_out[row, :].
+
+    Accumulated in fp32 (each product and sum rounded separately, as moe_reference.finalize),
+    then rounded to out's dtype (round to nearest even); slots without a local row get 0.
+    fc2_out: bf16 / fp16 / fp32 [rows >= index.capacity, hidden], the experts' outputs in the
+    index's row order. out: bf16 / fp16 / fp32 [ep_size, T^, hidden] (or [ep_size * T^,
+    hidden]), typically r.combine_input(T^): written in place, no staging copy.
+    stream: default, the stream of the index's build.
+    """
+    _check_built(index, "finalize")
+    s = _stream(stream, index.stream)
+    dev = index.device.ordinal
+    x = _cuda_tensor(fc2_out, "fc2_out", s, dev)
+    y = _cuda_tensor(out, "out", s, dev)
+    for t, name in ((x, "fc2_out"), (y, "out")):
+        _require(t.dtype.name in _FINALIZE_DTYPES, name, f"dtype must be one of {tuple(_FINALIZE_DTYPES)}, got {t.dtype.name}")
+    inner = _slot_rows(y, "out", index)
+    _require(len(inner) == 1 and inner[0] >= 1, "out", f"must have one hidden dimension, got shape {list(y.shape)}")
+    hidden = inner[0]
+    _require(x.ndim == 2 and x.shape[1] == hidden and x.shape[0] >= index.capacity, "fc2_out",
+             f"shape must be [rows >= capacity={index.capacity}, hidden={hidden}], got {list(x.shape)}")
+    widest = 16 // max(x.itemsize, y.itemsize)
+    elems = next(e for e in (8, 4, 2, 1) if e <= widest and hidden % e == 0
+                 and x.ptr % (e * x.itemsize) == 0 and y.ptr % (e * y.itemsize) == 0)
+    group, per_block = _groups(hidden // elems)
+    grid = max(1, min(-(-index.slots // per_block), 8 * index.device.sm_count))
+    args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(y.ptr), ctypes.c_uint64(index._base["row_of"]),
+            ctypes.c_uint64(index._base["row_weight"]), ctypes.c_int32(index.slots), ctypes.c_int32(index.top_k),
+            ctypes.c_int32(hidden), ctypes.c_int32(elems), ctypes.c_int32(group)]
+    name = f"moe_finalize_{_FINALIZE_DTYPES[x.dtype.name]}_{_FINALIZE_DTYPES[y.dtype.name]}"
+    index.device.make_current()
+    index._launch(name, args, grid, _THREADS, 0, s)

@@ -1,0 +1,281 @@
+// MoE compute on the rank-major dispatch workspace of one rank.
+//
+// Dispatch leaves ep_size * T^ slots (slot s = source rank * T^ + i), each with top_k expert
+// ids and router weights. The experts compute on expert-major rows, so this file has three
+// pieces (ep_a2a/moe.py drives them, ep_a2a/moe_reference.py is their NumPy twin):
+//   * the index: every (slot, k) that selects a local expert gets a permuted row; rows are
+//     grouped by local expert, and inside an expert ordered by slot then k. The order is a
+//     stable counting sort, so it is the same on every run (no atomics decide it);
+//   * gather_rows: copies payload rows of slots into that expert-major order;
+//   * finalize: sums each slot's weighted expert outputs in k order, in fp32, straight into
+//     the combine input of the workspace.
+//
+// The index is a counting sort over the flat entries j = s * top_k + k, cut into warp tiles
+// (contiguous ranges of j). A warp counts its tile's entries per local expert, an exclusive
+// scan of the table [local expert][tile] gives every (expert, tile) its first row (all rows
+// of earlier experts, then the expert's rows in earlier tiles), and the warp walks its tile
+// again, handing out rows in j order. Small inputs (decode) run all three steps in one block;
+// large ones run them as count, scan and scatter kernels.
+#include "moe_common.cuh"
+
+// Mirrored field for field by ep_a2a/moe.py (_IndexArgs).
+struct MoeIndexArgs {
+  const int* expert_ids;  // [slots, top_k]: the dispatched expert ids
+  const float* weights;   // [slots, top_k]: the dispatched router weights
+  int* counts;            // [num_local]: rows of each local expert
+  int* offsets;           // [num_local + 1]: first row of each local expert; last = total rows
+  int* rows;              // [slots * top_k]: the slot permuted row p comes from
+  float* row_weight;      // [slots * top_k]: the router weight of permuted row p
+  int* row_of;            // [slots, top_k]: permuted row of (slot, k), -1 if not a local expert
+  int* tile_counts;       // [num_local, num_tiles]: the table of the multi-kernel path
+  int n_entries;          // slots * top_k
+  int top_k;
+  int first_expert;       // this rank's local experts are [first_expert, first_expert + num_local)
+  int num_local;
+  int tile_entries;       // entries of one warp tile (a multiple of 32)
+  int num_tiles;          // warp tiles of the multi-kernel path (gridDim.x * warps per block)
+};
+static_assert(sizeof(MoeIndexArgs) == 88, "ep_a2a/moe.py's _IndexArgs mirrors this struct");
+
+// Local expert of flat entry j, or -1: past the tile, an invalid id (-1 or out of range) or
+// another rank's expert. One unsigned compare covers all of them.
+EP_DEVICE int local_expert(const MoeIndexArgs& a, int j, int end) {
+  if (j >= end) return -1;
+  const unsigned e = static_cast<unsigned>(a.expert_ids[j]) - static_cast<unsigned>(a.first_expert);
+  return e < static_cast<unsigned>(a.num_local) ? static_cast<int>(e) : -1;
+}
+
+EP_DEVICE int tile_begin(const MoeIndexArgs& a, int tile) { return min(a.n_entries, tile * a.tile_entries); }
+EP_DEVICE int tile_end(const MoeIndexArgs& a, int tile) { return min(a.n_entries, (tile + 1) * a.tile_entries); }
+
+// One warp adds the entries of [begin, end) per local expert e to col[e * stride]. Lanes
+// with the same expert elect their lowest lane to add for all of them; the __syncwarp
+// orders that update before the next round's, whose leader may be another lane.
+EP_DEVICE void count_tile(const MoeIndexArgs& a, int begin, int end, int* col, int stride) {
+  const int lane = threadIdx.x & 31;
+  for (int base = begin; base < end; base += 32) {
+    const int e = local_expert(a, base + lane, end);
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    if (e >= 0 && lane == __ffs(same) - 1) col[e * stride] += __popc(same);
+    __syncwarp();
+  }
+}
+
+// One warp hands out rows for [begin, end): col[e * stride] holds the next free row of local
+// expert e in this tile. Inside a round of 32 entries, a lane's row is the cursor plus the
+// number of lower lanes (earlier entries) with the same expert, so rows follow j order.
+EP_DEVICE void scatter_tile(const MoeIndexArgs& a, int begin, int end, int* col, int stride) {
+  const int lane = threadIdx.x & 31;
+  for (int base = begin; base < end; base += 32) {
+    const int j = base + lane;
+    const int e = local_expert(a, j, end);
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const int before = __popc(same & ((1u << lane) - 1u));
+    int row = -1;
+    if (e >= 0) row = col[e * stride] + before;
+    __syncwarp();  // every lane has read the cursor before its leader moves it
+    if (e >= 0 && before == 0) col[e * stride] += __popc(same);
+    __syncwarp();
+    if (j < end) a.row_of[j] = row;
+    if (row >= 0) {
+      a.rows[row] = j / a.top_k;
+      a.row_weight[row] = a.weights[j];
+    }
+  }
+}
+
+// In-place exclusive prefix sum of data[0, n) (shared or global memory) by the whole block;
+// returns the total. Each thread scans a contiguous run, so the result is data order.
+EP_DEVICE int block_exclusive_scan(int* data, int n) {
+  __shared__ int warp_total[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  const int per = (n + static_cast<int>(blockDim.x) - 1) / static_cast<int>(blockDim.x);
+  const int lo = min(n, static_cast<int>(threadIdx.x) * per), hi = min(n, lo + per);
+  int sum = 0;
+  for (int i = lo; i < hi; ++i) sum += data[i];
+  int incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += y;
+  }
+  if (lane == 31) warp_total[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int v = lane < warps ? warp_total[lane] : 0;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, v, d);
+      if (lane >= d) v += y;
+    }
+    warp_total[lane] = v;  // inclusive over warps
+  }
+  __syncthreads();
+  int run = incl - sum + (warp ? warp_total[warp - 1] : 0);
+  const int total = warp_total[warps - 1];
+  for (int i = lo; i < hi; ++i) {
+    const int v = data[i];
+    data[i] = run;
+    run += v;
+  }
+  __syncthreads();  // the scanned table and warp_total are complete for every thread
+  return total;
+}
+
+// counts and offsets from the scanned table: expert e's first row is its entry for tile 0.
+EP_DEVICE void publish_offsets(const MoeIndexArgs& a, const int* table, int stride, int total) {
+  for (int e = threadIdx.x; e <= a.num_local; e += blockDim.x) {
+    const int first = e < a.num_local ? table[e * stride] : total;
+    a.offsets[e] = first;
+    if (e < a.num_local) a.counts[e] = (e + 1 < a.num_local ? table[(e + 1) * stride] : total) - first;
+  }
+}
+
+// Decode path: one block; warp w owns tile w and column w of the shared table.
+extern "C" __global__ void __launch_bounds__(1024) moe_index_fused(const __grid_constant__ MoeIndexArgs a) {
+  extern __shared__ int table[];  // [num_local][warps]
+  const int warps = blockDim.x >> 5, w = threadIdx.x >> 5;
+  const int m = a.num_local * warps;
+  for (int i = threadIdx.x; i < m; i += blockDim.x) table[i] = 0;
+  __syncthreads();
+  const int begin = tile_begin(a, w), end = tile_end(a, w);
+  count_tile(a, begin, end, table + w, warps);
+  __syncthreads();
+  const int total = block_exclusive_scan(table, m);
+  publish_offsets(a, table, warps, total);
+  __syncthreads();  // publish_offsets read the table before the cursors move
+  scatter_tile(a, begin, end, table + w, warps);
+}
+
+// Multi-kernel path, 1/3: every warp counts its tile into column `tile` of the global table.
+extern "C" __global__ void __launch_bounds__(256) moe_index_count(const __grid_constant__ MoeIndexArgs a) {
+  extern __shared__ int table[];  // [num_local][warps of this block]
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, w = threadIdx.x >> 5;
+  const int tile = blockIdx.x * warps + w;
+  for (int e = lane; e < a.num_local; e += 32) table[e * warps + w] = 0;
+  __syncwarp();
+  count_tile(a, tile_begin(a, tile), tile_end(a, tile), table + w, warps);
+  for (int e = lane; e < a.num_local; e += 32) a.tile_counts[e * a.num_tiles + tile] = table[e * warps + w];
+}
+
+// 2/3: one block scans the whole table (expert-major, so the scan is the row layout).
+extern "C" __global__ void __launch_bounds__(1024) moe_index_scan(const __grid_constant__ MoeIndexArgs a) {
+  const int total = block_exclusive_scan(a.tile_counts, a.num_local * a.num_tiles);
+  publish_offsets(a, a.tile_counts, a.num_tiles, total);
+}
+
+// 3/3: every warp hands out the rows of its tile from its column of the scanned table.
+extern "C" __global__ void __launch_bounds__(256) moe_index_scatter(const __grid_constant__ MoeIndexArgs a) {
+  extern __shared__ int table[];  // [num_local][warps of this block]: cursors
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5, w = threadIdx.x >> 5;
+  const int tile = blockIdx.x * warps + w;
+  for (int e = lane; e < a.num_local; e += 32) table[e * warps + w] = a.tile_counts[e * a.num_tiles + tile];
+  __syncwarp();
+  scatter_tile(a, tile_begin(a, tile), tile_end(a, tile), table + w, warps);
+}
+
+// gather_rows: out[p] = src[rows[p]] for p < total. A group of `group` threads (a power of two
+// dividing the block) copies one row in W-byte vectors; U vectors are loaded before they are
+// stored so that each thread keeps several loads in flight.
+template <int W>
+EP_DEVICE void copy_rows(const char* src, char* out, const int* rows, int total, unsigned row_bytes, int group) {
+  using V = typename VecT<W>::T;
+  constexpr int U = 4;
+  const unsigned n = row_bytes / W;
+  const int per_block = blockDim.x / group, g = threadIdx.x / group, lane = threadIdx.x % group;
+  for (int p = blockIdx.x * per_block + g; p < total; p += gridDim.x * per_block) {
+    const V* s = reinterpret_cast<const V*>(src + static_cast<size_t>(rows[p]) * row_bytes);
+    V* d = reinterpret_cast<V*>(out + static_cast<size_t>(p) * row_bytes);
+    for (unsigned base = lane; base < n; base += group * U) {
+      V x[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + u * group < n) x[u] = s[base + u * group];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (base + u * group < n) d[base + u * group] = x[u];
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(256) moe_gather_rows(const char* src, char* out, const int* rows,
+                                                                  const int* offsets, int num_local,
+                                                                  unsigned row_bytes, unsigned vec, int group) {
+  const int total = offsets[num_local];  // known only on the device: the grid covers the capacity
+  switch (vec) {
+    case 16: copy_rows<16>(src, out, rows, total, row_bytes, group); break;
+    case 8: copy_rows<8>(src, out, rows, total, row_bytes, group); break;
+    case 4: copy_rows<4>(src, out, rows, total, row_bytes, group); break;
+    case 2: copy_rows<2>(src, out, rows, total, row_bytes, group); break;
+    default: copy_rows<1>(src, out, rows, total, row_bytes, group); break;
+  }
+}
+
+// finalize: out[s] = sum over k (ascending) of row_weight[row] * fc2[row], row = row_of[s, k]
+// >= 0, in fp32. __fmul_rn/__fadd_rn keep the multiply and the add separately rounded (no
+// FMA contraction), which is what moe_reference.finalize computes in NumPy: bitwise equal.
+// E elements per vector; a group of threads covers one slot's hidden vector.
+template <typename TIn, typename TOut, int E>
+EP_DEVICE void finalize_slots(const TIn* fc2, TOut* out, const int* row_of, const float* row_weight, int slots,
+                              int top_k, int hidden, int group) {
+  using VIn = typename VecT<E * sizeof(TIn)>::T;
+  using VOut = typename VecT<E * sizeof(TOut)>::T;
+  const int n = hidden / E;
+  const int per_block = blockDim.x / group, g = threadIdx.x / group, lane = threadIdx.x % group;
+  for (int s = blockIdx.x * per_block + g; s < slots; s += gridDim.x * per_block) {
+    const int* sel = row_of + static_cast<size_t>(s) * top_k;
+    for (int v = lane; v < n; v += group) {
+      float acc[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] = 0.f;
+      for (int k = 0; k < top_k; ++k) {
+        const int row = sel[k];
+        if (row < 0) continue;
+        const float w = row_weight[row];
+        union { VIn raw; TIn el[E]; } x;
+        x.raw = reinterpret_cast<const VIn*>(fc2 + static_cast<size_t>(row) * hidden)[v];
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, to_float<TIn>(x.el[e])));
+      }
+      union { VOut raw; TOut el[E]; } o;
+#pragma unroll
+      for (int e = 0; e < E; ++e) o.el[e] = from_float<TOut>(acc[e]);
+      reinterpret_cast<VOut*>(out + static_cast<size_t>(s) * hidden)[v] = o.raw;
+    }
+  }
+}
+
+// The host picks E (elements per vector) so that loads and stores are at most 16 bytes and
+// aligned; only those widths are instantiated.
+template <typename TIn, typename TOut>
+EP_DEVICE void finalize(const void* fc2, void* out, const int* row_of, const float* row_weight, int slots,
+                        int top_k, int hidden, int vec_elems, int group) {
+  constexpr int widest = 16 / (sizeof(TIn) > sizeof(TOut) ? sizeof(TIn) : sizeof(TOut));
+  const TIn* x = static_cast<const TIn*>(fc2);
+  TOut* y = static_cast<TOut*>(out);
+  switch (vec_elems) {
+    case 8:
+      if constexpr (widest >= 8) finalize_slots<TIn, TOut, 8>(x, y, row_of, row_weight, slots, top_k, hidden, group);
+      break;
+    case 4: finalize_slots<TIn, TOut, 4>(x, y, row_of, row_weight, slots, top_k, hidden, group); break;
+    case 2: finalize_slots<TIn, TOut, 2>(x, y, row_of, row_weight, slots, top_k, hidden, group); break;
+    default: finalize_slots<TIn, TOut, 1>(x, y, row_of, row_weight, slots, top_k, hidden, group); break;
+  }
+}
+
+// moe_finalize_<fc2 dtype>_<out dtype>
+#define EP_FINALIZE(IN, TIN, OUT, TOUT)                                                                         \
+  extern "C" __global__ void __launch_bounds__(256) moe_finalize_##IN##_##OUT(                                \
+      const void* fc2, void* out, const int* row_of, const float* row_weight, int slots, int top_k, int hidden, \
+      int vec_elems, int group) {                                                                              \
+    finalize<TIN, TOUT>(fc2, out, row_of, row_weight, slots, top_k, hidden, vec_elems, group);                \
+  }
+EP_FINALIZE(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
+EP_FINALIZE(bf16, __nv_bfloat16, f16, __half)
+EP_FINALIZE(bf16, __nv_bfloat16, f32, float)
+EP_FINALIZE(f16, __half, bf16, __nv_bfloat16)
+EP_FINALIZE(f16, __half, f16, __half)
+EP_FINALIZE(f16, __half, f32, float)
+EP_FINALIZE(f32, float, bf16, __nv_bfloat16)
+EP_FINALIZE(f32, float, f16, __half)
+EP_FINALIZE(f32, float, f32, float)

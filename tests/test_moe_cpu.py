@@ -1,0 +1,200 @@
+"""CPU suite of the MoE compute pieces: properties of the NumPy reference (moe_reference.py),
+the launch plan of the index and argument checks that run before any device is touched."""
+import ctypes
+import os
+import re
+
+import numpy as np
+import pytest
+
+from ep_a2a import moe, moe_reference as mref, reference as ref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rng():
+    seed = int.from_bytes(os.urandom(8), "little")
+    return np.random.default_rng(seed), seed
+
+
+def _random_ids(rng, shape, num_experts):
+    """With replacement (duplicates, several experts of one rank per token), plus -1 and
+    out-of-range ids."""
+    ids = rng.integers(0, num_experts, shape).astype(np.int64)
+    junk = rng.choice(np.array([-1, -2, num_experts, num_experts + 5, 2**31 - 1, -2**31]), shape)
+    return np.where(rng.random(shape) < 0.15, junk, ids).astype(np.int32)
+
+
+def _check_properties(ids, w, num_experts, ep, rank, msg):
+    idx = mref.build_index(ids, w, num_experts, ep, rank)
+    top_k = ids.shape[-1]
+    flat = ids.reshape(-1, top_k)
+    local = mref.local_experts(num_experts, ep, rank)
+    is_local = np.isin(flat, local)
+    total = idx.total
+    # counts: one row per local selection, per expert; offsets are their exclusive prefix
+    assert idx.counts.sum() == is_local.sum() == total == len(idx.rows), msg
+    assert idx.counts.tolist() == [int((flat == e).sum()) for e in local], msg
+    assert idx.offsets[0] == 0 and np.array_equal(np.diff(idx.offsets), idx.counts), msg
+    # row_of is a bijection from the local selections onto 0..total-1, -1 elsewhere
+    assert np.array_equal(idx.row_of >= 0, is_local), msg
+    assert np.array_equal(np.sort(idx.row_of[is_local]), np.arange(total)), msg
+    # rows and row_of are inverse: row p comes from slot rows[p], and that slot's k points back at p
+    s, k = np.nonzero(is_local)
+    p = idx.row_of[s, k]
+    assert np.array_equal(idx.rows[p], s), msg
+    assert np.array_equal(idx.row_weight[p].view(np.uint32), w.reshape(-1, top_k)[s, k].view(np.uint32)), msg
+    # expert-major, then ascending (slot, k) inside each expert
+    for e_local, e in enumerate(local):
+        lo, hi = idx.offsets[e_local], idx.offsets[e_local + 1]
+        js = [int(np.flatnonzero(idx.row_of.reshape(-1) == q)[0]) for q in range(lo, hi)]
+        assert all(flat.reshape(-1)[j] == e for j in js), msg
+        assert js == sorted(js), msg
+    return idx
+
+
+@pytest.mark.parametrize("ep,num_experts,top_k,tmax", [(1, 8, 1, 5), (3, 10, 8, 7), (8, 67, 22, 16), (8, 3, 2, 4),
+                                                      (72, 288, 8, 2)])
+def test_index_properties_random(ep, num_experts, top_k, tmax):
+    rng, seed = _rng()
+    ids = _random_ids(rng, (ep, tmax, top_k), num_experts)
+    w = rng.standard_normal((ep, tmax, top_k)).astype(np.float32)
+    for rank in range(ep):
+        _check_properties(ids, w, num_experts, ep, rank, f"seed={seed} rank={rank}")
+
+
+def test_index_is_deterministic():
+    rng, seed = _rng()
+    ids = _random_ids(rng, (4, 33, 6), 16)
+    w = rng.standard_normal(ids.shape).astype(np.float32)
+    a, b = (mref.build_index(ids.copy(), w.copy(), 16, 4, 1) for _ in range(2))
+    for f in ("counts", "offsets", "rows", "row_weight", "row_of"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f"seed={seed}: {f}"
+
+
+def test_token_with_several_local_experts_by_hand():
+    # 2 ranks, 8 experts: rank 1 owns 4..7. Slot 0 picks 5, 4, 5 (again) and rank 0's 1;
+    # slot 1 picks -1, 4 and an out-of-range id; slot 2 picks only rank 0's experts.
+    ids = np.array([[5, 4, 5, 1], [-1, 4, 9, 6], [0, 1, 2, 3]], np.int32)
+    w = np.arange(12, dtype=np.float32).reshape(3, 4) / 8
+    idx = mref.build_index(ids, w, 8, 2, 1)
+    assert idx.counts.tolist() == [2, 2, 1, 0]          # experts 4, 5, 6, 7
+    assert idx.offsets.tolist() == [0, 2, 4, 5, 5]
+    # expert 4: (0,1), (1,1); expert 5: (0,0), (0,2); expert 6: (1,3)
+    assert idx.rows.tolist() == [0, 1, 0, 0, 1]
+    assert idx.row_weight.tolist() == [w[0, 1], w[1, 1], w[0, 0], w[0, 2], w[1, 3]]
+    assert idx.row_of.tolist() == [[2, 0, 3, -1], [-1, 1, -1, 4], [-1, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("num_experts,rank", [(16, 2), (3, 5)])  # no token reaches it / it owns no expert
+def test_empty_rank(num_experts, rank):
+    rng, seed = _rng()
+    owner = ref.expert_owner(num_experts, 8)
+    others = np.flatnonzero(owner != rank)
+    ids = rng.choice(np.append(others, -1), (8, 9, 4)).astype(np.int32)
+    idx = mref.build_index(ids, np.ones(ids.shape, np.float32), num_experts, 8, rank)
+    assert idx.total == 0 and (idx.row_of == -1).all() and len(idx.rows) == 0, f"seed={seed}"
+    assert len(idx.counts) == len(mref.local_experts(num_experts, 8, rank))
+    out = mref.finalize(idx, np.zeros((0, 5), np.float32), "float32", "bfloat16")
+    assert out.shape == (8 * 9, 5) and (out == 0).all()
+
+
+def test_gather_reference():
+    rng, _ = _rng()
+    ids = _random_ids(rng, (3, 5, 4), 12)
+    idx = mref.build_index(ids, np.ones(ids.shape, np.float32), 12, 3, 0)
+    src = rng.integers(0, 256, (15, 7), dtype=np.uint8)
+    got = mref.gather_rows(idx, src)
+    assert got.shape == (idx.total, 7)
+    for p in range(idx.total):
+        assert np.array_equal(got[p], src[idx.rows[p]])
+
+
+def test_finalize_order_rounding_and_empty_slots():
+    # slot 0: rows of k = 0, 1, 2 hold 1e8, 1, -1e8 (weights 1): ((0 + 1e8) + 1) - 1e8 = 0 in fp32,
+    # which a different order would not give. slot 1: no local row -> 0. slot 2: one row,
+    # weight 0.5 * 3.0 -> 1.5, then bf16.
+    row_of = np.array([[0, 1, 2], [-1, -1, -1], [-1, 3, -1]], np.int32)
+    idx = mref.Index(np.array([4], np.int32), np.array([0, 4], np.int32), np.array([0, 0, 0, 2], np.int32),
+                     np.array([1, 1, 1, 0.5], np.float32), row_of)
+    fc2 = np.array([[1e8], [1.0], [-1e8], [3.0]], np.float32)
+    out = mref.finalize(idx, fc2, "float32", "float32")
+    assert out[:, 0].tolist() == [0.0, 0.0, 1.5]
+    # bf16 output rounds to nearest even: 1 + 2**-8 is a tie between 1 and 1 + 2**-7 -> 1
+    idx.row_weight[:] = 1
+    fc2 = np.array([[1.0], [0.0], [0.0], [1 + 2**-8]], np.float32)
+    out = mref.finalize(idx, fc2, "float32", "bfloat16")
+    assert out[2, 0] == 0x3F80 and out[0, 0] == 0x3F80
+    # bf16 input as uint16 bits
+    out = mref.finalize(idx, np.array([[0x3F80], [0], [0], [0x4040]], np.uint16), "bfloat16", "float16")
+    assert out.dtype == np.float16 and out[:, 0].tolist() == [1.0, 0.0, 3.0]
+
+
+def test_finalize_matches_a_plain_loop():
+    rng, seed = _rng()
+    ids = _random_ids(rng, (4, 6, 5), 20)
+    w = rng.standard_normal(ids.shape).astype(np.float32)
+    idx = mref.build_index(ids, w, 20, 4, 3)
+    fc2 = rng.standard_normal((idx.total, 9)).astype(np.float32)
+    got = mref.finalize(idx, fc2, "float32", "float32")
+    for s in range(idx.row_of.shape[0]):
+        acc = np.zeros(9, np.float32)
+        for k in range(5):
+            p = idx.row_of[s, k]
+            if p >= 0:
+                acc = np.float32(acc + np.float32(idx.row_weight[p]) * fc2[p])
+        assert np.array_equal(got[s].view(np.uint32), acc.view(np.uint32)), f"seed={seed} slot={s}"
+
+
+def test_local_experts_agree_with_reference_split():
+    for E, ep in [(256, 8), (10, 4), (3, 8), (288, 72), (7, 1)]:
+        for r in range(ep):
+            first, n = moe.local_experts(E, ep, r)
+            assert list(range(first, first + n)) == mref.local_experts(E, ep, r).tolist()
+
+
+@pytest.mark.parametrize("n", [1, 31, 32, 33, 1000, 16384, 16385, 100_000, 720_896, 6_488_064])
+@pytest.mark.parametrize("num_local", [0, 1, 4, 32, 256, 1024])
+def test_index_plan_covers_every_entry_within_budgets(n, num_local):
+    fused, warps, tile, tiles = moe.index_plan(n, num_local)
+    assert tile % 32 == 0 and tile * tiles >= n and tiles % warps == 0
+    assert num_local * warps * 4 <= 40 * 1024  # the shared table
+    if fused:
+        assert tiles == warps <= 32 and tile <= 32 * 16
+    else:
+        assert warps * 32 <= 256 and tile >= 512 and num_local * tiles <= 1 << 16
+
+
+def test_kernel_argument_struct_mirrored():
+    src = open(os.path.join(ROOT, "kernels", "moe_compute.cu")).read()
+    body = re.search(r"struct MoeIndexArgs \{(.*?)\};", src, re.S).group(1)
+    names = re.findall(r"(\w+);", re.sub(r"//[^\n]*", "", body))
+    assert names == [f for f, _ in moe._IndexArgs._fields_]
+    assert f"sizeof(MoeIndexArgs) == {ctypes.sizeof(moe._IndexArgs)}" in src
+
+
+def test_cubins_have_moe_kernels():
+    from ep_a2a.driver import module
+    built = module.built_cubins().get("moe_compute")
+    if not built:
+        pytest.skip("cubins not built (run `make cubins`)")
+    data = (module.CUBIN_DIR / f"moe_compute.sm_{built[0]}.cubin").read_bytes()
+    for sym in (b"moe_index_fused", b"moe_index_count", b"moe_index_scan", b"moe_index_scatter", b"moe_gather_rows",
+                b"moe_finalize_bf16_bf16", b"moe_finalize_f32_f16"):
+        assert sym in data
+
+
+@pytest.mark.parametrize("kw,words", [
+    (dict(num_experts=0), "num_experts"), (dict(ep_size=0), "ep_size"), (dict(ep_size=73), "ep_size"),
+    (dict(rank=4), "rank"), (dict(rank=-1), "rank"), (dict(num_experts=4096, ep_size=2), "local experts"),
+])
+def test_bad_routing_arguments_rejected_before_any_device_use(kw, words):
+    args = dict(num_experts=16, ep_size=4, rank=0)
+    args.update(kw)
+    with pytest.raises(ValueError, match=words):
+        moe.build_index(np.zeros((4, 2, 2), np.int32), np.zeros((4, 2, 2), np.float32), **args)
+
+
+def test_host_arrays_rejected():
+    with pytest.raises(ValueError, match="expert_ids: must be on cuda"):
+        moe.build_index(np.zeros((4, 2, 2), np.int32), np.zeros((4, 2, 2), np.float32), num_experts=16, ep_size=4, rank=0)
