@@ -77,6 +77,13 @@ def _build(group, args, rng):
                                      payloads=payload_formats(hidden, top_k)[fmt], combine_hidden_size=hidden,
                                      combine_dtype=cdt, protocol="auto", crossover_tokens=crossover, timeout_s=20.0)
             built[fmt, cdt] = a2a
+    for cdt in COMBINE_DTYPES:  # FP8 combine (FENCE only; hidden a multiple of 128)
+        hidden, top_k = int(rng.choice([128, 256, 384])), int(rng.choice(TOP_K))
+        experts = int(rng.integers(max(top_k, ep), 8 * ep + 3))
+        built["bf16+fp8-combine", cdt] = ep_a2a.MoeAlltoAll(
+            group, max_tokens_per_rank=args.max_tokens, top_k=top_k, num_experts=experts,
+            payloads=payload_formats(hidden, top_k)["bf16"], combine_hidden_size=hidden, combine_dtype=cdt,
+            protocol="fence", combine_quant="fp8", timeout_s=20.0)
     return built
 
 
@@ -134,7 +141,8 @@ def main(argv=None) -> int:
             rng = np.random.default_rng([seed, step])  # one step reproduces from (seed, step)
             d = _draw_step(rng, a2as, args.max_tokens, args.ranks)
             a2a = a2as[d["key"]]
-            a2a.protocol = d["mode"]  # an "auto" all-to-all runs either protocol's kernels
+            # an "auto" all-to-all runs either protocol's kernels; FP8 combine is FENCE only
+            a2a.protocol = "fence" if a2a.combine_quant else d["mode"]
             proto = a2a.protocol_for(d["tmax"])
             verify = _checked(step, args.check_every)
             try:

@@ -41,6 +41,7 @@ class Launch:
         else:
             cfg.numAttrs = 0
         self.config = cfg
+        self._stream, self._grid = None, cfg.gridDimX
 
     @property
     def grid(self) -> int:
@@ -48,10 +49,12 @@ class Launch:
 
     @grid.setter
     def grid(self, n: int) -> None:
-        self.config.gridDimX = n
+        if n != self._grid:
+            self.config.gridDimX = self._grid = n
 
     def __call__(self, stream: int) -> None:
-        self.config.hStream = stream
+        if stream != self._stream:  # a property set on the bound config costs more than the compare
+            self.config.hStream = self._stream = stream
         err, = _drv.cuLaunchKernelEx(self.config, self.function, self.params_address, 0)
         if err != _drv.CUresult.CUDA_SUCCESS:
             check((err,), "cuLaunchKernelEx")

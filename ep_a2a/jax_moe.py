@@ -1,0 +1,263 @@
+"""The MoE layer of torch_moe.py in JAX (eager), on the rank-major all-to-all.
+
+    router (jnp) -> dispatch -> build_index -> gather_rows -> FC1 / SiLU(gate) * up / FC2 (jnp)
+    -> finalize (into the combine input) -> combine
+
+Same weights layout, router and numerics as TorchMoeLayer (read its module docstring): bf16
+w_gate_up [E_local, 2*I, hidden], w_down [E_local, hidden, I]; bf16 GEMMs accumulating in
+fp32 (XLA may keep SiLU(gate) * up in fp32 inside a fusion: that only removes roundings).
+
+Data exchange is DLPack both ways, never through the host: the gathered rows and the index
+counts reach JAX with jax.dlpack.from_dlpack (zero copy; JAX's stream waits for ours), and
+the FC2 output reaches finalize as a jax array through ep_a2a.as_tensor (our stream waits for
+JAX's). JAX arrays whose memory an ep_a2a launch still reads are kept alive until the step's
+end, when moe_forward_all_ranks synchronizes (JAX would otherwise reuse their memory on its
+own stream, unaware of ours).
+
+Two ways to run the experts (gemm=):
+  "ragged": jax.lax.ragged_dot over all index.capacity rows with the device counts as group
+    sizes: no host sync; one compile per T^.
+  "loop": host counts (one sync per rank, in the compute phase), one jitted FFN per expert
+    with rows (compiled once per distinct row count), outputs copied into a buffer of ours
+    with cuMemcpyDtoDAsync.
+  "auto": "ragged" where jax.lax.ragged_dot exists.
+
+In-process ranks: the same phases as torch_moe.moe_forward_all_ranks (route, dispatch every
+rank, compute, combine every rank), for the same reason. JAX preallocates most of the GPU by
+default: set XLA_PYTHON_CLIENT_PREALLOCATE=false (or XLA_PYTHON_CLIENT_MEM_FRACTION) before
+importing jax when ep_a2a's workspaces share the GPU. jax is imported inside functions only.
+"""
+from __future__ import annotations
+
+import numpy as np
+from cuda.bindings import driver as _drv
+
+from .driver.errors import call
+from .driver.memory import empty
+from .driver.tensor import as_tensor
+from .moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
+from .torch_moe import (check_layer_output, dense_reference, distinct_logits, max_relative_error,  # noqa: F401
+                        payload_specs, random_weights, route_reference)
+
+GEMMS = ("auto", "ragged", "loop")
+_JIT = {}
+
+
+def _jitted():
+    """The jitted pieces, built on first use (jax imported lazily)."""
+    if _JIT:
+        return _JIT
+    import jax
+
+    def gated(h, inter):
+        return jax.nn.silu(h[:, :inter]) * h[:, inter:]
+
+    def ffn(x, w1t, w2t):  # x [n, H], w1t [H, 2I], w2t [I, H]
+        return gated(x @ w1t, w2t.shape[0]) @ w2t
+
+    def ragged_ffn(x, counts, w1t, w2t):  # x [rows, H], w1t [L, H, 2I], w2t [L, I, H]
+        h = jax.lax.ragged_dot(x, w1t, counts)
+        return jax.lax.ragged_dot(gated(h, w2t.shape[1]), w2t, counts)
+
+    def router(logits, top_k, renormalize):
+        logits = logits.astype(jax.numpy.float32)
+        top, ids = jax.lax.top_k(logits, top_k)
+        if renormalize:
+            w = jax.nn.softmax(top, axis=-1)
+        else:
+            w = jax.numpy.take_along_axis(jax.nn.softmax(logits, axis=-1), ids, axis=1)
+        return ids.astype(jax.numpy.int32), w
+
+    _JIT.update(ffn=jax.jit(ffn), ragged_ffn=jax.jit(ragged_ffn),
+                router=jax.jit(router, static_argnums=(1, 2)))
+    return _JIT
+
+
+def jax_device(ordinal: int):
+    """The JAX GPU device of CUDA ordinal `ordinal`."""
+    import jax
+    gpus = jax.devices("gpu")
+    for d in gpus:
+        if getattr(d, "local_hardware_id", d.id) == ordinal:
+            return d
+    raise ValueError(f"JAX sees no GPU with CUDA ordinal {ordinal} (it has {gpus})")
+
+
+class JaxMoeLayer:
+    """The MoE layer of one rank in JAX. Arguments as TorchMoeLayer; the weights may be any
+    array (jax, numpy) and are placed on the rank's GPU as bf16."""
+
+    def __init__(self, a2a_rank, w_gate_up, w_down, *, renormalize: bool = True, gemm: str = "auto"):
+        import jax
+        import jax.numpy as jnp
+        a = a2a_rank.a2a
+        self.a2a_rank, self.ep_size, self.rank, self.top_k = a2a_rank, a.ep_size, a2a_rank.rank, a.top_k
+        self.num_experts, self.hidden = a.num_experts, a.combine_hidden_size
+        self.first_expert, self.num_local = local_experts(a.num_experts, a.ep_size, a2a_rank.rank)
+        self.renormalize = bool(renormalize)
+        want = [(s.shape, s.dtype) for s in payload_specs(self.hidden, self.top_k)]
+        if [(tuple(s.shape), s.dtype) for s in a.payload_specs] != want or a.combine_dtype.name != "bfloat16":
+            raise ValueError(f"a2a_rank: the all-to-all must carry payloads={want} and combine bfloat16 "
+                             "(ep_a2a.jax_moe.payload_specs(hidden, top_k))")
+        if self.num_local < 1:
+            raise ValueError(f"rank {self.rank} owns no expert ({a.num_experts} experts over {a.ep_size} ranks)")
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm: must be one of {GEMMS}, got {gemm!r}")
+        self.gemm = ("ragged" if hasattr(jax.lax, "ragged_dot") else "loop") if gemm == "auto" else gemm
+        L, H = self.num_local, self.hidden
+        if tuple(np.shape(w_gate_up))[0::2] != (L, H) or np.shape(w_gate_up)[1] % 2 or len(np.shape(w_gate_up)) != 3:
+            raise ValueError(f"w_gate_up: must be [E_local={L}, 2*I, hidden={H}], got {list(np.shape(w_gate_up))}")
+        self.inter = I = np.shape(w_gate_up)[1] // 2
+        if tuple(np.shape(w_down)) != (L, H, I):
+            raise ValueError(f"w_down: must be [E_local={L}, hidden={H}, I={I}], got {list(np.shape(w_down))}")
+        self.jdev = jax_device(a2a_rank.device.ordinal)
+        put = lambda w: jax.device_put(jnp.swapaxes(jnp.asarray(w, jnp.bfloat16), 1, 2), self.jdev)  # noqa: E731
+        self.w1t, self.w2t = put(w_gate_up), put(w_down)  # [L, H, 2I], [L, I, H]: x @ w
+        if self.gemm == "loop":
+            self._w1_e = [self.w1t[e] for e in range(L)]
+            self._w2_e = [self.w2t[e] for e in range(L)]
+        self.s = a2a_rank.default_stream
+        dev = a2a_rank.device
+        self.index = ExpertIndex.for_rank(a2a_rank)
+        cap = self.ep_size * a.max_tokens_per_rank * self.top_k
+        self._xg = empty((cap, H), "bfloat16", dev)       # expert-major rows (gather_rows)
+        self._y = empty((cap, H), "bfloat16", dev) if self.gemm == "loop" else None
+        self._out = empty((a.max_tokens_per_rank, H), "bfloat16", dev)
+        self._keep = []   # jax arrays an ep_a2a launch of this step still reads, or that alias our memory
+        self._step = None
+        _jitted()
+
+    # -- phases ------------------------------------------------------------------------------------
+    def route(self, logits):
+        """(ids int32 [T, top_k], weights fp32 [T, top_k]): top_k logits, softmax over them
+        (renormalize=False: the full softmax's probabilities of those experts)."""
+        return _JIT["router"](logits, self.top_k, self.renormalize)
+
+    def prepare(self, x, router, runtime_max_tokens_per_rank: int) -> None:
+        """Phase 1: route, wait for the inputs, stage their DLPack views (no ep_a2a launch)."""
+        import jax
+        import jax.numpy as jnp
+        if self._step is not None:
+            raise RuntimeError(f"rank {self.rank}: prepare() called twice without combine()")
+        if getattr(x, "ndim", 0) != 2 or x.shape[1] != self.hidden or x.dtype != jnp.bfloat16:
+            raise ValueError(f"x: must be a bf16 jax array [tokens, hidden={self.hidden}], got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
+        T = int(x.shape[0])
+        x = jax.device_put(x, self.jdev)
+        if isinstance(router, (tuple, list)):
+            ids, w = (jax.device_put(jnp.asarray(router[0], jnp.int32), self.jdev),
+                      jax.device_put(jnp.asarray(router[1], jnp.float32), self.jdev))
+            if ids.shape != (T, self.top_k) or w.shape != (T, self.top_k):
+                raise ValueError(f"router: (ids, weights) must both be [{T}, top_k={self.top_k}], got "
+                                 f"{list(ids.shape)} and {list(w.shape)}")
+        else:
+            if tuple(router.shape) != (T, self.num_experts):
+                raise ValueError(f"router: logits must be [{T}, num_experts={self.num_experts}], got {list(router.shape)}")
+            ids, w = self.route(jax.device_put(router, self.jdev))
+        jax.block_until_ready((x, ids, w))  # the host may block now, before any rank dispatches
+        if T:
+            staged = [as_tensor(t, stream=self.s) for t in (ids, x, w)]
+        else:  # zero-token views of our own memory (nothing is read)
+            staged = [self._out.view(0, (0, self.top_k), "int32"), self._out.view(0, (0, self.hidden)),
+                      self._out.view(0, (0, self.top_k), "float32")]
+        self._keep = [x, ids, w]
+        self.routing = (ids, w)
+        self._step = dict(T=T, tmax=int(runtime_max_tokens_per_rank), ids=staged[0], x=staged[1], w=staged[2])
+
+    def dispatch(self) -> None:
+        """Phase 2: launch this rank's dispatch (no host blocking, no JAX call)."""
+        st = self._step
+        st["views"] = self.a2a_rank.dispatch(st["ids"], [st["x"], st["w"]], st["tmax"], stream=self.s)
+
+    def compute(self) -> None:
+        """Phase 3 (once every rank of the process has dispatched): index and gather on our
+        stream, the experts in JAX, finalize into the combine input on our stream."""
+        import jax
+        st, s, H = self._step, self.s, self.hidden
+        ids_v, (x_v, w_v) = st["views"]
+        idx = build_index(ids_v, w_v, num_experts=self.num_experts, ep_size=self.ep_size, rank=self.rank,
+                          stream=s, out=self.index)
+        gather_rows(idx, x_v, self._xg, stream=s)
+        cap = idx.capacity
+        if self.gemm == "ragged":
+            rows = self._xg.view(0, (cap, H))
+            rows.stream = s  # JAX's stream waits for gather_rows
+            xj = jax.dlpack.from_dlpack(rows)
+            counts = jax.dlpack.from_dlpack(idx.counts)
+            y = _JIT["ragged_ffn"](xj, counts, self.w1t, self.w2t)  # [cap, H]; rows past the total unused
+            self._keep += [xj, counts, y]
+            fc2 = y  # finalize's as_tensor makes our stream wait for it
+        else:
+            call(_drv.cuStreamSynchronize, s)  # all ranks have dispatched: this returns
+            bounds = np.empty(self.num_local + 1, np.int32)
+            call(_drv.cuMemcpyDtoH, bounds.ctypes.data, idx.offsets.ptr, bounds.nbytes)
+            row_bytes = H * self._xg.itemsize
+            for e in range(self.num_local):
+                a, b = int(bounds[e]), int(bounds[e + 1])
+                if b == a:
+                    continue
+                xe = jax.dlpack.from_dlpack(self._xg.view(a * row_bytes, (b - a, H)))
+                ye = _JIT["ffn"](xe, self._w1_e[e], self._w2_e[e])
+                src = as_tensor(ye, stream=s)  # our stream waits for JAX's result
+                call(_drv.cuMemcpyDtoDAsync, self._y.ptr + a * row_bytes, src.ptr, (b - a) * row_bytes, s)
+                self._keep += [xe, ye, src]
+            fc2 = self._y
+        finalize(idx, fc2, self.a2a_rank.combine_input(st["tmax"]), stream=s)
+
+    def combine(self) -> None:
+        """Phase 4: launch this rank's combine into our output buffer (no host blocking)."""
+        st, r = self._step, self.a2a_rank
+        tmax = st["tmax"]
+        r.combine(r.combine_input(tmax), tmax, stream=self.s, out=self._out.view(0, (st["T"], self.hidden)))
+        self._step = dict(T=st["T"])
+
+    def result(self):
+        """After combine: wait for this rank and return its output as a new jax array [T, hidden]."""
+        import jax
+        import jax.numpy as jnp
+        T = self._step["T"]
+        call(_drv.cuStreamSynchronize, self.s)
+        self._step = None
+        self._keep = []  # every launch of this step that read them has finished
+        if T == 0:
+            return jax.device_put(jnp.zeros((0, self.hidden), jnp.bfloat16), self.jdev)
+        out = jnp.array(jax.dlpack.from_dlpack(self._out.view(0, (T, self.hidden))), copy=True)
+        out.block_until_ready()  # the next step's combine overwrites our buffer
+        return out
+
+    def forward(self, x, router, runtime_max_tokens_per_rank: int = None):
+        """One step for a rank alone in its process (see TorchMoeLayer.forward)."""
+        tmax = self.a2a_rank.a2a.max_tokens_per_rank if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
+        self.prepare(x, router, tmax)
+        self.dispatch()
+        self.compute()
+        self.combine()
+        return self.result()
+
+    __call__ = forward
+
+    def close(self) -> None:
+        if self.index is not None:
+            self.a2a_rank.synchronize()
+            self._keep = []
+            self.index.close()
+            self.index = None
+
+
+def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int = None):
+    """One step of every in-process rank (phases as torch_moe.moe_forward_all_ranks): returns a
+    new bf16 jax array [T_r, hidden] per rank. Blocks the host until the step is done."""
+    if not (len(layers) == len(xs) == len(routers)):
+        raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
+    tmax = runtime_max_tokens_per_rank
+    if tmax is None:
+        tmax = max([1] + [int(x.shape[0]) for x in xs])
+    for layer, x, router in zip(layers, xs, routers):
+        layer.prepare(x, router, tmax)
+    for layer in layers:
+        layer.dispatch()
+    for layer in layers:
+        layer.compute()
+    for layer in layers:
+        layer.combine()
+    return [layer.result() for layer in layers]

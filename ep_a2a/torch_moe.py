@@ -1,0 +1,432 @@
+"""A complete MoE layer in PyTorch on the rank-major all-to-all (paper §3.3, Figure 3).
+
+    router -> dispatch (bf16 hidden + fp32 router weights) -> build_index -> gather_rows ->
+    FC1 (grouped GEMM) -> SiLU(gate) * up -> FC2 (grouped GEMM) -> finalize (into the combine
+    input) -> combine
+
+One TorchMoeLayer per rank holds that rank's local experts (the all-to-all's contiguous split,
+moe.local_experts): FC1 = gate and up projections stacked, w_gate_up [E_local, 2*I, hidden]
+(rows [0, I) gate, [I, 2I) up), FC2 w_down [E_local, hidden, I], both bf16, laid out like
+nn.Linear weights (out_features, in_features). Every GEMM takes bf16 inputs, accumulates in
+fp32 and rounds its output to bf16; finalize and combine accumulate in fp32.
+
+Router (route()): logits fp32 [T, num_experts] -> the top_k largest logits -> softmax over
+those k (= softmax over all experts, top_k, then renormalize to sum 1). With
+renormalize=False the weights are the full softmax's probabilities of the k experts.
+forward() also takes the routing ready-made: (expert ids int [T, top_k], weights [T, top_k];
+-1 = no expert; repeated experts count once per selection).
+
+Grouped GEMMs: torch.nn.functional.grouped_mm (or torch._grouped_mm in older releases) with
+the index's device offsets, so the layer never reads a count on the host; a per-expert loop
+over host counts where that is missing or fails on this GPU (checked once, at construction).
+The grouped path computes the gated activation over all index.capacity rows (it does not
+know the total on the host): rows past the total hold garbage that nothing reads.
+
+Ranks in one process (ep_a2a.LocalGroup): the dispatch and combine kernels of a rank spin
+until every peer's kernels of the same phase have run, and they all run on one GPU. So within
+a phase no rank may block the host (a host sync, cuMemFree, a pageable copy, a blocking torch
+allocation) before every rank's launch of that phase is issued: the blocked host would wait
+for a kernel that waits for a launch the host never reaches. moe_forward_all_ranks() runs a
+step in phases: route every rank, then dispatch every rank, then compute every rank (host
+syncs allowed here: every dispatch is launched, so they all finish), then combine every
+rank. Its buffers are allocated at construction; the dispatch and combine phases make no
+torch call at all. A rank alone in its process (ProcessGroup) may simply call forward().
+
+torch is imported inside functions only: `import ep_a2a` never needs it.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .alltoall import PayloadSpec
+from .driver.tensor import as_tensor
+from .moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
+from .reference import from_float32, to_float32
+
+GEMMS = ("auto", "grouped", "loop")
+
+
+def payload_specs(hidden: int, top_k: int) -> list:
+    """The payloads the layer dispatches besides the expert ids: bf16 hidden states and the
+    fp32 router weights (build the MoeAlltoAll with these and combine_dtype='bfloat16')."""
+    return [PayloadSpec("hidden", (hidden,), "bfloat16"), PayloadSpec("weights", (top_k,), "float32")]
+
+
+# -- NumPy: routing, weights and the dense reference (framework-free; the tests' oracle) ------------
+def route_reference(logits: np.ndarray, top_k: int, renormalize: bool = True):
+    """(ids int32 [T, top_k] by descending logit, weights float32 [T, top_k]) as route() does."""
+    logits = np.asarray(logits, np.float32)
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :top_k].astype(np.int32)
+    top = np.take_along_axis(logits, ids, axis=1).astype(np.float64)
+    if renormalize:
+        e = np.exp(top - top.max(axis=1, keepdims=True)) if len(top) else top
+        w = e / e.sum(axis=1, keepdims=True) if len(top) else top
+    else:
+        full = logits.astype(np.float64)
+        z = np.exp(full - full.max(axis=1, keepdims=True)) if len(full) else full
+        w = np.take_along_axis(z / z.sum(axis=1, keepdims=True), ids, axis=1) if len(full) else top
+    return ids, np.asarray(w, np.float32)
+
+
+def distinct_logits(rng, tokens: int, num_experts: int) -> np.ndarray:
+    """Random float32 router logits [tokens, num_experts] whose values in a row differ by at
+    least 2/num_experts, so every top-k is unambiguous (no ties between implementations)."""
+    ranks = np.argsort(rng.random((tokens, num_experts)), axis=1).astype(np.float32)
+    return ((ranks + rng.uniform(0.0, 0.5, (tokens, num_experts)).astype(np.float32)) * np.float32(4.0 / num_experts)).astype(np.float32)
+
+
+def random_weights(rng, num_experts: int, hidden: int, intermediate: int):
+    """bf16 bits (uint16) of w_gate_up [E, 2*I, hidden] and w_down [E, hidden, I], scaled so that
+    each projection keeps unit variance (std 1/sqrt(fan_in))."""
+    w1 = rng.standard_normal((num_experts, 2 * intermediate, hidden), np.float32) / np.float32(np.sqrt(hidden))
+    w2 = rng.standard_normal((num_experts, hidden, intermediate), np.float32) / np.float32(np.sqrt(intermediate))
+    return from_float32(w1, "bfloat16"), from_float32(w2, "bfloat16")
+
+
+def dense_reference(x_bits, ids, weights, w_gate_up_bits, w_down_bits) -> np.ndarray:
+    """The layer in float64 over all tokens and all experts: float64 [N, hidden].
+
+    x_bits: bf16 bits [N, hidden]; ids int [N, top_k] (ids outside 0..E-1 skipped); weights
+    [N, top_k]; expert weights as bf16 bits, every expert [E, ...]. No intermediate rounding:
+    the layer's error against it is its bf16 roundings (see check_layer_output)."""
+    x = to_float32(np.asarray(x_bits), "bfloat16").astype(np.float64)
+    w1 = to_float32(np.asarray(w_gate_up_bits), "bfloat16")
+    w2 = to_float32(np.asarray(w_down_bits), "bfloat16")
+    ids = np.asarray(ids)
+    weights = np.asarray(weights, np.float64)
+    inter = w2.shape[2]
+    out = np.zeros((x.shape[0], x.shape[1]), np.float64)
+    for e in range(w1.shape[0]):
+        tok, k = np.nonzero(ids == e)
+        if tok.size == 0:
+            continue
+        h = x[tok] @ w1[e].T.astype(np.float64)
+        gate, up = h[:, :inter], h[:, inter:]
+        y = (gate / (1.0 + np.exp(-gate)) * up) @ w2[e].T.astype(np.float64)
+        np.add.at(out, tok, weights[tok, k][:, None] * y)
+    return out
+
+
+# Tolerances of the bf16 layer against dense_reference. On the path from the bf16 inputs and
+# weights to the output there are six bf16 roundings (FC1 output, SiLU, gate * up, FC2 output,
+# the finalized partial, the combined sum), each with relative error <= u = 2**-8; they are
+# independent and of random sign, so they add in quadrature. A NumPy simulation of exactly
+# these roundings (random data, hidden 256..2048, top_k 2..8) gives a relative L2 error of
+# 0.0046 over all tokens, at most 0.0074 for one token, and element errors at most
+# 5.6 * u * (|ref| + rms of the token's row). The bounds below leave 2-3x of margin; a lost,
+# doubled, misweighted or misrouted selection is an O(1) relative error per token.
+TOKEN_REL_L2 = 2.0 ** -6     # per token: ||out - ref|| <= 0.0156 ||ref||
+ELEMENT_ULPS = 16            # per element: |out - ref| <= 16 u (|ref| + rms(ref row))
+TOTAL_REL_L2 = 0.01          # over every token of a rank
+
+
+def check_layer_output(got, want, what: str = "") -> None:
+    """Raise AssertionError (with the worst token and element) unless `got` (any float
+    [T, hidden], bf16 as values) is within the bf16 tolerances above of `want`."""
+    got = np.asarray(got, np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, want {want.shape}"
+    if got.size == 0:
+        return
+    assert np.isfinite(got).all(), f"{what}: non-finite output at {np.argwhere(~np.isfinite(got))[:4].tolist()}"
+    err = got - want
+    row_ref = np.linalg.norm(want, axis=1)
+    row_err = np.linalg.norm(err, axis=1)
+    total = np.linalg.norm(err) / max(np.linalg.norm(want), 1e-30)
+    worst = int(np.argmax(row_err / np.maximum(row_ref, 1e-30)))
+    assert total <= TOTAL_REL_L2, f"{what}: relative L2 error {total:.4g} > {TOTAL_REL_L2}"
+    assert (row_err <= TOKEN_REL_L2 * row_ref + 1e-30).all(), \
+        f"{what}: token {worst} relative error {row_err[worst] / max(row_ref[worst], 1e-30):.4g} > {TOKEN_REL_L2:.4g}"
+    rms = np.sqrt(np.mean(want * want, axis=1, keepdims=True))
+    bound = ELEMENT_ULPS * 2.0 ** -8 * (np.abs(want) + rms)
+    bad = np.abs(err) > bound
+    if bad.any():
+        t, h = map(int, np.argwhere(bad)[0])
+        raise AssertionError(f"{what}: element [{t}, {h}] = {got[t, h]:.6g}, reference {want[t, h]:.6g} "
+                             f"(bound {bound[t, h]:.3g}); {int(bad.sum())} elements out of bounds")
+
+
+def max_relative_error(got, want) -> float:
+    """max |got - want| / max |want|: the one-number summary the examples print."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)) if want.size else 0.0
+
+
+# -- PyTorch ---------------------------------------------------------------------------------------
+def _grouped_mm_function():
+    import torch
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+_PROBED = {}
+
+
+def grouped_mm_support(device) -> tuple:
+    """(grouped mm function or None, reason): whether torch's grouped GEMM runs bf16 with device
+    offsets on `device` and matches a per-group matmul. Probed once per device (synchronizes:
+    call it before any dispatch)."""
+    import torch
+    device = torch.device(device)
+    if device in _PROBED:
+        return _PROBED[device]
+    fn = _grouped_mm_function()
+    if fn is None:
+        result = (None, f"torch {torch.__version__} has no grouped_mm")
+    else:
+        try:
+            g = torch.Generator(device=device).manual_seed(1)
+            a = torch.randn(48, 64, device=device, generator=g).to(torch.bfloat16)
+            b = torch.randn(3, 32, 64, device=device, generator=g).to(torch.bfloat16)  # [groups, N, K]
+            bounds = [0, 7, 7, 40]  # an empty group, and rows past the last offset
+            offs = torch.tensor(bounds[1:], dtype=torch.int32, device=device)
+            got = fn(a, b.transpose(1, 2), offs=offs).float()
+            want = torch.cat([a[bounds[i]:bounds[i + 1]].float() @ b[i].float().t() for i in range(3)])
+            ok = torch.allclose(got[:bounds[-1]], want, rtol=2 ** -7, atol=2 ** -7 * float(want.abs().max()))
+            result = (fn, "ok") if ok else (None, "grouped_mm disagrees with a per-group matmul on this GPU")
+        except Exception as e:  # not built for this GPU / dtype: the loop is the fallback
+            result = (None, f"grouped_mm failed on {device}: {type(e).__name__}: {e}")
+    _PROBED[device] = result
+    return result
+
+
+class TorchMoeLayer:
+    """The MoE layer of one rank: its local experts' weights and every buffer one step needs.
+
+    a2a_rank: a RankAlltoAll (a2a.ranks[i]) of a MoeAlltoAll built with payloads=
+      payload_specs(hidden, top_k), combine_hidden_size=hidden, combine_dtype="bfloat16".
+    w_gate_up: bf16 [E_local, 2*I, hidden]; w_down: bf16 [E_local, hidden, I], on the rank's GPU.
+    gemm: "auto" (grouped GEMM where it works, else the loop), "grouped" or "loop".
+    """
+
+    def __init__(self, a2a_rank, w_gate_up, w_down, *, renormalize: bool = True, gemm: str = "auto"):
+        import torch
+        a = a2a_rank.a2a
+        self.a2a_rank, self.ep_size, self.rank, self.top_k = a2a_rank, a.ep_size, a2a_rank.rank, a.top_k
+        self.num_experts, self.hidden = a.num_experts, a.combine_hidden_size
+        self.first_expert, self.num_local = local_experts(a.num_experts, a.ep_size, a2a_rank.rank)
+        self.renormalize = bool(renormalize)
+        want = [(s.shape, s.dtype) for s in payload_specs(self.hidden, self.top_k)]
+        if [(tuple(s.shape), s.dtype) for s in a.payload_specs] != want or a.combine_dtype.name != "bfloat16":
+            raise ValueError(f"a2a_rank: the all-to-all must carry payloads={want} and combine bfloat16 "
+                             f"(ep_a2a.torch_moe.payload_specs(hidden, top_k)); it has "
+                             f"{[(s.shape, s.dtype) for s in a.payload_specs]}, combine {a.combine_dtype.name}")
+        if self.num_local < 1:
+            raise ValueError(f"rank {self.rank} owns no expert ({a.num_experts} experts over {a.ep_size} ranks)")
+        if gemm not in GEMMS:
+            raise ValueError(f"gemm: must be one of {GEMMS}, got {gemm!r}")
+        self.device = torch.device("cuda", a2a_rank.device.ordinal)
+        L, H = self.num_local, self.hidden
+        for name, t, inner in (("w_gate_up", w_gate_up, None), ("w_down", w_down, (H,))):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.bfloat16 or t.dim() != 3 or t.device != self.device:
+                raise ValueError(f"{name}: must be a bf16 torch tensor [E_local, ...] on {self.device}")
+            if t.shape[0] != L:
+                raise ValueError(f"{name}: rank {self.rank} owns {L} experts, got {t.shape[0]}")
+        if w_gate_up.shape[2] != H or w_gate_up.shape[1] % 2:
+            raise ValueError(f"w_gate_up: must be [E_local={L}, 2*I, hidden={H}], got {list(w_gate_up.shape)}")
+        self.inter = w_gate_up.shape[1] // 2
+        if tuple(w_down.shape) != (L, H, self.inter):
+            raise ValueError(f"w_down: must be [E_local={L}, hidden={H}, I={self.inter}], got {list(w_down.shape)}")
+        self.w_gate_up, self.w_down = w_gate_up.contiguous(), w_down.contiguous()
+        # grouped_mm's mat_b is [groups, K, N]; the transposed nn.Linear layout is its column-major form
+        self._w1t, self._w2t = self.w_gate_up.transpose(1, 2), self.w_down.transpose(1, 2)
+
+        self._gmm, self.gemm_reason = (None, "gemm='loop'") if gemm == "loop" else grouped_mm_support(self.device)
+        if gemm == "grouped" and self._gmm is None:
+            raise RuntimeError(f"gemm='grouped': {self.gemm_reason}")
+        self.gemm = "grouped" if self._gmm is not None else "loop"
+
+        self.s = a2a_rank.default_stream
+        self.stream = torch.cuda.ExternalStream(self.s, device=self.device)  # torch work of this rank runs here
+        self.index = ExpertIndex.for_rank(a2a_rank)
+        cap, I = self.ep_size * a.max_tokens_per_rank * self.top_k, self.inter
+        bf = dict(dtype=torch.bfloat16, device=self.device)
+        self._xg = torch.empty(cap, H, **bf)          # expert-major FC1 input (gather_rows)
+        self._act = torch.empty(cap, I, **bf)         # SiLU(gate) * up
+        if self.gemm == "loop":
+            self._h = torch.empty(cap, 2 * I, **bf)
+            self._y = torch.empty(cap, H, **bf)
+            self._y_t = as_tensor(self._y, stream=-1)
+        self._out = torch.empty(a.max_tokens_per_rank, H, **bf)
+        self._xg_t = as_tensor(self._xg, stream=-1)   # ep_a2a views: no DLPack exchange per call
+        self._out_t = as_tensor(self._out, stream=-1)
+        self._offsets = torch.from_dlpack(self.index.offsets)  # int32 [E_local + 1] on the device
+        torch.cuda.synchronize(self.device)
+        self._step = None
+        self.output = None
+
+    # -- phases ------------------------------------------------------------------------------------
+    def route(self, logits):
+        """(ids int32 [T, top_k], weights fp32 [T, top_k]) of the router on this rank's stream."""
+        import torch
+        with torch.cuda.stream(self.stream):
+            top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
+            if self.renormalize:
+                w = torch.softmax(top, dim=-1)
+            else:
+                w = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+            return ids.to(torch.int32), w.contiguous()
+
+    def prepare(self, x, router, runtime_max_tokens_per_rank: int) -> None:
+        """Phase 1: route and stage the inputs (no ep_a2a launch; may allocate and block)."""
+        import torch
+        if self._step is not None:
+            raise RuntimeError(f"rank {self.rank}: prepare() called twice without combine()")
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden or x.dtype != torch.bfloat16:
+            raise ValueError(f"x: must be a bf16 torch tensor [tokens, hidden={self.hidden}], got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
+        if x.device != self.device:
+            raise ValueError(f"x: must be on {self.device} (rank {self.rank}'s GPU), got {x.device}")
+        T = x.shape[0]
+        # the caller produced x (and the router input) on its current stream
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if isinstance(router, (tuple, list)):
+            ids, w = router
+            if tuple(ids.shape) != (T, self.top_k) or tuple(w.shape) != (T, self.top_k):
+                raise ValueError(f"router: (ids, weights) must both be [{T}, top_k={self.top_k}], got "
+                                 f"{list(ids.shape)} and {list(w.shape)}")
+            with torch.cuda.stream(self.stream):
+                ids, w = ids.to(self.device, torch.int32).contiguous(), w.to(self.device, torch.float32).contiguous()
+        else:
+            if tuple(router.shape) != (T, self.num_experts):
+                raise ValueError(f"router: logits must be [{T}, num_experts={self.num_experts}], got {list(router.shape)}")
+            ids, w = self.route(router)
+        with torch.cuda.stream(self.stream):
+            x = x.contiguous()
+            for t in (x, ids, w, router if isinstance(router, torch.Tensor) else None):
+                if t is not None and t.numel():
+                    t.record_stream(self.stream)  # the caller may free them before this rank's stream reads them
+            # ep_a2a views now (on this stream: no event): the dispatch phase must not call into torch
+            staged = [as_tensor(t, stream=self.s) for t in (ids, x, w)]
+        self._step = dict(T=T, tmax=int(runtime_max_tokens_per_rank), keep=(x, ids, w),
+                          ids=staged[0], x=staged[1], w=staged[2])
+        self.routing = (ids, w)
+
+    def dispatch(self) -> None:
+        """Phase 2: launch this rank's dispatch (no host blocking)."""
+        st = self._step
+        st["views"] = self.a2a_rank.dispatch(st["ids"], [st["x"], st["w"]], st["tmax"], stream=self.s)
+
+    def compute(self) -> None:
+        """Phase 3: index, gather, FC1, activation, FC2, finalize into the combine input. Call it
+        only once every rank of the process has dispatched (the loop GEMM syncs the host)."""
+        import torch
+        import torch.nn.functional as F
+        st, s, I = self._step, self.s, self.inter
+        ids_v, (x_v, w_v) = st["views"]
+        idx = build_index(ids_v, w_v, num_experts=self.num_experts, ep_size=self.ep_size, rank=self.rank,
+                          stream=s, out=self.index)
+        gather_rows(idx, x_v, self._xg_t, stream=s)
+        cap = idx.capacity
+        with torch.cuda.stream(self.stream):
+            xg = self._xg[:cap]
+            if self.gemm == "grouped":
+                offs = self._offsets[1:]  # end row of each local expert, on the device
+                h = self._gmm(xg, self._w1t, offs=offs)
+                gate, up = h[:, :I], h[:, I:]
+                F.silu(gate, inplace=True)
+                act = torch.mul(gate, up, out=self._act[:cap])
+                y = self._gmm(act, self._w2t, offs=offs)
+                y_t = as_tensor(y, stream=s)  # y's memory returns to torch's cache on this stream: reuse waits
+            else:
+                bounds = self._offsets.cpu().tolist()  # blocks until build_index ran (all ranks have dispatched)
+                h, total = self._h, bounds[-1]
+                for e in range(self.num_local):
+                    a, b = bounds[e], bounds[e + 1]
+                    if b > a:
+                        torch.matmul(xg[a:b], self.w_gate_up[e].t(), out=h[a:b])
+                gate, up = h[:total, :I], h[:total, I:]
+                F.silu(gate, inplace=True)
+                torch.mul(gate, up, out=self._act[:total])
+                for e in range(self.num_local):
+                    a, b = bounds[e], bounds[e + 1]
+                    if b > a:
+                        torch.matmul(self._act[a:b], self.w_down[e].t(), out=self._y[a:b])
+                y_t = self._y_t
+        finalize(idx, y_t, self.a2a_rank.combine_input(st["tmax"]), stream=s)
+
+    def combine(self):
+        """Phase 4: launch this rank's combine into the layer's output buffer (no host blocking).
+        Returns the bf16 [T, hidden] output: a view valid until this layer's next step, ready
+        on this rank's stream (moe_forward_all_ranks makes the caller's stream wait for it)."""
+        st, r = self._step, self.a2a_rank
+        tmax, T = st["tmax"], st["T"]
+        r.combine(r.combine_input(tmax), tmax, stream=self.s, out=self._out_t.view(0, (T, self.hidden)))
+        self._step = None
+        self.output = self._out[:T]
+        return self.output
+
+    def forward(self, x, router, runtime_max_tokens_per_rank: int = None):
+        """One step for a rank alone in its process (every rank passes the same T^; default
+        max_tokens_per_rank). Ranks sharing a process: use moe_forward_all_ranks."""
+        import torch
+        tmax = self.a2a_rank.a2a.max_tokens_per_rank if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
+        self.prepare(x, router, tmax)
+        self.dispatch()
+        self.compute()
+        out = self.combine()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return out
+
+    __call__ = forward
+
+    def close(self) -> None:
+        if self.index is not None:
+            self.a2a_rank.synchronize()
+            self.index.close()
+            self.index = None
+
+
+def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int = None):
+    """One MoE layer step of every in-process rank: outputs [T_r, hidden] bf16 per rank.
+
+    xs[r]: bf16 [T_r, hidden]; routers[r]: logits [T_r, num_experts] or (ids, weights).
+    T^ defaults to the largest T_r (at least 1). Runs in phases (see the module docstring):
+    no rank's dispatch or combine launch waits for the host to finish something that needs a
+    peer's launch of the same phase. The outputs are views of each layer's buffer, valid until
+    its next step; the caller's current stream waits for them (nothing blocks the host).
+    """
+    import torch
+    if not (len(layers) == len(xs) == len(routers)):
+        raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
+    tmax = runtime_max_tokens_per_rank
+    if tmax is None:
+        tmax = max([1] + [int(x.shape[0]) for x in xs])
+    for layer, x, router in zip(layers, xs, routers):
+        layer.prepare(x, router, tmax)
+    for layer in layers:        # every rank's dispatch is issued before anything may block
+        layer.dispatch()
+    for layer in layers:        # host syncs are safe now: every dispatch can complete
+        layer.compute()
+    outs = [layer.combine() for layer in layers]  # again nothing in between may block
+    for layer in layers:
+        torch.cuda.current_stream(layer.device).wait_stream(layer.stream)
+    return outs
+
+
+def dense_reference_torch(x, ids, weights, w_gate_up, w_down):
+    """The layer over all tokens and all experts in float64 on the GPU (torch): float64 [N, hidden].
+    Same arguments as dense_reference, as torch tensors (weights of every expert)."""
+    import torch
+    import torch.nn.functional as F
+    x64, out = x.double(), torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    inter = w_down.shape[2]
+    for e in range(w_gate_up.shape[0]):
+        tok, k = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x64[tok] @ w_gate_up[e].double().t()
+        y = (F.silu(h[:, :inter]) * h[:, inter:]) @ w_down[e].double().t()
+        out.index_add_(0, tok, weights[tok, k].double()[:, None] * y)
+    return out
+
+
+def bf16_from_bits(bits, device):
+    """A bf16 torch tensor holding numpy uint16 bf16 bits."""
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).to(device).view(torch.bfloat16)
+
+
+def bits_from_bf16(t) -> np.ndarray:
+    """numpy uint16 bits of a bf16 torch tensor (copied to the host)."""
+    import torch
+    return t.detach().contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
