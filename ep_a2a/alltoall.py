@@ -359,7 +359,7 @@ class RankAlltoAll:
         self._check_tmax(tmax)
         tmax = int(tmax)  # (a NumPy integer would keep its width in the arithmetic below)
         s = self.default_stream if stream is None else stream_handle(stream)
-        ids = self._input(token_selected_experts, "token_selected_experts", (a.top_k,), "int32", None)
+        ids = self._input(token_selected_experts, "token_selected_experts", (a.top_k,), "int32", None, s)
         T = ids.shape[0]
         _require(T <= tmax, "token_selected_experts",
                  f"{T} local tokens exceed runtime_max_tokens_per_rank={tmax}")
@@ -368,7 +368,7 @@ class RankAlltoAll:
         payloads = list(payloads)
         _require(len(payloads) == len(a.payload_specs), "payloads",
                  f"expected {len(a.payload_specs)} tensors ({', '.join(p.name for p in a.payload_specs)}), got {len(payloads)}")
-        ins = [self._input(t, f"payloads[{q}] ({spec.name})", tuple(spec.shape), spec.dtype, T)
+        ins = [self._input(t, f"payloads[{q}] ({spec.name})", tuple(spec.shape), spec.dtype, T, s)
                for q, (t, spec) in enumerate(zip(payloads, a.payload_specs))]
         if a.validate_expert_ids and T and not is_capturing(s):  # (a capture cannot sync)
             self._check_ids(ids, s)
@@ -419,13 +419,13 @@ class RankAlltoAll:
                  f"combine got {tmax} but the dispatch of this step used {self._dispatched_tmax}")
         s = self.default_stream if stream is None else stream_handle(stream)
         H, T = a.combine_hidden_size, self._local_tokens
-        part = self._input(partial, "partial", (H,), a.combine_dtype.name, None, leading_dims=(1, 2))
+        part = self._input(partial, "partial", (H,), a.combine_dtype.name, None, s, leading_dims=(1, 2))
         _require(part.shape[:-1] in ((a.ep_size * tmax,), (a.ep_size, tmax)),
                  "partial", f"must be [ep_size={a.ep_size}, runtime_max_tokens_per_rank={tmax}, {H}], got {part.shape}")
         if out is None:
             out_t = Tensor(self._out.ptr, (T, H), a.combine_dtype, device=(_CUDA, self.device.ordinal), owner=self._out)
         else:
-            out_t = self._input(out, "out", (H,), a.combine_dtype.name, T)
+            out_t = self._input(out, "out", (H,), a.combine_dtype.name, T, s)
         p = self.params
         p.combine_out = out_t.ptr
         p.combine_vec = vec = _vec(a.layout.combine_bytes, out_t.ptr)
@@ -488,7 +488,7 @@ class RankAlltoAll:
                  "runtime_max_tokens_per_rank",
                  f"must be an int in 1..max_tokens_per_rank={self.a2a.max_tokens_per_rank}, got {tmax!r}")
 
-    def _input(self, obj, name: str, inner: tuple, dtype: str, rows, leading_dims=(1,)) -> Tensor:
+    def _input(self, obj, name: str, inner: tuple, dtype: str, rows, stream: int, leading_dims=(1,)) -> Tensor:
         """`obj` as a Tensor, checked: dtype, this GPU, contiguous, shape [*leading, *inner]
         with len(leading) in leading_dims, and `rows` rows when given."""
         # Engines pass the same tensors step after step: an ep_a2a Tensor already checked
@@ -497,16 +497,18 @@ class RankAlltoAll:
         if seen is not None and seen[0] is obj and seen[1] == (obj.ptr, obj.shape, obj.strides, obj.dtype,
                                                                obj.device, rows, inner, dtype):
             return obj
-        t = self._check_input(obj, name, inner, dtype, rows, leading_dims)
+        t = self._check_input(obj, name, inner, dtype, rows, stream, leading_dims)
         if type(obj) is Tensor:
             self._seen[name] = (obj, (obj.ptr, obj.shape, obj.strides, obj.dtype, obj.device, rows, inner, dtype))
         return t
 
-    def _check_input(self, obj, name: str, inner: tuple, dtype: str, rows, leading_dims) -> Tensor:
+    def _check_input(self, obj, name: str, inner: tuple, dtype: str, rows, stream: int, leading_dims) -> Tensor:
         if obj is None:
             raise TypeError(f"{name}: expected a tensor, got None")
         try:
-            t = as_tensor(obj)
+            # a framework tensor: its producer orders pending work before our launch stream
+            # (DLPack's stream argument; 0, the legacy stream, is spelled None there)
+            t = as_tensor(obj, stream=stream or None)
         except TypeError as e:
             raise TypeError(f"{name}: {e}") from None
         want = lookup_dtype(dtype)

@@ -35,9 +35,9 @@ from cuda.bindings import driver as _drv
 from .driver.errors import call
 from .driver.memory import empty
 from .driver.tensor import as_tensor
-from .moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
-from .torch_moe import (check_layer_output, dense_reference, distinct_logits, max_relative_error,  # noqa: F401
-                        payload_specs, random_weights, route_reference)
+from .moe import ExpertIndex, build_index, finalize, gather_rows
+from .moe_layer import (LayerBase, check_layer_output, dense_reference, distinct_logits,  # noqa: F401
+                        max_relative_error, payload_specs, random_weights, route_reference, run_phases)
 
 GEMMS = ("auto", "ragged", "loop")
 _JIT = {}
@@ -83,26 +83,15 @@ def jax_device(ordinal: int):
     raise ValueError(f"JAX sees no GPU with CUDA ordinal {ordinal} (it has {gpus})")
 
 
-class JaxMoeLayer:
+class JaxMoeLayer(LayerBase):
     """The MoE layer of one rank in JAX. Arguments as TorchMoeLayer; the weights may be any
     array (jax, numpy) and are placed on the rank's GPU as bf16."""
 
     def __init__(self, a2a_rank, w_gate_up, w_down, *, renormalize: bool = True, gemm: str = "auto"):
         import jax
         import jax.numpy as jnp
+        super().__init__(a2a_rank, "jax_moe", renormalize, gemm, GEMMS)
         a = a2a_rank.a2a
-        self.a2a_rank, self.ep_size, self.rank, self.top_k = a2a_rank, a.ep_size, a2a_rank.rank, a.top_k
-        self.num_experts, self.hidden = a.num_experts, a.combine_hidden_size
-        self.first_expert, self.num_local = local_experts(a.num_experts, a.ep_size, a2a_rank.rank)
-        self.renormalize = bool(renormalize)
-        want = [(s.shape, s.dtype) for s in payload_specs(self.hidden, self.top_k)]
-        if [(tuple(s.shape), s.dtype) for s in a.payload_specs] != want or a.combine_dtype.name != "bfloat16":
-            raise ValueError(f"a2a_rank: the all-to-all must carry payloads={want} and combine bfloat16 "
-                             "(ep_a2a.jax_moe.payload_specs(hidden, top_k))")
-        if self.num_local < 1:
-            raise ValueError(f"rank {self.rank} owns no expert ({a.num_experts} experts over {a.ep_size} ranks)")
-        if gemm not in GEMMS:
-            raise ValueError(f"gemm: must be one of {GEMMS}, got {gemm!r}")
         self.gemm = ("ragged" if hasattr(jax.lax, "ragged_dot") else "loop") if gemm == "auto" else gemm
         L, H = self.num_local, self.hidden
         if tuple(np.shape(w_gate_up))[0::2] != (L, H) or np.shape(w_gate_up)[1] % 2 or len(np.shape(w_gate_up)) != 3:
@@ -116,7 +105,6 @@ class JaxMoeLayer:
         if self.gemm == "loop":
             self._w1_e = [self.w1t[e] for e in range(L)]
             self._w2_e = [self.w2t[e] for e in range(L)]
-        self.s = a2a_rank.default_stream
         dev = a2a_rank.device
         self.index = ExpertIndex.for_rank(a2a_rank)
         cap = self.ep_size * a.max_tokens_per_rank * self.top_k
@@ -124,7 +112,6 @@ class JaxMoeLayer:
         self._y = empty((cap, H), "bfloat16", dev) if self.gemm == "loop" else None
         self._out = empty((a.max_tokens_per_rank, H), "bfloat16", dev)
         self._keep = []   # jax arrays an ep_a2a launch of this step still reads, or that alias our memory
-        self._step = None
         _jitted()
 
     # -- phases ------------------------------------------------------------------------------------
@@ -163,11 +150,6 @@ class JaxMoeLayer:
         self._keep = [x, ids, w]
         self.routing = (ids, w)
         self._step = dict(T=T, tmax=int(runtime_max_tokens_per_rank), ids=staged[0], x=staged[1], w=staged[2])
-
-    def dispatch(self) -> None:
-        """Phase 2: launch this rank's dispatch (no host blocking, no JAX call)."""
-        st = self._step
-        st["views"] = self.a2a_rank.dispatch(st["ids"], [st["x"], st["w"]], st["tmax"], stream=self.s)
 
     def compute(self) -> None:
         """Phase 3 (once every rank of the process has dispatched): index and gather on our
@@ -247,17 +229,5 @@ class JaxMoeLayer:
 def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int = None):
     """One step of every in-process rank (phases as torch_moe.moe_forward_all_ranks): returns a
     new bf16 jax array [T_r, hidden] per rank. Blocks the host until the step is done."""
-    if not (len(layers) == len(xs) == len(routers)):
-        raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
-    tmax = runtime_max_tokens_per_rank
-    if tmax is None:
-        tmax = max([1] + [int(x.shape[0]) for x in xs])
-    for layer, x, router in zip(layers, xs, routers):
-        layer.prepare(x, router, tmax)
-    for layer in layers:
-        layer.dispatch()
-    for layer in layers:
-        layer.compute()
-    for layer in layers:
-        layer.combine()
+    run_phases(layers, xs, routers, runtime_max_tokens_per_rank)
     return [layer.result() for layer in layers]

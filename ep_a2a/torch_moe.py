@@ -22,15 +22,10 @@ over host counts where that is missing or fails on this GPU (checked once, at co
 The grouped path computes the gated activation over all index.capacity rows (it does not
 know the total on the host): rows past the total hold garbage that nothing reads.
 
-Ranks in one process (ep_a2a.LocalGroup): the dispatch and combine kernels of a rank spin
-until every peer's kernels of the same phase have run, and they all run on one GPU. So within
-a phase no rank may block the host (a host sync, cuMemFree, a pageable copy, a blocking torch
-allocation) before every rank's launch of that phase is issued: the blocked host would wait
-for a kernel that waits for a launch the host never reaches. moe_forward_all_ranks() runs a
-step in phases: route every rank, then dispatch every rank, then compute every rank (host
-syncs allowed here: every dispatch is launched, so they all finish), then combine every
-rank. Its buffers are allocated at construction; the dispatch and combine phases make no
-torch call at all. A rank alone in its process (ProcessGroup) may simply call forward().
+Ranks in one process (ep_a2a.LocalGroup): moe_forward_all_ranks() runs a step in phases
+(moe_layer.run_phases says why); the layer's buffers are allocated at construction and the
+dispatch and combine phases make no torch call at all. A rank alone in its process
+(ProcessGroup) may simply call forward().
 
 torch is imported inside functions only: `import ep_a2a` never needs it.
 """
@@ -38,118 +33,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .alltoall import PayloadSpec
 from .driver.tensor import as_tensor
-from .moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
-from .reference import from_float32, to_float32
+from .moe import ExpertIndex, build_index, finalize, gather_rows
+from .moe_layer import (LayerBase, check_layer_output, dense_reference, distinct_logits,  # noqa: F401
+                        max_relative_error, payload_specs, random_weights, route_reference, run_phases)
+from .reference import from_float32, to_float32  # noqa: F401
 
 GEMMS = ("auto", "grouped", "loop")
-
-
-def payload_specs(hidden: int, top_k: int) -> list:
-    """The payloads the layer dispatches besides the expert ids: bf16 hidden states and the
-    fp32 router weights (build the MoeAlltoAll with these and combine_dtype='bfloat16')."""
-    return [PayloadSpec("hidden", (hidden,), "bfloat16"), PayloadSpec("weights", (top_k,), "float32")]
-
-
-# -- NumPy: routing, weights and the dense reference (framework-free; the tests' oracle) ------------
-def route_reference(logits: np.ndarray, top_k: int, renormalize: bool = True):
-    """(ids int32 [T, top_k] by descending logit, weights float32 [T, top_k]) as route() does."""
-    logits = np.asarray(logits, np.float32)
-    ids = np.argsort(-logits, axis=1, kind="stable")[:, :top_k].astype(np.int32)
-    top = np.take_along_axis(logits, ids, axis=1).astype(np.float64)
-    if renormalize:
-        e = np.exp(top - top.max(axis=1, keepdims=True)) if len(top) else top
-        w = e / e.sum(axis=1, keepdims=True) if len(top) else top
-    else:
-        full = logits.astype(np.float64)
-        z = np.exp(full - full.max(axis=1, keepdims=True)) if len(full) else full
-        w = np.take_along_axis(z / z.sum(axis=1, keepdims=True), ids, axis=1) if len(full) else top
-    return ids, np.asarray(w, np.float32)
-
-
-def distinct_logits(rng, tokens: int, num_experts: int) -> np.ndarray:
-    """Random float32 router logits [tokens, num_experts] whose values in a row differ by at
-    least 2/num_experts, so every top-k is unambiguous (no ties between implementations)."""
-    ranks = np.argsort(rng.random((tokens, num_experts)), axis=1).astype(np.float32)
-    return ((ranks + rng.uniform(0.0, 0.5, (tokens, num_experts)).astype(np.float32)) * np.float32(4.0 / num_experts)).astype(np.float32)
-
-
-def random_weights(rng, num_experts: int, hidden: int, intermediate: int):
-    """bf16 bits (uint16) of w_gate_up [E, 2*I, hidden] and w_down [E, hidden, I], scaled so that
-    each projection keeps unit variance (std 1/sqrt(fan_in))."""
-    w1 = rng.standard_normal((num_experts, 2 * intermediate, hidden), np.float32) / np.float32(np.sqrt(hidden))
-    w2 = rng.standard_normal((num_experts, hidden, intermediate), np.float32) / np.float32(np.sqrt(intermediate))
-    return from_float32(w1, "bfloat16"), from_float32(w2, "bfloat16")
-
-
-def dense_reference(x_bits, ids, weights, w_gate_up_bits, w_down_bits) -> np.ndarray:
-    """The layer in float64 over all tokens and all experts: float64 [N, hidden].
-
-    x_bits: bf16 bits [N, hidden]; ids int [N, top_k] (ids outside 0..E-1 skipped); weights
-    [N, top_k]; expert weights as bf16 bits, every expert [E, ...]. No intermediate rounding:
-    the layer's error against it is its bf16 roundings (see check_layer_output)."""
-    x = to_float32(np.asarray(x_bits), "bfloat16").astype(np.float64)
-    w1 = to_float32(np.asarray(w_gate_up_bits), "bfloat16")
-    w2 = to_float32(np.asarray(w_down_bits), "bfloat16")
-    ids = np.asarray(ids)
-    weights = np.asarray(weights, np.float64)
-    inter = w2.shape[2]
-    out = np.zeros((x.shape[0], x.shape[1]), np.float64)
-    for e in range(w1.shape[0]):
-        tok, k = np.nonzero(ids == e)
-        if tok.size == 0:
-            continue
-        h = x[tok] @ w1[e].T.astype(np.float64)
-        gate, up = h[:, :inter], h[:, inter:]
-        y = (gate / (1.0 + np.exp(-gate)) * up) @ w2[e].T.astype(np.float64)
-        np.add.at(out, tok, weights[tok, k][:, None] * y)
-    return out
-
-
-# Tolerances of the bf16 layer against dense_reference. On the path from the bf16 inputs and
-# weights to the output there are six bf16 roundings (FC1 output, SiLU, gate * up, FC2 output,
-# the finalized partial, the combined sum), each with relative error <= u = 2**-8; they are
-# independent and of random sign, so they add in quadrature. A NumPy simulation of exactly
-# these roundings (random data, hidden 256..2048, top_k 2..8) gives a relative L2 error of
-# 0.0046 over all tokens, at most 0.0074 for one token, and element errors at most
-# 5.6 * u * (|ref| + rms of the token's row). The bounds below leave 2-3x of margin; a lost,
-# doubled, misweighted or misrouted selection is an O(1) relative error per token.
-TOKEN_REL_L2 = 2.0 ** -6     # per token: ||out - ref|| <= 0.0156 ||ref||
-ELEMENT_ULPS = 16            # per element: |out - ref| <= 16 u (|ref| + rms(ref row))
-TOTAL_REL_L2 = 0.01          # over every token of a rank
-
-
-def check_layer_output(got, want, what: str = "") -> None:
-    """Raise AssertionError (with the worst token and element) unless `got` (any float
-    [T, hidden], bf16 as values) is within the bf16 tolerances above of `want`."""
-    got = np.asarray(got, np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, f"{what}: shape {got.shape}, want {want.shape}"
-    if got.size == 0:
-        return
-    assert np.isfinite(got).all(), f"{what}: non-finite output at {np.argwhere(~np.isfinite(got))[:4].tolist()}"
-    err = got - want
-    row_ref = np.linalg.norm(want, axis=1)
-    row_err = np.linalg.norm(err, axis=1)
-    total = np.linalg.norm(err) / max(np.linalg.norm(want), 1e-30)
-    worst = int(np.argmax(row_err / np.maximum(row_ref, 1e-30)))
-    assert total <= TOTAL_REL_L2, f"{what}: relative L2 error {total:.4g} > {TOTAL_REL_L2}"
-    assert (row_err <= TOKEN_REL_L2 * row_ref + 1e-30).all(), \
-        f"{what}: token {worst} relative error {row_err[worst] / max(row_ref[worst], 1e-30):.4g} > {TOKEN_REL_L2:.4g}"
-    rms = np.sqrt(np.mean(want * want, axis=1, keepdims=True))
-    bound = ELEMENT_ULPS * 2.0 ** -8 * (np.abs(want) + rms)
-    bad = np.abs(err) > bound
-    if bad.any():
-        t, h = map(int, np.argwhere(bad)[0])
-        raise AssertionError(f"{what}: element [{t}, {h}] = {got[t, h]:.6g}, reference {want[t, h]:.6g} "
-                             f"(bound {bound[t, h]:.3g}); {int(bad.sum())} elements out of bounds")
-
-
-def max_relative_error(got, want) -> float:
-    """max |got - want| / max |want|: the one-number summary the examples print."""
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)) if want.size else 0.0
 
 
 # -- PyTorch ---------------------------------------------------------------------------------------
@@ -189,7 +79,7 @@ def grouped_mm_support(device) -> tuple:
     return result
 
 
-class TorchMoeLayer:
+class TorchMoeLayer(LayerBase):
     """The MoE layer of one rank: its local experts' weights and every buffer one step needs.
 
     a2a_rank: a RankAlltoAll (a2a.ranks[i]) of a MoeAlltoAll built with payloads=
@@ -200,20 +90,8 @@ class TorchMoeLayer:
 
     def __init__(self, a2a_rank, w_gate_up, w_down, *, renormalize: bool = True, gemm: str = "auto"):
         import torch
+        super().__init__(a2a_rank, "torch_moe", renormalize, gemm, GEMMS)
         a = a2a_rank.a2a
-        self.a2a_rank, self.ep_size, self.rank, self.top_k = a2a_rank, a.ep_size, a2a_rank.rank, a.top_k
-        self.num_experts, self.hidden = a.num_experts, a.combine_hidden_size
-        self.first_expert, self.num_local = local_experts(a.num_experts, a.ep_size, a2a_rank.rank)
-        self.renormalize = bool(renormalize)
-        want = [(s.shape, s.dtype) for s in payload_specs(self.hidden, self.top_k)]
-        if [(tuple(s.shape), s.dtype) for s in a.payload_specs] != want or a.combine_dtype.name != "bfloat16":
-            raise ValueError(f"a2a_rank: the all-to-all must carry payloads={want} and combine bfloat16 "
-                             f"(ep_a2a.torch_moe.payload_specs(hidden, top_k)); it has "
-                             f"{[(s.shape, s.dtype) for s in a.payload_specs]}, combine {a.combine_dtype.name}")
-        if self.num_local < 1:
-            raise ValueError(f"rank {self.rank} owns no expert ({a.num_experts} experts over {a.ep_size} ranks)")
-        if gemm not in GEMMS:
-            raise ValueError(f"gemm: must be one of {GEMMS}, got {gemm!r}")
         self.device = torch.device("cuda", a2a_rank.device.ordinal)
         L, H = self.num_local, self.hidden
         for name, t, inner in (("w_gate_up", w_gate_up, None), ("w_down", w_down, (H,))):
@@ -235,7 +113,6 @@ class TorchMoeLayer:
             raise RuntimeError(f"gemm='grouped': {self.gemm_reason}")
         self.gemm = "grouped" if self._gmm is not None else "loop"
 
-        self.s = a2a_rank.default_stream
         self.stream = torch.cuda.ExternalStream(self.s, device=self.device)  # torch work of this rank runs here
         self.index = ExpertIndex.for_rank(a2a_rank)
         cap, I = self.ep_size * a.max_tokens_per_rank * self.top_k, self.inter
@@ -250,15 +127,15 @@ class TorchMoeLayer:
         self._xg_t = as_tensor(self._xg, stream=-1)   # ep_a2a views: no DLPack exchange per call
         self._out_t = as_tensor(self._out, stream=-1)
         self._offsets = torch.from_dlpack(self.index.offsets)  # int32 [E_local + 1] on the device
+        self._offs = torch.empty(L, dtype=torch.int32, device=self.device)
         torch.cuda.synchronize(self.device)
-        self._step = None
         self.output = None
 
     # -- phases ------------------------------------------------------------------------------------
     def route(self, logits):
         """(ids int32 [T, top_k], weights fp32 [T, top_k]) of the router on this rank's stream."""
         import torch
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), torch.no_grad():
             top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
             if self.renormalize:
                 w = torch.softmax(top, dim=-1)
@@ -301,11 +178,6 @@ class TorchMoeLayer:
                           ids=staged[0], x=staged[1], w=staged[2])
         self.routing = (ids, w)
 
-    def dispatch(self) -> None:
-        """Phase 2: launch this rank's dispatch (no host blocking)."""
-        st = self._step
-        st["views"] = self.a2a_rank.dispatch(st["ids"], [st["x"], st["w"]], st["tmax"], stream=self.s)
-
     def compute(self) -> None:
         """Phase 3: index, gather, FC1, activation, FC2, finalize into the combine input. Call it
         only once every rank of the process has dispatched (the loop GEMM syncs the host)."""
@@ -317,10 +189,11 @@ class TorchMoeLayer:
                           stream=s, out=self.index)
         gather_rows(idx, x_v, self._xg_t, stream=s)
         cap = idx.capacity
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), torch.no_grad():
             xg = self._xg[:cap]
             if self.gemm == "grouped":
-                offs = self._offsets[1:]  # end row of each local expert, on the device
+                offs = self._offs
+                offs.copy_(self._offsets[1:])  # end row of each local expert, on the device (16-byte aligned copy)
                 h = self._gmm(xg, self._w1t, offs=offs)
                 gate, up = h[:, :I], h[:, I:]
                 F.silu(gate, inplace=True)
@@ -386,18 +259,8 @@ def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int 
     its next step; the caller's current stream waits for them (nothing blocks the host).
     """
     import torch
-    if not (len(layers) == len(xs) == len(routers)):
-        raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
-    tmax = runtime_max_tokens_per_rank
-    if tmax is None:
-        tmax = max([1] + [int(x.shape[0]) for x in xs])
-    for layer, x, router in zip(layers, xs, routers):
-        layer.prepare(x, router, tmax)
-    for layer in layers:        # every rank's dispatch is issued before anything may block
-        layer.dispatch()
-    for layer in layers:        # host syncs are safe now: every dispatch can complete
-        layer.compute()
-    outs = [layer.combine() for layer in layers]  # again nothing in between may block
+    run_phases(layers, xs, routers, runtime_max_tokens_per_rank)
+    outs = [layer.output for layer in layers]
     for layer in layers:
         torch.cuda.current_stream(layer.device).wait_stream(layer.stream)
     return outs

@@ -1,0 +1,171 @@
+"""The PyTorch MoE layer (ep_a2a/torch_moe.py) on in-process ranks of one GPU, against the dense
+float64 reference of the same layer over every token and expert (NumPy), within the bf16
+tolerances stated in torch_moe (TOKEN_REL_L2, ELEMENT_ULPS, TOTAL_REL_L2: six bf16 roundings
+on the path, 2-3x margin over a simulation of them). Fresh random inputs every run; the seed
+is in every failure message."""
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+
+# ep, experts, top_k, hidden, intermediate, max_tokens_per_rank
+CASES = [
+    (1, 8, 2, 256, 128, 32),
+    (2, 16, 4, 512, 256, 64),
+    (4, 8, 2, 256, 64, 48),
+    (4, 20, 4, 512, 128, 40),
+    (4, 9, 4, 256, 128, 24),   # uneven split: rank 0 owns 3 experts, the others 2
+]
+
+
+def _rng():
+    seed = int.from_bytes(os.urandom(8), "little")
+    return np.random.default_rng(seed), f"seed={seed}"
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    return torch.device("cuda", 0)
+
+
+def _token_counts(rng, ep, tmax, step):
+    """Tokens per rank of one step: step 0 has a full rank and (ep > 1) an empty one."""
+    if step == 0:
+        t = [int(rng.integers(0, tmax + 1)) for _ in range(ep)]
+        t[0] = tmax
+        if ep > 1:
+            t[-1] = 0
+        return t
+    if step == 1:
+        return [int(rng.integers(0, tmax // 2 + 1)) for _ in range(ep)]
+    return [int(rng.integers(1, tmax + 1))] * ep
+
+
+def _build(ep, E, top_k, H, I, tmax, protocol, gemm, rng, dev):
+    import ep_a2a
+    from ep_a2a.moe import local_experts
+    from ep_a2a.torch_moe import TorchMoeLayer, bf16_from_bits, payload_specs, random_weights
+    w1_bits, w2_bits = random_weights(rng, E, H, I)
+    group = ep_a2a.LocalGroup([0] * ep)
+    a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E,
+                             payloads=payload_specs(H, top_k), combine_hidden_size=H, combine_dtype="bfloat16",
+                             protocol=protocol, timeout_s=20.0)
+    w1, w2 = bf16_from_bits(w1_bits, dev), bf16_from_bits(w2_bits, dev)
+    layers = []
+    for r in a2a.ranks:
+        first, n = local_experts(E, ep, r.rank)
+        layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=gemm))
+    return group, a2a, layers, (w1_bits, w2_bits)
+
+
+def _poison(layers):
+    """NaN (0xFFFF) into every buffer a step writes before it is read: a skipped write shows."""
+    for layer in layers:
+        for t in (layer._out, layer._xg, layer._act) + ((layer._h, layer._y) if layer.gemm == "loop" else ()):
+            t.view(torch.int16).fill_(-1)
+    torch.cuda.synchronize()
+
+
+def _run_and_check(layers, weights_bits, xs_bits, routers, ref_routing, dev, msg):
+    from ep_a2a.reference import to_float32
+    from ep_a2a.torch_moe import bf16_from_bits, bits_from_bf16, check_layer_output, dense_reference, moe_forward_all_ranks
+    ep = len(layers)
+    xs = [bf16_from_bits(x, dev) for x in xs_bits]
+    _poison(layers)
+    outs = moe_forward_all_ranks(layers, xs, routers)
+    torch.cuda.synchronize()
+    ids = np.concatenate([r[0] for r in ref_routing])
+    w = np.concatenate([r[1] for r in ref_routing])
+    want = dense_reference(np.concatenate(xs_bits), ids, w, *weights_bits)
+    start = 0
+    for r in range(ep):
+        T = xs_bits[r].shape[0]
+        got = to_float32(bits_from_bf16(outs[r]), "bfloat16")
+        check_layer_output(got, want[start:start + T], f"{msg} rank {r} ({layers[r].gemm} GEMM, {T} tokens)")
+        start += T
+    return want
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+@pytest.mark.parametrize("ep,E,top_k,H,I,tmax", CASES)
+def test_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol):
+    from ep_a2a.reference import from_float32
+    from ep_a2a.torch_moe import distinct_logits, route_reference
+    dev = _cuda()
+    rng, seed = _rng()
+    group, a2a, layers, wbits = _build(ep, E, top_k, H, I, tmax, protocol, "auto", rng, dev)
+    try:
+        for step in range(3):
+            tokens = _token_counts(rng, ep, tmax, step)
+            msg = f"{seed} {protocol} step {step} tokens={tokens}"
+            xs_bits = [from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16") for T in tokens]
+            logits = [distinct_logits(rng, T, E) for T in tokens]
+            ref_routing = [route_reference(lg, top_k) for lg in logits]
+            _run_and_check(layers, wbits, xs_bits, [torch.from_numpy(lg).to(dev) for lg in logits], ref_routing, dev, msg)
+            for r, layer in enumerate(layers):  # the router itself
+                ids, w = (t.cpu().numpy() for t in layer.routing)
+                assert np.array_equal(ids, ref_routing[r][0]), f"{msg} rank {r}: router ids"
+                np.testing.assert_allclose(w, ref_routing[r][1], rtol=1e-5, atol=1e-7, err_msg=f"{msg} rank {r}: router weights")
+    finally:
+        for layer in layers:
+            layer.close()
+        a2a.close()
+        group.close()
+
+
+@pytest.mark.parametrize("gemm", ["loop", "auto"])
+def test_given_routing_with_repeats_and_empty_selections(gemm):
+    """Routing handed in as (ids, weights): repeated experts in a token, -1 (no expert),
+    unnormalized weights; the per-expert loop and the grouped GEMM."""
+    from ep_a2a.reference import from_float32
+    dev = _cuda()
+    rng, seed = _rng()
+    ep, E, top_k, H, I, tmax = 4, 12, 4, 256, 128, 32
+    group, a2a, layers, wbits = _build(ep, E, top_k, H, I, tmax, "fence", gemm, rng, dev)
+    try:
+        for step in range(2):
+            tokens = _token_counts(rng, ep, tmax, step)
+            xs_bits = [from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16") for T in tokens]
+            ref_routing, routers = [], []
+            for T in tokens:
+                ids = rng.integers(0, E, (T, top_k)).astype(np.int32)
+                ids[:, 1] = ids[:, 0]  # a repeat in every token
+                ids = np.where(rng.random((T, top_k)) < 0.15, -1, ids).astype(np.int32)
+                w = rng.uniform(0.1, 1.0, (T, top_k)).astype(np.float32)
+                ref_routing.append((ids, w))
+                routers.append((torch.from_numpy(ids).to(dev), torch.from_numpy(w).to(dev)))
+            _run_and_check(layers, wbits, xs_bits, routers, ref_routing, dev, f"{seed} gemm={gemm} step {step} tokens={tokens}")
+    finally:
+        for layer in layers:
+            layer.close()
+        a2a.close()
+        group.close()
+
+
+def test_torch_dense_reference_agrees_with_numpy():
+    from ep_a2a.reference import from_float32
+    from ep_a2a.torch_moe import bf16_from_bits, dense_reference, dense_reference_torch, distinct_logits, random_weights, route_reference
+    dev = _cuda()
+    rng, seed = _rng()
+    N, E, top_k, H, I = 50, 8, 3, 128, 64
+    w1, w2 = random_weights(rng, E, H, I)
+    x = from_float32(rng.standard_normal((N, H)).astype(np.float32), "bfloat16")
+    ids, w = route_reference(distinct_logits(rng, N, E), top_k)
+    want = dense_reference(x, ids, w, w1, w2)
+    got = dense_reference_torch(bf16_from_bits(x, dev), torch.from_numpy(ids).to(dev).long(), torch.from_numpy(w).to(dev),
+                                bf16_from_bits(w1, dev), bf16_from_bits(w2, dev)).cpu().numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-9 * np.abs(want).max(), err_msg=seed)
+
+
+def test_grouped_gemm_used_on_hopper():
+    """torch's grouped GEMM is expected on sm_90+; this says why when the layer falls back."""
+    from ep_a2a.torch_moe import grouped_mm_support
+    dev = _cuda()
+    if torch.cuda.get_device_capability(dev) < (9, 0):
+        pytest.skip("grouped_mm's bf16 kernels need sm_90+")
+    fn, reason = grouped_mm_support(dev)
+    assert fn is not None, f"torch {torch.__version__}: {reason} (the layer falls back to the per-expert loop)"
