@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import weakref
 import zlib
 from dataclasses import dataclass
 
@@ -493,13 +494,16 @@ class RankAlltoAll:
         with len(leading) in leading_dims, and `rows` rows when given."""
         # Engines pass the same tensors step after step: an ep_a2a Tensor already checked
         # under this argument name, with the same geometry, is not checked again (~1 µs each).
+        # A weak reference: holding the tensor would move its cuMemFree into a later dispatch,
+        # where it would block the host between two in-process ranks' launches (deadlock).
         seen = self._seen.get(name)
-        if seen is not None and seen[0] is obj and seen[1] == (obj.ptr, obj.shape, obj.strides, obj.dtype,
-                                                               obj.device, rows, inner, dtype):
+        if seen is not None and seen[0]() is obj and seen[1] == (obj.ptr, obj.shape, obj.strides, obj.dtype,
+                                                                 obj.device, rows, inner, dtype):
             return obj
         t = self._check_input(obj, name, inner, dtype, rows, stream, leading_dims)
         if type(obj) is Tensor:
-            self._seen[name] = (obj, (obj.ptr, obj.shape, obj.strides, obj.dtype, obj.device, rows, inner, dtype))
+            self._seen[name] = (weakref.ref(obj), (obj.ptr, obj.shape, obj.strides, obj.dtype, obj.device, rows,
+                                                   inner, dtype))
         return t
 
     def _check_input(self, obj, name: str, inner: tuple, dtype: str, rows, stream: int, leading_dims) -> Tensor:
