@@ -169,9 +169,11 @@ class TorchMoeLayer(LayerBase):
             ids, w = self.route(router)
         with torch.cuda.stream(self.stream):
             x = x.contiguous()
-            for t in (x, ids, w, router if isinstance(router, torch.Tensor) else None):
-                if t is not None and t.numel():
-                    t.record_stream(self.stream)  # the caller may free them before this rank's stream reads them
+            # No record_stream on this rank's stream: the caching allocator would record an
+            # event on it when the tensor is freed, possibly after the group destroyed the
+            # stream (a crash seen on the H200). The step keeps x, ids and w alive until its
+            # combine is issued, and the caller's stream then waits for ours, so memory the
+            # caller frees is reused only after our reads.
             # ep_a2a views now (on this stream: no event): the dispatch phase must not call into torch
             staged = [as_tensor(t, stream=self.s) for t in (ids, x, w)]
         self._step = dict(T=T, tmax=int(runtime_max_tokens_per_rank), keep=(x, ids, w),
