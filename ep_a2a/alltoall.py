@@ -57,11 +57,12 @@ class StateError(EpA2AError):
 
 
 def _vec(nbytes: int, *addresses: int) -> int:
-    """The widest vector (16, 8, 4, 2, 1 bytes) that divides the size and every address."""
-    for w in (16, 8, 4, 2):
-        if nbytes % w == 0 and all(a % w == 0 for a in addresses):
-            return w
-    return 1
+    """The widest vector (16, 8, 4, 2, 1 bytes) that divides the size and every address:
+    the lowest set bit of all of them together, at most 16."""
+    x = nbytes
+    for a in addresses:
+        x |= a
+    return min(16, x & -x) if x else 16
 
 
 class MoeAlltoAll:
@@ -299,6 +300,10 @@ class RankAlltoAll:
         self._dispatched_tmax = None   # runtime_max of the dispatch awaiting its combine
         self._local_tokens = 0
         self._seen = {}                # argument name -> (Tensor, geometry) last checked
+        self._out_views = {}           # T -> [T, hidden] view of the internal combine output
+        self._descs = [p.payloads[q] for q in range(p.num_payloads)]  # (indexing makes a new wrapper)
+        self._payload_names = [f"payloads[{q}] ({spec.name})" for q, spec in enumerate(a2a.payload_specs)]
+        self._payload_shapes = [tuple(spec.shape) for spec in a2a.payload_specs]
 
     def _set_active(self, ranks) -> None:
         words = [0] * len(self.params.active)
@@ -362,24 +367,25 @@ class RankAlltoAll:
         s = self.default_stream if stream is None else stream_handle(stream)
         ids = self._input(token_selected_experts, "token_selected_experts", (a.top_k,), "int32", None, s)
         T = ids.shape[0]
-        _require(T <= tmax, "token_selected_experts",
-                 f"{T} local tokens exceed runtime_max_tokens_per_rank={tmax}")
+        # (hot path: the messages are formatted only when a rule is broken)
+        if T > tmax:
+            _require(False, "token_selected_experts", f"{T} local tokens exceed runtime_max_tokens_per_rank={tmax}")
         if not isinstance(payloads, (list, tuple)):
             raise TypeError(f"payloads: expected a list of tensors, got {type(payloads).__name__}")
-        payloads = list(payloads)
-        _require(len(payloads) == len(a.payload_specs), "payloads",
-                 f"expected {len(a.payload_specs)} tensors ({', '.join(p.name for p in a.payload_specs)}), got {len(payloads)}")
-        ins = [self._input(t, f"payloads[{q}] ({spec.name})", tuple(spec.shape), spec.dtype, T, s)
-               for q, (t, spec) in enumerate(zip(payloads, a.payload_specs))]
+        if len(payloads) != len(a.payload_specs):
+            _require(False, "payloads", f"expected {len(a.payload_specs)} tensors "
+                     f"({', '.join(p.name for p in a.payload_specs)}), got {len(payloads)}")
+        ins = [self._input(t, name, shape, spec.dtype, T, s)
+               for t, spec, name, shape in zip(payloads, a.payload_specs, self._payload_names, self._payload_shapes)]
         if a.validate_expert_ids and T and not is_capturing(s):  # (a capture cannot sync)
             self._check_ids(ids, s)
 
         p = self.params
         p.local_num_tokens, p.runtime_max_tokens_per_rank = T, tmax
         p.step_tag = tmax | self._tag_hi
-        p.timeout_ns = int(1e9 * (a.first_timeout_s if self.steps < 4 else a.timeout_s))
-        for q, t in enumerate([ids] + ins):
-            d = p.payloads[q]
+        if self.steps <= 4:  # the first steps wait longer (peers may still be loading)
+            p.timeout_ns = int(1e9 * (a.first_timeout_s if self.steps < 4 else a.timeout_s))
+        for d, t in zip(self._descs, [ids] + ins):
             d.src = t.ptr
             d.vec = _vec(d.bytes_per_token, t.ptr)
         proto = a.protocol_for(tmax)
@@ -416,15 +422,20 @@ class RankAlltoAll:
         if self._dispatched_tmax is None:
             raise StateError(f"rank {self.rank}: combine called without a dispatch before it")
         self._check_tmax(tmax)
-        _require(tmax == self._dispatched_tmax, "runtime_max_tokens_per_rank",
-                 f"combine got {tmax} but the dispatch of this step used {self._dispatched_tmax}")
+        if tmax != self._dispatched_tmax:
+            _require(False, "runtime_max_tokens_per_rank",
+                     f"combine got {tmax} but the dispatch of this step used {self._dispatched_tmax}")
         s = self.default_stream if stream is None else stream_handle(stream)
         H, T = a.combine_hidden_size, self._local_tokens
         part = self._input(partial, "partial", (H,), a.combine_dtype.name, None, s, leading_dims=(1, 2))
-        _require(part.shape[:-1] in ((a.ep_size * tmax,), (a.ep_size, tmax)),
-                 "partial", f"must be [ep_size={a.ep_size}, runtime_max_tokens_per_rank={tmax}, {H}], got {part.shape}")
-        if out is None:
-            out_t = Tensor(self._out.ptr, (T, H), a.combine_dtype, device=(_CUDA, self.device.ordinal), owner=self._out)
+        if part.shape[:-1] not in ((a.ep_size * tmax,), (a.ep_size, tmax)):
+            _require(False, "partial", f"must be [ep_size={a.ep_size}, runtime_max_tokens_per_rank={tmax}, {H}], "
+                     f"got {part.shape}")
+        if out is None:  # [T, H] views of the internal buffer, one per T (no object per call)
+            out_t = self._out_views.get(T)
+            if out_t is None:
+                out_t = self._out_views[T] = Tensor(self._out.ptr, (T, H), a.combine_dtype,
+                                                    device=(_CUDA, self.device.ordinal), owner=self._out)
         else:
             out_t = self._input(out, "out", (H,), a.combine_dtype.name, T, s)
         p = self.params
@@ -485,6 +496,8 @@ class RankAlltoAll:
             self.raise_recorded()
 
     def _check_tmax(self, tmax) -> None:
+        if type(tmax) is int and 1 <= tmax <= self.a2a.max_tokens_per_rank:
+            return
         _require(isinstance(tmax, (int, np.integer)) and not isinstance(tmax, bool) and 1 <= tmax <= self.a2a.max_tokens_per_rank,
                  "runtime_max_tokens_per_rank",
                  f"must be an int in 1..max_tokens_per_rank={self.a2a.max_tokens_per_rank}, got {tmax!r}")

@@ -196,3 +196,13 @@ def test_e4m3_round_against_the_format_definition():
     codes = {float(v): i for i, v in enumerate(vals)}          # index parity = mantissa parity
     assert all(codes[float(g)] % 2 == 0 for g in got)
     assert all(lo <= g <= hi for g, lo, hi in zip(got, vals[:-1], vals[1:]))
+
+
+def test_vec_is_the_widest_vector_dividing_size_and_addresses():
+    from ep_a2a.alltoall import _vec
+    rng = np.random.default_rng()
+    for _ in range(5000):
+        n = int(rng.integers(0, 1 << 20)) * int(rng.choice([1, 2, 4, 8, 16, 32]))
+        addrs = [int(rng.integers(0, 1 << 40)) * int(rng.choice([1, 2, 4, 8, 16, 256])) for _ in range(int(rng.integers(0, 3)))]
+        want = next((w for w in (16, 8, 4, 2) if n % w == 0 and all(a % w == 0 for a in addrs)), 1)
+        assert _vec(n, *addrs) == want, (n, addrs)
