@@ -194,7 +194,8 @@ class MoeAlltoAll:
 
         Collective over the surviving ranks: every active rank must call it, with the same
         set, between the same two steps (a rank that disagrees makes its peers' next step
-        fail with ActiveRanksMismatchError). Ranks can only be removed; to add one back,
+        fail with ActiveRanksMismatchError; the check uses 8 bits of the set's hash, so 1 in
+        256 differing sets is missed and ends as a timeout). Ranks can only be removed; to add one back,
         build a new all-to-all. An inactive rank of this process may not dispatch any more.
         """
         new = tuple(sorted({int(r) for r in ranks}))
@@ -342,7 +343,7 @@ class RankAlltoAll:
         a = self.a2a
         self._check_open()
         self._check_tmax(runtime_max_tokens_per_rank)
-        return self._view(a.layout.off_combine, (a.ep_size, runtime_max_tokens_per_rank, a.combine_hidden_size),
+        return self._view(a.layout.off_combine, (a.ep_size, int(runtime_max_tokens_per_rank), a.combine_hidden_size),
                           a.combine_dtype.name, None)
 
     # -- the two phases -------------------------------------------------------------------
@@ -422,6 +423,7 @@ class RankAlltoAll:
         if self._dispatched_tmax is None:
             raise StateError(f"rank {self.rank}: combine called without a dispatch before it")
         self._check_tmax(tmax)
+        tmax = int(tmax)  # (a NumPy integer would keep its width in the byte counts below)
         if tmax != self._dispatched_tmax:
             _require(False, "runtime_max_tokens_per_rank",
                      f"combine got {tmax} but the dispatch of this step used {self._dispatched_tmax}")
@@ -526,8 +528,8 @@ class RankAlltoAll:
             # a framework tensor: its producer orders pending work before our launch stream
             # (DLPack's stream argument; 0, the legacy stream, is spelled None there)
             t = as_tensor(obj, stream=stream or None)
-        except TypeError as e:
-            raise TypeError(f"{name}: {e}") from None
+        except (TypeError, ValueError, BufferError, RuntimeError) as e:  # (RuntimeError: e.g. torch's own refusals)
+            raise type(e)(f"{name}: {e}") from None
         want = lookup_dtype(dtype)
         if t.dtype != want:
             raise TypeError(f"{name}: dtype must be {want.name}, got {t.dtype.name}")

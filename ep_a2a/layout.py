@@ -8,7 +8,7 @@ A rank's workspace is one VMM allocation, mapped into every rank of the group. I
 sections (each 256-byte aligned; offsets identical on every rank):
 
   sync        peers write here: dispatch flags u64[ep_size] (step << 32 | slot count),
-              the sender's runtime_max_tokens_per_rank u32[ep_size], combine flags
+              the sender's step tag (T^ and active-set hash) u32[ep_size], combine flags
               u32[ep_size]; the abort word (0, or 1 + the rank that gave up: abort mode
               only, written by whichever rank timed out first). SENTINEL adds nothing here.
   local       this rank only: step counter (epoch), finished-blocks counter, count of
@@ -69,7 +69,9 @@ def landing_bytes(bytes_per_token: int, kind: int) -> int:
 # error-record kinds and phases (host-mapped memory, read after a trap)
 ERR_TIMEOUT, ERR_TMAX_MISMATCH, ERR_PEER_ABORTED = 1, 2, 3
 # SENTINEL's id slots and FENCE's T^ words carry a step tag: T^ (< 2**23) in the low bits and
-# 9 bits of the active-rank mask's hash above, so a rank can tell both mismatches apart.
+# 8 bits of the active-rank mask's CRC above (bit 31 stays clear, so a tag never equals the id
+# sentinel or -1), so a rank can tell both mismatches apart. A different mask is caught with
+# probability 255/256; a missed one ends as a timeout on the rank that waits for too many.
 TAG_TMAX_BITS = 23
 Q8_BLOCK = 128  # FP8 combine: values per fp32 scale
 PHASE_NAMES = {1: "dispatch", 2: "combine", 3: "sentinel-dispatch", 4: "sentinel-combine"}

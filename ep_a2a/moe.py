@@ -2,7 +2,8 @@
 dispatch and combine.
 
     ids, (x, w) = r.dispatch(topk_ids, [hidden, topk_weights], T_hat)    # [ep_size, T^, ...] views
-    index = build_index(ids, w, num_experts=E, ep_size=ep, rank=r.rank)  # local experts' rows
+    index = ExpertIndex.for_rank(r)                                       # once, up front
+    build_index(ids, w, num_experts=E, ep_size=ep, rank=r.rank, out=index)  # local experts' rows
     gather_rows(index, x, x_rows)             # x_rows[p] = x[slot of row p]: expert-major input
     ...  grouped GEMMs over index.offsets: fc2_out[p] = expert(x_rows[p]) ...
     finalize(index, fc2_out, r.combine_input(T_hat))   # weighted sum per slot, into the workspace
@@ -17,6 +18,9 @@ on every run; moe_reference.py computes the same index, gather and finalize in N
 Everything runs on the device without host synchronisation, with launch shapes fixed by T^,
 so build_index + gather_rows + finalize capture into a CUDA graph: create the ExpertIndex
 first (`ExpertIndex(...)` or `ExpertIndex.for_rank(a2a.ranks[i])`) and pass it as `out=`.
+Do the same with several ranks in one process: without `out=` every call allocates an index,
+and freeing the previous one (cuMemFree synchronizes the device) between two ranks' launches
+of a phase would block the host on a kernel that waits for the next rank.
 """
 from __future__ import annotations
 
@@ -196,8 +200,9 @@ class ExpertIndex:
             for mine, new in zip(launch.args, args):
                 if mine is not new:
                     mine.value = new.value
+        launch.grid = grid  # (through the setter: Launch caches the grid it last set)
         cfg = launch.config
-        cfg.gridDimX, cfg.blockDimX, cfg.sharedMemBytes = grid, block, shared
+        cfg.blockDimX, cfg.sharedMemBytes = block, shared
         launch(stream)
 
     def _build(self, ids: Tensor, weights: Tensor, tmax: int, stream: int) -> None:

@@ -55,8 +55,15 @@ def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None) -> 
     tmax = runtime_max_tokens_per_rank
     if tmax is None:
         tmax = max([1] + [int(x.shape[0]) for x in xs])
-    for layer, x, router in zip(layers, xs, routers):
-        layer.prepare(x, router, tmax)
+    prepared = []
+    try:
+        for layer, x, router in zip(layers, xs, routers):
+            layer.prepare(x, router, tmax)
+            prepared.append(layer)
+    except BaseException:
+        for layer in prepared:  # nothing is launched yet: the step is simply dropped
+            layer._step = None
+        raise
     for layer in layers:        # every rank's dispatch is issued before anything may block
         layer.dispatch()
     for layer in layers:        # host syncs are safe now: every dispatch can complete

@@ -62,12 +62,13 @@ def _args(argv):
     return args
 
 
-def _build(group, args, rng):
+def _build(group, args, rng, built: dict) -> dict:
     """One all-to-all per (format, combine dtype), shapes drawn from `rng`, protocol "auto" so
-    that both protocols' kernels and workspace exist; the step picks the protocol."""
+    that both protocols' kernels and workspace exist; the step picks the protocol. Filled into
+    `built` as they are made, so the caller closes those made before a failure."""
     import ep_a2a
     from .check import payload_formats
-    ep, built = group.ep_size, {}
+    ep = group.ep_size
     for fmt in FORMATS:
         for cdt in COMBINE_DTYPES:
             hidden, top_k = int(rng.choice(HIDDEN)), int(rng.choice(TOP_K))
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     group = ep_a2a.LocalGroup([args.device] * args.ranks)
     a2as = {}
     try:
-        a2as = _build(group, args, np.random.default_rng([seed, 1 << 40]))
+        _build(group, args, np.random.default_rng([seed, 1 << 40]), a2as)
         setup_s = time.monotonic() - t0
         start = next_report = time.monotonic()
         next_report += PROGRESS_S

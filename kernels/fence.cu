@@ -123,7 +123,9 @@ extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_co
 
 // combine_quant: quantize the partial results of every slot that holds a token (FP8 e4m3 +
 // per-128 scales, moe_common.cuh) into the combine_q section, where the sources pull them.
-// The last block to finish publishes, as dispatch does (the same cumulativity argument).
+// The last block to finish publishes: its thread 0's acq_rel increment of `done` follows every
+// other block's release increment; bar.sync then orders it before the publishing lanes'
+// fence.acq_rel.sys, so a peer that acquires our flag sees every block's quantized rows.
 template <typename T>
 EP_DEVICE void quantize_partials(const A2AParams& p, char* ws, int tmax, bool& last) {
   __shared__ int s_last;
