@@ -529,6 +529,8 @@ class RankAlltoAll:
             # (DLPack's stream argument; 0, the legacy stream, is spelled None there)
             t = as_tensor(obj, stream=stream or None)
         except (TypeError, ValueError, BufferError, RuntimeError) as e:  # (RuntimeError: e.g. torch's own refusals)
+            if type(e) not in (TypeError, ValueError, BufferError, RuntimeError):
+                raise  # our own errors (CudaError, ...) and other subclasses keep their type and fields
             raise type(e)(f"{name}: {e}") from None
         want = lookup_dtype(dtype)
         if t.dtype != want:
