@@ -19,6 +19,7 @@ def test_layout_sections_aligned_disjoint_and_combine_offset_fixed():
     spans += [(L.off_combine, 8 * 4096 * 14336), (L.off_id_slots, 2 * 8 * 4096 * 4 * 9),
               (L.off_combine_slots, 4096 * 8 * 14336)]
     spans += [(o, 8 * 4096 * b) for o, b in zip(L.off_landing[1:], L.landing_bytes[1:])]
+    spans += [(L.off_abort, 4), (L.off_dropped, 4)]
     spans.sort()
     for (o1, n1), (o2, _) in zip(spans, spans[1:]):
         assert o1 % layout.ALIGN == 0 and o1 + n1 <= o2
@@ -47,7 +48,8 @@ def test_cubins_built_with_expected_symbols():
         assert built.get(stem) == [90, 100, 103], built
     for arch in (90, 100, 103):
         data = (module.CUBIN_DIR / f"fence.sm_{arch}.cubin").read_bytes()
-        for sym in (b"fence_dispatch", b"fence_combine_bf16", b"fence_combine_f16", b"fence_combine_f32"):
+        for sym in (b"fence_dispatch", b"fence_combine_bf16", b"fence_combine_f16", b"fence_combine_f32",
+                    b"fence_combine_q8_bf16", b"fence_combine_q8_f16", b"fence_combine_q8_f32"):
             assert sym in data
         assert b"ep_empty" in (module.CUBIN_DIR / f"util.sm_{arch}.cubin").read_bytes()
 
@@ -206,3 +208,53 @@ def test_vec_is_the_widest_vector_dividing_size_and_addresses():
         addrs = [int(rng.integers(0, 1 << 40)) * int(rng.choice([1, 2, 4, 8, 16, 256])) for _ in range(int(rng.integers(0, 3)))]
         want = next((w for w in (16, 8, 4, 2) if n % w == 0 and all(a % w == 0 for a in addrs)), 1)
         assert _vec(n, *addrs) == want, (n, addrs)
+
+
+def test_fp8_combine_sections_only_when_asked():
+    plain = layout.WorkspaceLayout.build(4, 64, 8, (32, 512), 512, sentinel=False)
+    q8 = layout.WorkspaceLayout.build(4, 64, 8, (32, 512), 512, sentinel=False, q8_hidden=256)
+    assert plain.off_combine_q == plain.off_combine_scales == 0
+    assert q8.off_combine_q >= q8.off_combine + 4 * 64 * 512
+    assert q8.off_combine_scales >= q8.off_combine_q + 4 * 64 * 256
+    assert q8.size >= q8.off_combine_scales + 4 * 64 * (256 // layout.Q8_BLOCK) * 4
+    assert q8.off_combine == plain.off_combine
+
+
+def _record(kind, observed=0, expected=0, phase=1, peer=2):
+    rec = layout.ErrorRecord()
+    rec.kind, rec.rank, rec.phase, rec.peer, rec.epoch = kind, 0, phase, peer, 7
+    rec.observed, rec.expected = observed, expected
+    return rec
+
+
+def test_error_records_decode_into_the_documented_errors():
+    from ep_a2a import errors
+    B = layout.TAG_TMAX_BITS
+    assert errors.error_from_record(_record(0)) is None
+    e = errors.error_from_record(_record(layout.ERR_TIMEOUT, 6, 7))
+    assert isinstance(e, errors.PeerTimeoutError) and (e.peer, e.phase, e.epoch) == (2, "dispatch", 7)
+    e = errors.error_from_record(_record(layout.ERR_PEER_ABORTED, phase=4, peer=5))
+    assert isinstance(e, errors.PeerAbortedError) and e.peer == 5 and "rank 5 gave up" in str(e)
+    # step tags: same T^, different mask hash -> active-set mismatch; different T^ -> T^ mismatch
+    e = errors.error_from_record(_record(layout.ERR_TMAX_MISMATCH, 16 | 3 << B, 16 | 9 << B))
+    assert isinstance(e, errors.ActiveRanksMismatchError)
+    e = errors.error_from_record(_record(layout.ERR_TMAX_MISMATCH, 8 | 3 << B, 16 | 3 << B))
+    assert isinstance(e, errors.RuntimeMaxMismatchError) and "used 16" in str(e) and "used 8" in str(e)
+
+
+def test_reference_dispatch_drops_inactive_ranks_and_counts_them():
+    rng = np.random.default_rng()
+    ep, E, K, T = 4, 16, 4, 9
+    ids = [rng.integers(-1, E, (T, K)).astype(np.int32) for _ in range(ep)]
+    pay = [[rng.standard_normal((T, 3)).astype(np.float32)] for _ in range(ep)]
+    owner = ref.expert_owner(E, ep)
+    active = {0, 1, 3}
+    rcv, rec = ref.dispatch(ids, pay, ep, E, T, active)
+    assert not rcv[2]["counts"].any()                         # nothing reaches the inactive rank
+    for s in range(ep):
+        t = rec[s][..., 0]
+        assert not (t == 2).any()
+        kept = [(i, k) for i in range(T) for k in range(K) if 0 <= ids[s][i, k] < E and owner[ids[s][i, k]] in active]
+        assert all(t[i, k] >= 0 or owner[ids[s][i, k]] in [t[i, j] for j in range(k)] for i, k in kept)
+    want = sum(int(((ids[s] >= 0) & (owner[np.clip(ids[s], 0, E - 1)] == 2)).sum()) for s in range(ep))
+    assert ref.dropped_selections(ids, E, ep, active) == want
