@@ -35,7 +35,7 @@ from cuda.bindings import driver as _drv
 from .driver.errors import call
 from .driver.memory import empty
 from .driver.tensor import as_tensor
-from .moe import ExpertIndex, build_index, finalize, gather_rows
+from .moe import ExpertIndex, finalize
 from .moe_layer import (LayerBase, check_layer_output, dense_reference, distinct_logits,  # noqa: F401
                         max_relative_error, payload_specs, random_weights, route_reference, run_phases)
 
@@ -156,10 +156,7 @@ class JaxMoeLayer(LayerBase):
         stream, the experts in JAX, finalize into the combine input on our stream."""
         import jax
         st, s, H = self._step, self.s, self.hidden
-        ids_v, (x_v, w_v) = st["views"]
-        idx = build_index(ids_v, w_v, num_experts=self.num_experts, ep_size=self.ep_size, rank=self.rank,
-                          stream=s, out=self.index)
-        gather_rows(idx, x_v, self._xg, stream=s)
+        idx = self.index_and_gather(self._xg)
         cap = idx.capacity
         if self.gemm == "ragged":
             rows = self._xg.view(0, (cap, H))

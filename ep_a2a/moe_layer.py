@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from .alltoall import PayloadSpec
-from .moe import local_experts
+from .moe import build_index, gather_rows, local_experts
 from .reference import from_float32, to_float32
 
 
@@ -44,6 +44,15 @@ class LayerBase:
         """Phase 2: launch this rank's dispatch (no host blocking, no framework call)."""
         st = self._step
         st["views"] = self.a2a_rank.dispatch(st["ids"], [st["x"], st["w"]], st["tmax"], stream=self.s)
+
+    def index_and_gather(self, rows):
+        """The start of phase 3, on this rank's stream: the expert index of the dispatched ids
+        (into self.index) and the dispatched hidden states gathered expert-major into `rows`."""
+        ids_v, (x_v, w_v) = self._step["views"]
+        idx = build_index(ids_v, w_v, num_experts=self.num_experts, ep_size=self.ep_size, rank=self.rank,
+                          stream=self.s, out=self.index)
+        gather_rows(idx, x_v, rows, stream=self.s)
+        return idx
 
 
 def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None) -> None:

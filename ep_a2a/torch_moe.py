@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 
 from .driver.tensor import as_tensor
-from .moe import ExpertIndex, build_index, finalize, gather_rows
+from .moe import ExpertIndex, finalize
 from .moe_layer import (LayerBase, check_layer_output, dense_reference, distinct_logits,  # noqa: F401
                         max_relative_error, payload_specs, random_weights, route_reference, run_phases)
 from .reference import from_float32, to_float32  # noqa: F401
@@ -186,10 +186,7 @@ class TorchMoeLayer(LayerBase):
         import torch
         import torch.nn.functional as F
         st, s, I = self._step, self.s, self.inter
-        ids_v, (x_v, w_v) = st["views"]
-        idx = build_index(ids_v, w_v, num_experts=self.num_experts, ep_size=self.ep_size, rank=self.rank,
-                          stream=s, out=self.index)
-        gather_rows(idx, x_v, self._xg_t, stream=s)
+        idx = self.index_and_gather(self._xg_t)
         cap = idx.capacity
         with torch.cuda.stream(self.stream), torch.no_grad():
             xg = self._xg[:cap]
