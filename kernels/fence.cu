@@ -7,6 +7,7 @@
 namespace {
 EP_DEVICE char* workspace(const A2AParams& p, int r) { return reinterpret_cast<char*>(p.peer_base[r]); }
 }
+#include "combine_q8.cuh"
 
 extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_constant__ A2AParams p) {
   __shared__ int s_target[EP_MAX_TOP_K];
@@ -119,31 +120,6 @@ extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_co
     const int r = static_cast<int>(x / region);
     if (x - r * region >= static_cast<size_t>(s_count[r]) * p.top_k) ids[x] = -1;
   }
-}
-
-// combine_quant: quantize the partial results of every slot that holds a token (FP8 e4m3 +
-// per-128 scales, moe_common.cuh) into the combine_q section, where the sources pull them.
-// The last block to finish publishes: its thread 0's acq_rel increment of `done` follows every
-// other block's release increment; bar.sync then orders it before the publishing lanes'
-// fence.acq_rel.sys, so a peer that acquires our flag sees every block's quantized rows.
-template <typename T>
-EP_DEVICE void quantize_partials(const A2AParams& p, char* ws, int tmax, bool& last) {
-  __shared__ int s_last;
-  const int* const ids = reinterpret_cast<const int*>(ws + p.payloads[0].recv_offset);
-  const unsigned H = p.combine_bytes / sizeof(T);
-  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) {
-    const int has = threadIdx.x < p.top_k && ids[static_cast<size_t>(w) * p.top_k + threadIdx.x] != -1;
-    if (!__syncthreads_or(has)) continue;
-    quantize_row_q8<T>(reinterpret_cast<const T*>(ws + p.off_combine) + static_cast<size_t>(w) * H, H,
-                       reinterpret_cast<unsigned char*>(ws + p.off_combine_q) + static_cast<size_t>(w) * H,
-                       reinterpret_cast<float*>(ws + p.off_combine_scales) + static_cast<size_t>(w) * (H / EP_Q8_BLOCK));
-  }
-  __syncthreads();
-  unsigned* const done = reinterpret_cast<unsigned*>(ws + p.off_done);
-  if (threadIdx.x == 0) s_last = atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
-  __syncthreads();
-  last = s_last;
-  if (last && threadIdx.x == 0) ld_acquire_gpu(done);
 }
 
 // Lines 16-23. T: the element type of the partial results (bf16, fp16, fp32); Q8: pull
