@@ -446,7 +446,7 @@ class RankAlltoAll:
         # small batches: spread each token over blocks until a thread issues one round of loads
         # (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16 bytes)
         proto = self.last_protocol
-        units = H // 8 if a.combine_quant else a.layout.combine_bytes // vec  # a thread's share of a token
+        units = H // 16 if a.combine_quant else a.layout.combine_bytes // vec  # a thread's share of a token
         splits = max(1, min(self.max_grid // max(T, 1), -(-units // a.threads)))
         if proto == "sentinel" and vec != 16:
             splits = 1

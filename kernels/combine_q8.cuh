@@ -4,91 +4,159 @@
 #include "moe_common.cuh"
 
 // ---- FP8 combine (combine_quant): e4m3 partial results with one fp32 scale per 128 values.
-// A warp quantizes one 128-value block: 4 values a lane, scale = amax / 448 (the largest
-// finite e4m3), q = e4m3(x / scale) rounded to nearest even and saturated; an all-zero block
-// gets scale 1. Division and conversion are exactly rounded, so reference.py reproduces
-// every byte. Dequantization is e4m3 -> fp32 (exact) times the scale. EP_Q8_BLOCK: layout.py.
+// scale = amax / 448 (the largest finite e4m3) over the 128 values, q = e4m3(x / scale)
+// rounded to nearest even and saturated; an all-zero block gets scale 1. Division and
+// conversion are exactly rounded, so reference.py reproduces every byte. Dequantization is
+// e4m3 -> fp32 (exact) times the scale. EP_Q8_BLOCK (layout.py) = 16 lanes x 8 values.
+//
+// The pass is bandwidth work on a grid capped at the rank's share of the GPU, so it is
+// written for loads in flight: a half-warp owns one 128-value block, each lane 8 values
+// (one 16-byte load for 2-byte types), and every lane issues the loads of Q8_UNROLL blocks
+// before it converts any of them.
+constexpr int Q8_LANES = EP_Q8_BLOCK / 8;  // lanes per 128-value block
+constexpr int Q8_UNROLL = 4;
+
+template <typename T> struct Q8Load { using V = uint4; static constexpr int N = sizeof(T) * 8 / 16; };
+
 template <typename T>
-EP_DEVICE void quantize_row_q8(const T* x, unsigned n, unsigned char* q, float* scales) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-  for (unsigned b = warp; b < n / EP_Q8_BLOCK; b += warps) {
-    float v[4];
-    float amax = 0.f;
+EP_DEVICE void q8_load(const T* x, uint4 (&raw)[Q8Load<T>::N]) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      v[e] = to_float<T>(x[b * EP_Q8_BLOCK + 4 * lane + e]);
-      amax = fmaxf(amax, fabsf(v[e]));
-    }
+  for (int h = 0; h < Q8Load<T>::N; ++h) raw[h] = reinterpret_cast<const uint4*>(x)[h];
+}
+
+// 8 values of one lane, its half-warp's amax (all 32 lanes call it together), 8 e4m3 bytes out.
+template <typename T>
+EP_DEVICE void q8_quantize8(const uint4 (&raw)[Q8Load<T>::N], bool live, uint2* q, float* scale_out) {
+  float v[8];
+  const T* el = reinterpret_cast<const T*>(raw);
+  float amax = 0.f;
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
-    unsigned packed = 0;
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      packed |= unsigned(__nv_cvt_float_to_fp8(__fdiv_rn(v[e], scale), __NV_SATFINITE, __NV_E4M3)) << (8 * e);
-    reinterpret_cast<unsigned*>(q + b * EP_Q8_BLOCK)[lane] = packed;
-    if (lane == 0) scales[b] = scale;
+  for (int e = 0; e < 8; ++e) {
+    v[e] = to_float<T>(el[e]);
+    amax = fmaxf(amax, fabsf(v[e]));
   }
+#pragma unroll
+  for (int o = Q8_LANES / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!live) return;
+  const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+  unsigned w[2] = {0u, 0u};
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    w[e >> 2] |= unsigned(__nv_cvt_float_to_fp8(__fdiv_rn(v[e], scale), __NV_SATFINITE, __NV_E4M3)) << (8 * (e & 3));
+  *q = make_uint2(w[0], w[1]);
+  if ((threadIdx.x & (Q8_LANES - 1)) == 0) *scale_out = scale;
 }
 
 EP_DEVICE float q8_to_float(unsigned char b) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
 }
 
-// The FP8 variant of reduce_vectors: thread unit v = 8 values (8 bytes of e4m3 from each
-// source, one scale); same tree over groups of 8 sources, same fp32 order.
+// The FP8 variant of reduce_vectors: thread unit v = 16 values (one 16-byte load of e4m3
+// from each source, one scale: a unit never straddles a 128-block); same tree over groups
+// of 8 sources, same fp32 order; the 16 results leave in 16-byte stores when `out` is
+// 16-byte aligned (vec16: the host's combine_vec), element by element otherwise.
 template <typename T>
-EP_DEVICE void reduce_q8(const char* const* q, const char* const* sc_ptr, int n, T* out, unsigned v0, unsigned v1) {
+EP_DEVICE void reduce_q8(const char* const* q, const char* const* sc_ptr, int n, T* out, unsigned v0, unsigned v1,
+                         bool vec16) {
+  constexpr int E = 16;
   for (unsigned v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
-    float acc[8];
+    float acc[E];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    for (int e = 0; e < E; ++e) acc[e] = 0.f;
     for (int c = 0; c < n || c == 0; c += 8) {
-      uint2 raw[8];
+      uint4 raw[8];
       float sc[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        raw[k] = make_uint2(0, 0);
+        raw[k] = make_uint4(0, 0, 0, 0);
         sc[k] = 0.f;
         if (c + k < n) {
-          raw[k] = __ldcg(reinterpret_cast<const uint2*>(q[c + k]) + v);
-          sc[k] = __ldcg(reinterpret_cast<const float*>(sc_ptr[c + k]) + v * 8 / EP_Q8_BLOCK);
+          raw[k] = __ldcg(reinterpret_cast<const uint4*>(q[c + k]) + v);
+          sc[k] = __ldcg(reinterpret_cast<const float*>(sc_ptr[c + k]) + v * E / EP_Q8_BLOCK);
         }
       }
-      // one value at a time keeps 8 dequantized floats live, not 64
+      // one value at a time keeps 8 dequantized floats live, not 128
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
+      for (int e = 0; e < E; ++e) {
         float x[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          const unsigned w = e < 4 ? raw[k].x : raw[k].y;
+          const unsigned w = reinterpret_cast<const unsigned*>(&raw[k])[e >> 2];
           x[k] = c + k < n ? __fmul_rn(q8_to_float(static_cast<unsigned char>(w >> (8 * (e & 3)))), sc[k]) : 0.f;
         }
         const float t = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
         acc[e] = (c == 0) ? t : acc[e] + t;
       }
     }
+    union { uint4 raw[E * sizeof(T) / 16]; T el[E]; } o;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) out[8 * v + e] = from_float<T>(acc[e]);
+    for (int e = 0; e < E; ++e) o.el[e] = from_float<T>(acc[e]);
+    if (vec16) {
+#pragma unroll
+      for (int h = 0; h < int(E * sizeof(T) / 16); ++h) reinterpret_cast<uint4*>(out + E * v)[h] = o.raw[h];
+    } else {
+#pragma unroll
+      for (int e = 0; e < E; ++e) out[E * v + e] = o.el[e];
+    }
   }
 }
 
-// combine_quant: quantize the partial results of every slot that holds a token (FP8 e4m3 +
-// per-128 scales, moe_common.cuh) into the combine_q section, where the sources pull them.
+// combine_quant: quantize the partial results of every slot that holds a token into the
+// combine_q section, where the sources pull them. Slots holding tokens are, for each active
+// source r, the first C[s][r] of its region: the count our dispatch flag from r carries
+// (dispatch acquired it in an earlier kernel of this stream; clamped to T^ like there). The
+// blocks of those rows are spread over every half-warp of the grid, so no block idles on
+// a short row list.
 // The last block to finish publishes: its thread 0's acq_rel increment of `done` follows every
 // other block's release increment; bar.sync then orders it before the publishing lanes'
 // fence.acq_rel.sys, so a peer that acquires our flag sees every block's quantized rows.
 template <typename T>
 EP_DEVICE void quantize_partials(const A2AParams& p, char* ws, int tmax, bool& last) {
+  __shared__ unsigned s_rows[EP_MAX_RANKS + 1];  // prefix sums of the received slot counts
   __shared__ int s_last;
-  const int* const ids = reinterpret_cast<const int*>(ws + p.payloads[0].recv_offset);
-  const unsigned H = p.combine_bytes / sizeof(T);
-  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) {
-    const int has = threadIdx.x < p.top_k && ids[static_cast<size_t>(w) * p.top_k + threadIdx.x] != -1;
-    if (!__syncthreads_or(has)) continue;
-    quantize_row_q8<T>(reinterpret_cast<const T*>(ws + p.off_combine) + static_cast<size_t>(w) * H, H,
-                       reinterpret_cast<unsigned char*>(ws + p.off_combine_q) + static_cast<size_t>(w) * H,
-                       reinterpret_cast<float*>(ws + p.off_combine_scales) + static_cast<size_t>(w) * (H / EP_Q8_BLOCK));
+  if (threadIdx.x == 0) {
+    const uint64_t* flags = reinterpret_cast<const uint64_t*>(ws + p.off_dispatch_flags);
+    unsigned acc = 0;
+    for (int r = 0; r < p.ep_size; ++r) {
+      s_rows[r] = acc;
+      if (rank_active(p, r)) acc += min(static_cast<unsigned>(*reinterpret_cast<const volatile uint64_t*>(flags + r)),
+                                        static_cast<unsigned>(tmax));
+    }
+    s_rows[p.ep_size] = acc;
+  }
+  __syncthreads();
+  const unsigned H = p.combine_bytes / sizeof(T), per_row = H / EP_Q8_BLOCK;
+  const unsigned units = s_rows[p.ep_size] * per_row;  // 128-value blocks to quantize
+  const T* const x = reinterpret_cast<const T*>(ws + p.off_combine);
+  unsigned char* const q = reinterpret_cast<unsigned char*>(ws + p.off_combine_q);
+  float* const scales = reinterpret_cast<float*>(ws + p.off_combine_scales);
+  const unsigned lane = threadIdx.x & (Q8_LANES - 1);
+  // half-warps of the grid; the loop is uniform over each full warp (the shuffles need it)
+  const unsigned half = (blockIdx.x * blockDim.x + threadIdx.x) / Q8_LANES;
+  const unsigned halves = gridDim.x * blockDim.x / Q8_LANES;
+  const unsigned warp_base = half & ~1u;
+  for (unsigned u0 = warp_base; u0 < units; u0 += Q8_UNROLL * halves) {
+    uint4 raw[Q8_UNROLL][Q8Load<T>::N] = {};
+    size_t at[Q8_UNROLL];  // value index of this lane's 8 values (slot * H + block * 128 + lane * 8)
+#pragma unroll
+    for (int k = 0; k < Q8_UNROLL; ++k) {
+      const unsigned u = u0 + k * halves + (half & 1);
+      at[k] = ~size_t(0);
+      if (u < units) {
+        const unsigned row = u / per_row;
+        int r = 0;
+        while (row >= s_rows[r + 1]) ++r;
+        const size_t slot = static_cast<size_t>(r) * tmax + (row - s_rows[r]);
+        at[k] = slot * H + (u - row * per_row) * EP_Q8_BLOCK + lane * 8;
+        q8_load<T>(x + at[k], raw[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < Q8_UNROLL; ++k) {
+      const bool live = at[k] != ~size_t(0);
+      q8_quantize8<T>(raw[k], live, reinterpret_cast<uint2*>(q + (live ? at[k] : 0)),
+                      scales + (live ? at[k] / EP_Q8_BLOCK : 0));
+    }
   }
   __syncthreads();
   unsigned* const done = reinterpret_cast<unsigned*>(ws + p.off_done);
@@ -97,4 +165,3 @@ EP_DEVICE void quantize_partials(const A2AParams& p, char* ws, int tmax, bool& l
   last = s_last;
   if (last && threadIdx.x == 0) ld_acquire_gpu(done);
 }
-

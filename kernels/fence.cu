@@ -156,7 +156,7 @@ __device__ void fence_combine(const A2AParams& p) {
   // token over several blocks so each thread issues one round of loads).
   const int splits = p.combine_splits;
   const unsigned H = p.combine_bytes / sizeof(T);
-  const unsigned nvec = Q8 ? H / 8 : p.combine_bytes / p.combine_vec;
+  const unsigned nvec = Q8 ? H / 16 : p.combine_bytes / p.combine_vec;
   for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
     const int i = w / splits, part = w % splits;
     const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
@@ -169,7 +169,7 @@ __device__ void fence_combine(const A2AParams& p) {
         return workspace(p, t) + p.off_combine_scales + (static_cast<size_t>(s) * tmax + slot) * (H / EP_Q8_BLOCK) * 4;
       }, s_scale, nullptr, &s_n);
       __syncthreads();
-      reduce_q8<T>(s_src, s_scale, s_n, reinterpret_cast<T*>(out), v0, v1);
+      reduce_q8<T>(s_src, s_scale, s_n, reinterpret_cast<T*>(out), v0, v1, p.combine_vec == 16);
     } else {
       collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
         return workspace(p, t) + p.off_combine + (static_cast<size_t>(s) * tmax + slot) * p.combine_bytes;
