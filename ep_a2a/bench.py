@@ -9,6 +9,11 @@ Floors measured in the same run: the same graph with every kernel replaced by an
 kernel of the same launch shape (latency), a device-to-device copy of the bytes dispatch
 writes (bandwidth, read + write counted for both) and, when the ranks span several GPUs,
 a copy of the same bytes out of a peer GPU's mapped workspace (NVLink, bytes counted once).
+Beside the empty-kernel floor, in-process runs also time a barrier floor: two cross-rank
+flag rounds per round trip (release fence, a flag to every rank, acquire polls), the
+synchronization each protocol phase holds, with no data; it shows how much of the gap to
+the empty-kernel floor is crossing ranks at all (launch skew included) and how much is
+the protocols' own work. It does not replace the empty-kernel floor.
 
 Two modes:
   --mode inproc (default): `--ranks` ranks in this process on `--device`; one graph spans
@@ -113,6 +118,7 @@ class Bench:
                                       first_timeout_s=first_timeout_s)
         self.ev0, self.ev1 = Event(self.dev, timing=True), Event(self.dev, timing=True)
         self.streams = [r.stream.handle for r in group.ranks]
+        self._flag_rounds = self._barrier_kernels() if self.procs == 1 else None
 
     def say(self, msg: str) -> None:
         if self.root:
@@ -182,6 +188,35 @@ class Bench:
         finally:
             g.close()
 
+    def _barrier_kernels(self):
+        """In-process ranks: one ep_flag_round launch per rank (one block, the protocol
+        kernels' block size), over a flag matrix and step counters of this GPU's memory."""
+        import ctypes
+        from .driver.launch import Launch
+        from .driver.memory import from_numpy
+        from .driver.module import load
+        self._flag_mem = from_numpy(np.zeros(self.ep * self.ep + self.ep + 1, np.uint32), self.dev)
+        flags, state = self._flag_mem.ptr, self._flag_mem.ptr + 4 * self.ep * self.ep
+        fn = load("util", self.dev).function("ep_flag_round")
+        return [Launch(self.dev, fn, [ctypes.c_uint64(flags), ctypes.c_uint64(state), ctypes.c_int(self.ep),
+                                      ctypes.c_int(r.rank)], 1, self.args.threads, pdl=not self.args.no_pdl)
+                for r in self.group.ranks]
+
+    def _barrier_floor(self) -> float:
+        """µs of two flag rounds over every rank (one per phase, as dispatch and combine
+        each hold one), captured and replayed like the protocols: what crossing ranks
+        costs before any token moves."""
+        from .driver.memory import to_numpy
+
+        def body():
+            for _ in range(2):
+                for k, s in zip(self._flag_rounds, self.streams):
+                    k(s)
+        us = self._time_body(body)
+        if to_numpy(self._flag_mem)[-1]:
+            raise RuntimeError("barrier floor: a rank's flag never arrived (ep_flag_round gave up)")
+        return us
+
     def _copy_floor(self, nbytes: int) -> float:
         """µs of one device-to-device copy of `nbytes` on this process's first GPU."""
         from cuda.bindings import driver as _drv
@@ -243,6 +278,7 @@ class Bench:
         split = ranks[0].last_protocol == "fence"
         bodies = [roundtrip, empty_like(True)] + ([dispatch_all, empty_like(False)] if split else [])
         t = [self._time_body(b) for b in bodies]
+        barrier_us = self._barrier_floor() if self._flag_rounds else None
 
         # bytes: what dispatch writes (one copy per distinct target) and reads (once per token)
         owner = expert_owner(self.num_experts, self.ep)
@@ -272,6 +308,8 @@ class Bench:
                    dispatch_bytes_written=written, dispatch_bytes_read=read, bytes_crossing_gpus=remote * per_token,
                    copy_floor_tbps=copy_tbps, peer_copy_floor_tbps=peer_tbps,
                    round_trip_tbps=(written + read + combine_traffic) / rt / 1e6,
+                   barrier_floor_round_trip_us=barrier_us,
+                   round_trip_over_barrier_floor=None if barrier_us is None else rt / barrier_us,
                    dispatch_us=None, combine_us=None)
         if split:
             d, ed = (float(x) for x in worst[2:4])
@@ -286,7 +324,11 @@ class Bench:
 
     def host_overhead(self, T: int, iters: int = None) -> dict:
         """µs of host time per rank per eager dispatch+combine (arguments reused, no sync);
-        the maximum over rank processes."""
+        the maximum over rank processes. Beside it, from the same host: the same calls with
+        the launches done by the cuda-bindings wrapper instead of the driver's function
+        pointer, the Python part alone (launches skipped), and two bare launches of the
+        prepacked empty kernel both ways."""
+        from .driver import launch as _launch
         a, ranks = self.a2a, self.a2a.ranks
         iters = iters or (20 if self.shared_gpu else 200)  # time-sliced steps cost ms each
         ins, _ = self._inputs(T)
@@ -298,26 +340,44 @@ class Bench:
             for c, r in zip(cin, ranks):
                 r.combine(c, T)
 
-        self.meet()
-        step()
-        a.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            step()
-        t1 = time.perf_counter()
-        a.synchronize()
-        # what two bare launches (cuLaunchKernelEx of the prepacked empty kernel) cost
-        t2 = time.perf_counter()
-        for _ in range(iters):
+        def bare():
             for r in ranks:
                 r.launch_empty()
                 r.launch_empty()
-        t3 = time.perf_counter()
-        a.synchronize()
-        host, bare = self.gather([(t1 - t0) / iters / len(ranks) * 1e6, (t3 - t2) / iters / len(ranks) * 1e6]).max(axis=0)
-        return dict(tokens_per_rank=T, host_us_per_rank_step=float(host), two_bare_launches_us=float(bare))
+
+        def per_rank_us(body) -> float:
+            self.meet()
+            body()
+            a.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                body()
+            t1 = time.perf_counter()
+            a.synchronize()
+            return (t1 - t0) / iters / len(ranks) * 1e6
+
+        host, bare_us = per_rank_us(step), per_rank_us(bare)
+        _launch.DIRECT = False
+        try:
+            host_b, bare_b = per_rank_us(step), per_rank_us(bare)
+        finally:
+            _launch.DIRECT = True
+        # the Python part: every check and parameter update, the launches skipped (the device
+        # epochs do not move, and the host's step state stays paired: nothing to undo)
+        real_call = _launch.Launch.__call__
+        _launch.Launch.__call__ = lambda self, stream: None
+        try:
+            py = per_rank_us(step)
+        finally:
+            _launch.Launch.__call__ = real_call
+        g = self.gather([host, bare_us, host_b, bare_b, py]).max(axis=0)
+        return dict(tokens_per_rank=T, host_us_per_rank_step=float(g[0]), two_bare_launches_us=float(g[1]),
+                    host_us_per_rank_step_bindings=float(g[2]), two_bare_launches_bindings_us=float(g[3]),
+                    python_us_per_rank_step=float(g[4]), launch_path="direct" if _launch._direct_launch() else "bindings")
 
     def close(self) -> None:
+        if self._flag_rounds:
+            self._flag_mem.owner.close()
         self.a2a.close()
         self.ev0.close()
         self.ev1.close()
@@ -494,14 +554,14 @@ def _table(res) -> None:
     if res.get("shared_gpu"):
         print(f"shared_gpu: {res['procs']} processes time-slice {res['gpus']} GPU(s): cross-process waits cost "
               "milliseconds, so these times test the path and are NOT performance")
-    print(f"{'proto':>8} {'T':>5} {'rt µs':>8} {'floor':>7} {'x':>5} {'disp µs':>8} {'floor':>7} {'comb µs':>8} "
+    print(f"{'proto':>8} {'T':>5} {'rt µs':>8} {'floor':>7} {'x':>5} {'barrier':>7} {'disp µs':>8} {'floor':>7} {'comb µs':>8} "
           f"{'disp TB/s':>9} {'copy TB/s':>9} {'%copy':>6} {'peer TB/s':>9}")
     def f(v, spec):
         return format(v, spec) if v is not None else format("-", ">" + spec.split(".")[0].lstrip("<>^"))
     for r in res["rows"]:
         pct = None if r.get("dispatch_over_copy_bw") is None else 100 * r["dispatch_over_copy_bw"]
         print(f"{r['protocol']:>8} {r['tokens_per_rank']:>5} {r['round_trip_us']:>8.1f} {r['floor_round_trip_us']:>7.1f} "
-              f"{r['round_trip_over_floor']:>5.2f} {f(r['dispatch_us'], '>8.1f')} {f(r.get('floor_dispatch_us'), '>7.1f')} "
+              f"{r['round_trip_over_floor']:>5.2f} {f(r.get('barrier_floor_round_trip_us'), '>7.1f')} {f(r['dispatch_us'], '>8.1f')} {f(r.get('floor_dispatch_us'), '>7.1f')} "
               f"{f(r['combine_us'], '>8.1f')} {f(r.get('dispatch_tbps'), '>9.2f')} {r['copy_floor_tbps']:>9.2f} "
               f"{f(pct, '>5.0f')}% {f(r.get('peer_copy_floor_tbps'), '>9.2f')}")
     if res.get("peer_copy_floor_reason"):
@@ -509,7 +569,9 @@ def _table(res) -> None:
     print(f"measured crossover: SENTINEL faster up to {res['measured_sentinel_max_tokens']} tokens per rank")
     for h in res["host_overhead"]:
         print(f"host overhead, T={h['tokens_per_rank']}: {h['host_us_per_rank_step']:.1f} µs per rank per "
-              f"eager dispatch+combine (two bare launches: {h['two_bare_launches_us']:.1f} µs)")
+              f"eager dispatch+combine = Python {h['python_us_per_rank_step']:.1f} + launches; two bare launches "
+              f"{h['two_bare_launches_us']:.1f} µs ({h['launch_path']}); through the cuda-bindings wrapper "
+              f"{h['host_us_per_rank_step_bindings']:.1f} µs, bare {h['two_bare_launches_bindings_us']:.1f}")
 
 
 def _plot(res, path: str) -> None:

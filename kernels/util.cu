@@ -22,3 +22,25 @@ extern "C" __global__ void ep_pingpong(unsigned* flag_in, unsigned* flag_out, in
     st_release_sys(flag_out, i);
   }
 }
+
+// The benchmark's barrier floor (in-process ranks on one GPU): one cross-rank flag round
+// shaped like each protocol phase's: a release fence, our step to every rank's inbox, then
+// acquire polls of every rank's flag in ours. flags: [ep][ep] words, row r = rank r's
+// inbox; state: [ep + 1] words, our step counter at [rank], a failure word at [ep]. A poll
+// that never sees its peer gives up after ~2^24 rounds and sets the failure word, which
+// the host reads (a benchmark must not hang either).
+extern "C" __global__ void ep_flag_round(unsigned* flags, unsigned* state, int ep, int rank) {
+  griddep_wait();
+  griddep_launch_dependents();
+  if (blockIdx.x || threadIdx.x >= 32) return;
+  const unsigned step = *reinterpret_cast<volatile unsigned*>(state + rank) + 1;
+  fence_release_sys();
+  for (int r = threadIdx.x; r < ep; r += 32) st_relaxed_sys(flags + r * ep + rank, step);
+  for (int r = threadIdx.x; r < ep; r += 32) {
+    unsigned polls = 0;
+    while (static_cast<int>(ld_acquire_sys(flags + rank * ep + r) - step) < 0)
+      if (++polls == (1u << 24)) { atomicExch(state + ep, 1u); break; }
+  }
+  __syncwarp();
+  if (threadIdx.x == 0) state[rank] = step;
+}
