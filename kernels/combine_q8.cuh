@@ -51,52 +51,56 @@ EP_DEVICE float q8_to_float(unsigned char b) {
   return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
 }
 
-// The FP8 variant of reduce_vectors: thread unit v = 16 values (one 16-byte load of e4m3
-// from each source, one scale: a unit never straddles a 128-block); same tree over groups
-// of 8 sources, same fp32 order; the 16 results leave in 16-byte stores when `out` is
-// 16-byte aligned (vec16: the host's combine_vec), element by element otherwise.
+// The FP8 variant of reduce_vectors: thread unit v = Q8_UNIT values (one 8-byte load of
+// e4m3 from each source, one scale: a unit never straddles a 128-block); same tree over
+// groups of 8 sources, same fp32 order. The 8 results leave in one 16-byte store (bf16,
+// fp16) when `out` is 16-byte aligned (vec16: the host's combine_vec), element-wise otherwise.
+// (8 values a unit, not 16: 16-byte loads from 8 sources need more than the 64 registers
+// that keep 4 blocks of 256 threads on an SM.)
+constexpr unsigned Q8_UNIT = 8;
+
 template <typename T>
 EP_DEVICE void reduce_q8(const char* const* q, const char* const* sc_ptr, int n, T* out, unsigned v0, unsigned v1,
                          bool vec16) {
-  constexpr int E = 16;
   for (unsigned v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
-    float acc[E];
+    float acc[Q8_UNIT];
 #pragma unroll
-    for (int e = 0; e < E; ++e) acc[e] = 0.f;
+    for (int e = 0; e < Q8_UNIT; ++e) acc[e] = 0.f;
     for (int c = 0; c < n || c == 0; c += 8) {
-      uint4 raw[8];
+      uint2 raw[8];
       float sc[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
-        raw[k] = make_uint4(0, 0, 0, 0);
+        // absent members: zero bytes and scale 0 dequantize to +0, as the reference reads them
+        raw[k] = make_uint2(0, 0);
         sc[k] = 0.f;
         if (c + k < n) {
-          raw[k] = __ldcg(reinterpret_cast<const uint4*>(q[c + k]) + v);
-          sc[k] = __ldcg(reinterpret_cast<const float*>(sc_ptr[c + k]) + v * E / EP_Q8_BLOCK);
+          raw[k] = __ldcg(reinterpret_cast<const uint2*>(q[c + k]) + v);
+          sc[k] = __ldcg(reinterpret_cast<const float*>(sc_ptr[c + k]) + v * Q8_UNIT / EP_Q8_BLOCK);
         }
       }
-      // one value at a time keeps 8 dequantized floats live, not 128
+      // one value at a time keeps 8 dequantized floats live, not 64
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
+      for (int e = 0; e < Q8_UNIT; ++e) {
         float x[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          const unsigned w = reinterpret_cast<const unsigned*>(&raw[k])[e >> 2];
-          x[k] = c + k < n ? __fmul_rn(q8_to_float(static_cast<unsigned char>(w >> (8 * (e & 3)))), sc[k]) : 0.f;
+          const unsigned w = e < 4 ? raw[k].x : raw[k].y;
+          x[k] = __fmul_rn(q8_to_float(static_cast<unsigned char>(w >> (8 * (e & 3)))), sc[k]);
         }
         const float t = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
         acc[e] = (c == 0) ? t : acc[e] + t;
       }
     }
-    union { uint4 raw[E * sizeof(T) / 16]; T el[E]; } o;
+    union { uint4 raw[Q8_UNIT * sizeof(T) / 16]; T el[Q8_UNIT]; } o;
 #pragma unroll
-    for (int e = 0; e < E; ++e) o.el[e] = from_float<T>(acc[e]);
+    for (int e = 0; e < Q8_UNIT; ++e) o.el[e] = from_float<T>(acc[e]);
     if (vec16) {
 #pragma unroll
-      for (int h = 0; h < int(E * sizeof(T) / 16); ++h) reinterpret_cast<uint4*>(out + E * v)[h] = o.raw[h];
+      for (int h = 0; h < int(Q8_UNIT * sizeof(T) / 16); ++h) reinterpret_cast<uint4*>(out + Q8_UNIT * v)[h] = o.raw[h];
     } else {
 #pragma unroll
-      for (int e = 0; e < E; ++e) out[E * v + e] = o.el[e];
+      for (int e = 0; e < Q8_UNIT; ++e) out[Q8_UNIT * v + e] = o.el[e];
     }
   }
 }

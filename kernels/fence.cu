@@ -9,7 +9,10 @@ EP_DEVICE char* workspace(const A2AParams& p, int r) { return reinterpret_cast<c
 }
 #include "combine_q8.cuh"
 
-extern "C" __global__ void __launch_bounds__(512) fence_dispatch(const __grid_constant__ A2AParams p) {
+// Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
+// host sizes grids by the occupancy of every protocol kernel). Without a minimum, ptxas
+// squeezed some kernels to 40 registers with spills to fit 3 blocks of 512.
+extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid_constant__ A2AParams p) {
   __shared__ int s_target[EP_MAX_TOP_K];
   __shared__ int s_slot[EP_MAX_TOP_K];
   __shared__ int s_ntargets;
@@ -156,7 +159,7 @@ __device__ void fence_combine(const A2AParams& p) {
   // token over several blocks so each thread issues one round of loads).
   const int splits = p.combine_splits;
   const unsigned H = p.combine_bytes / sizeof(T);
-  const unsigned nvec = Q8 ? H / 16 : p.combine_bytes / p.combine_vec;
+  const unsigned nvec = Q8 ? H / Q8_UNIT : p.combine_bytes / p.combine_vec;
   for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
     const int i = w / splits, part = w % splits;
     const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
@@ -181,9 +184,10 @@ __device__ void fence_combine(const A2AParams& p) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(512) fence_combine_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, false>(p); }
-extern "C" __global__ void __launch_bounds__(512) fence_combine_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, false>(p); }
-extern "C" __global__ void __launch_bounds__(512) fence_combine_f32(const __grid_constant__ A2AParams p) { fence_combine<float, false>(p); }
-extern "C" __global__ void __launch_bounds__(512) fence_combine_q8_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, true>(p); }
-extern "C" __global__ void __launch_bounds__(512) fence_combine_q8_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, true>(p); }
-extern "C" __global__ void __launch_bounds__(512) fence_combine_q8_f32(const __grid_constant__ A2AParams p) { fence_combine<float, true>(p); }
+// 512, 2: as fence_dispatch (the FP8 ones too: their reduction holds 8-byte loads for that).
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_f32(const __grid_constant__ A2AParams p) { fence_combine<float, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_f32(const __grid_constant__ A2AParams p) { fence_combine<float, true>(p); }

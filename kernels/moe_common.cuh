@@ -66,6 +66,11 @@ struct Targets {
   }
 };
 
+// Register pressure: x[] is zeroed before its guarded load. Left unset where v >= n, ptxas
+// cannot prove it written before read and kept each width's x[] live through the code of
+// the other widths (the five widths of push_payload shared no registers). The loop over
+// targets stays rolled: unrolled, it held several destination pointers at once, and the
+// stores of a token are in flight together anyway.
 template <int W>
 EP_DEVICE void push_vectors(const char* src, const Targets& tg, unsigned bytes) {
   using T = typename VecT<W>::T;
@@ -77,8 +82,10 @@ EP_DEVICE void push_vectors(const char* src, const Targets& tg, unsigned bytes) 
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const unsigned v = base + u * blockDim.x;
+      x[u] = T{};
       if (v < n) x[u] = s[v];
     }
+#pragma unroll 1
     for (int j = 0; j < tg.n; ++j) {
       T* d = reinterpret_cast<T*>(tg.dst(j, bytes));
 #pragma unroll
@@ -122,9 +129,15 @@ EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = 0.f;
     for (int c = 0; c < n || c == 0; c += 8) {
+      // An absent member is a zero vector: all-zero bits are +0 in bf16, fp16 and fp32, so it
+      // reads +0 exactly as before. Zeroing (rather than leaving in[k] unset where c + k >= n)
+      // also lets ptxas see each in[k] written before it is read; unset, the vectors of each
+      // width were kept live through the code of the other widths (124 registers in all).
+      // All 8 loads are still issued before the first add.
       union { V raw; T el[E]; } in[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) {
+        in[k].raw = V{};
         if (c + k < n) in[k].raw = __ldcg(reinterpret_cast<const V*>(src[c + k]) + v);
       }
       // First tree level straight from the loaded vectors keeps the live registers low.
@@ -133,8 +146,7 @@ EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned
       for (int k = 0; k < 4; ++k)
 #pragma unroll
         for (int e = 0; e < E; ++e)
-          x[k][e] = (c + 2 * k < n ? to_float<T>(in[2 * k].el[e]) : 0.f) +
-                    (c + 2 * k + 1 < n ? to_float<T>(in[2 * k + 1].el[e]) : 0.f);
+          x[k][e] = to_float<T>(in[2 * k].el[e]) + to_float<T>(in[2 * k + 1].el[e]);
 #pragma unroll
       for (int e = 0; e < E; ++e) x[0][e] = (x[0][e] + x[1][e]) + (x[2][e] + x[3][e]);
 #pragma unroll

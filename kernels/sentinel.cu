@@ -77,6 +77,7 @@ EP_DEVICE void push_landing(const A2AParams& p, const PayloadDesc& d, const unsi
     if (raw) {
       const uint4 lo = make_uint4(v.x & 0xFFFF, v.x >> 16, v.y & 0xFFFF, v.y >> 16);
       const uint4 hi = make_uint4(v.z & 0xFFFF, v.z >> 16, v.w & 0xFFFF, v.w >> 16);
+#pragma unroll 1  // rolled: unrolled, it held several target pointers live (register pressure)
       for (int j = 0; j < n; ++j) {
         uint4* o = reinterpret_cast<uint4*>(workspace(p, target[j]) + slot_offset) + 2 * g;
         o[0] = lo;
@@ -84,6 +85,7 @@ EP_DEVICE void push_landing(const A2AParams& p, const PayloadDesc& d, const unsi
       }
     } else {
       v = escape4(v, d.sentinel_kind);
+#pragma unroll 1
       for (int j = 0; j < n; ++j) reinterpret_cast<uint4*>(workspace(p, target[j]) + slot_offset)[g] = v;
     }
   }
@@ -119,7 +121,9 @@ EP_DEVICE void receive_landing(const A2AParams& p, const PayloadDesc& d, char* l
 }
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(512) sentinel_dispatch(const __grid_constant__ A2AParams p) {
+// Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
+// host sizes grids by the occupancy of every protocol kernel); as in fence.cu.
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __grid_constant__ A2AParams p) {
   __shared__ int s_target[EP_MAX_TOP_K];
   __shared__ int s_n;
   __shared__ unsigned char s_is_target[EP_MAX_RANKS];
@@ -301,6 +305,6 @@ __device__ void sentinel_combine(const A2AParams& p) {
   }
 }
 
-extern "C" __global__ void __launch_bounds__(512) sentinel_combine_bf16(const __grid_constant__ A2AParams p) { sentinel_combine<__nv_bfloat16>(p); }
-extern "C" __global__ void __launch_bounds__(512) sentinel_combine_f16(const __grid_constant__ A2AParams p) { sentinel_combine<__half>(p); }
-extern "C" __global__ void __launch_bounds__(512) sentinel_combine_f32(const __grid_constant__ A2AParams p) { sentinel_combine<float>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_bf16(const __grid_constant__ A2AParams p) { sentinel_combine<__nv_bfloat16>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_f16(const __grid_constant__ A2AParams p) { sentinel_combine<__half>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_f32(const __grid_constant__ A2AParams p) { sentinel_combine<float>(p); }
