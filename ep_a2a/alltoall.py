@@ -22,7 +22,8 @@ from cuda.bindings import driver as _drv
 
 from .driver.errors import CudaError, EpA2AError, call
 from .driver.launch import Launch, launch_once, occupancy
-from .driver.memory import DeviceAllocation
+from .driver import memory as _memory
+from .driver.memory import DeviceAllocation, hold_frees, release_held
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
 from .driver.tensor import Tensor, as_dtype as lookup_dtype, as_tensor
@@ -149,6 +150,11 @@ class MoeAlltoAll:
                                             q8_hidden=combine_hidden_size if combine_quant else 0)
         self.workspace = SymmetricWorkspace(group, self.layout.size)
         self.ranks = []
+        # several ranks of this process on one GPU spin on each other: no cuMemFree between
+        # their launches (driver/memory.py)
+        self._holds_frees = any(r.ranks_on_device > 1 for r in group.ranks) and group.is_local
+        if self._holds_frees:
+            hold_frees(True)
         try:
             for i, r in enumerate(group.ranks):
                 r.device.make_current()
@@ -213,6 +219,7 @@ class MoeAlltoAll:
     def synchronize(self) -> None:
         for r in self.ranks:
             r.synchronize()
+        release_held()
 
     def check_errors(self) -> None:
         """Raise the PeerError a kernel of this process recorded, if any."""
@@ -230,6 +237,9 @@ class MoeAlltoAll:
         if getattr(self, "workspace", None) is not None:
             self.workspace.close()
             self.workspace = None
+        if getattr(self, "_holds_frees", False):
+            self._holds_frees = False
+            hold_frees(False)
 
     def __enter__(self):
         return self
@@ -446,7 +456,7 @@ class RankAlltoAll:
         # small batches: spread each token over blocks until a thread issues one round of loads
         # (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16 bytes)
         proto = self.last_protocol
-        units = H // 16 if a.combine_quant else a.layout.combine_bytes // vec  # a thread's share of a token
+        units = H // 8 if a.combine_quant else a.layout.combine_bytes // vec  # a thread's share of a token
         splits = max(1, min(self.max_grid // max(T, 1), -(-units // a.threads)))
         if proto == "sentinel" and vec != 16:
             splits = 1
@@ -461,6 +471,8 @@ class RankAlltoAll:
         self._launch(launch, s)
         self._dispatched_tmax = None
         self._prev_step_protocol = proto
+        if _memory._held and all(r._dispatched_tmax is None for r in a.ranks):
+            release_held()  # every rank of this process launched both phases: no kernel waits on the host
         out_t.stream = s
         return out_t
 

@@ -548,3 +548,40 @@ def test_jax_round_trip_zero_copy():
         y = jax.dlpack.from_dlpack(t)
         assert y.unsafe_buffer_pointer() == t.ptr
         assert np.array_equal(np.asarray(y).view(np.uint8), np.asarray(x).view(np.uint8))
+
+
+def test_frees_wait_for_a_safe_point_while_in_process_ranks_exist(monkeypatch):
+    """An allocation dropped while in-process ranks may spin is freed at release_held(),
+    never inside __del__ (cuMemFree would wait for kernels waiting on the host)."""
+    from ep_a2a.driver import memory as M
+    freed = []
+    monkeypatch.setattr(M, "call", lambda fn, p: freed.append(p))
+
+    class Dev:
+        def make_current(self):
+            pass
+
+    def alloc(p):
+        a = object.__new__(M.DeviceAllocation)
+        a.device, a.nbytes, a._p, a.ptr = Dev(), 1, p, p
+        return a
+
+    M.hold_frees(True)
+    try:
+        a = alloc(0x1000)
+        del a
+        gc.collect()
+        assert freed == [] and [p for _, p in M._held] == [0x1000]
+        M.release_held()
+        assert freed == [0x1000] and not M._held
+        b = alloc(0x2000)
+        b.close()  # an explicit close frees at once (its caller chose the moment)
+        assert freed == [0x1000, 0x2000]
+        c = alloc(0x3000)
+        del c
+    finally:
+        M.hold_frees(False)  # the last holder going away frees what is queued
+    assert freed == [0x1000, 0x2000, 0x3000] and M._held_by == 0
+    d = alloc(0x4000)
+    del d  # no holder: freed at once
+    assert freed[-1] == 0x4000

@@ -10,6 +10,30 @@ from .tensor import Tensor, as_dtype as lookup_dtype
 
 _CUDA = 2
 
+# cuMemFree waits for the whole device. In-process ranks spin on each other between the
+# first and the last rank's launch of a phase, so a free that lands there (a garbage
+# collection running __del__ at any bytecode) blocks the host until a kernel times out.
+# While such ranks exist (`hold_frees`), allocations that go away unclosed are queued and
+# freed at the next safe point (`release_held`: after every rank's launches of a step).
+_held_by = 0
+_held = []
+
+
+def hold_frees(on: bool) -> None:
+    """Count one more (or one less) owner of in-process ranks; frees queue while any exists."""
+    global _held_by
+    _held_by += 1 if on else -1
+    if not _held_by:
+        release_held()
+
+
+def release_held() -> None:
+    """Free the queued allocations (call where no rank is waiting for a launch still to come)."""
+    while _held:
+        device, p = _held.pop()
+        device.make_current()
+        call(_drv.cuMemFree, p)
+
 
 class DeviceAllocation:
     """cuMemAlloc'd bytes, freed when the last tensor viewing them goes away (or on close)."""
@@ -28,7 +52,11 @@ class DeviceAllocation:
 
     def __del__(self):
         try:
-            self.close()
+            if _held_by and self._p is not None:
+                _held.append((self.device, self._p))
+                self._p = None
+            else:
+                self.close()
         except Exception:  # interpreter shutdown or a lost context: nothing left to free
             pass
 
