@@ -324,10 +324,9 @@ class Bench:
 
     def host_overhead(self, T: int, iters: int = None) -> dict:
         """µs of host time per rank per eager dispatch+combine (arguments reused, no sync);
-        the maximum over rank processes. Beside it, from the same host: the same calls with
-        the launches done by the cuda-bindings wrapper instead of the driver's function
-        pointer, the Python part alone (launches skipped), and two bare launches of the
-        prepacked empty kernel both ways."""
+        the maximum over rank processes. Beside it, from the same host: the Python part
+        alone (the same calls with the launches skipped) and two bare launches of the
+        prepacked empty kernel (what the driver and cuda-bindings cost without us)."""
         from .driver import launch as _launch
         a, ranks = self.a2a, self.a2a.ranks
         iters = iters or (20 if self.shared_gpu else 200)  # time-sliced steps cost ms each
@@ -357,11 +356,6 @@ class Bench:
             return (t1 - t0) / iters / len(ranks) * 1e6
 
         host, bare_us = per_rank_us(step), per_rank_us(bare)
-        _launch.DIRECT = False
-        try:
-            host_b, bare_b = per_rank_us(step), per_rank_us(bare)
-        finally:
-            _launch.DIRECT = True
         # the Python part: every check and parameter update, the launches skipped (the device
         # epochs do not move, and the host's step state stays paired: nothing to undo)
         real_call = _launch.Launch.__call__
@@ -370,10 +364,9 @@ class Bench:
             py = per_rank_us(step)
         finally:
             _launch.Launch.__call__ = real_call
-        g = self.gather([host, bare_us, host_b, bare_b, py]).max(axis=0)
+        g = self.gather([host, bare_us, py]).max(axis=0)
         return dict(tokens_per_rank=T, host_us_per_rank_step=float(g[0]), two_bare_launches_us=float(g[1]),
-                    host_us_per_rank_step_bindings=float(g[2]), two_bare_launches_bindings_us=float(g[3]),
-                    python_us_per_rank_step=float(g[4]), launch_path="direct" if _launch._direct_launch() else "bindings")
+                    python_us_per_rank_step=float(g[2]))
 
     def close(self) -> None:
         if self._flag_rounds:
@@ -569,9 +562,8 @@ def _table(res) -> None:
     print(f"measured crossover: SENTINEL faster up to {res['measured_sentinel_max_tokens']} tokens per rank")
     for h in res["host_overhead"]:
         print(f"host overhead, T={h['tokens_per_rank']}: {h['host_us_per_rank_step']:.1f} µs per rank per "
-              f"eager dispatch+combine = Python {h['python_us_per_rank_step']:.1f} + launches; two bare launches "
-              f"{h['two_bare_launches_us']:.1f} µs ({h['launch_path']}); through the cuda-bindings wrapper "
-              f"{h['host_us_per_rank_step_bindings']:.1f} µs, bare {h['two_bare_launches_bindings_us']:.1f}")
+              f"eager dispatch+combine = Python {h['python_us_per_rank_step']:.1f} + launches "
+              f"(two bare launches: {h['two_bare_launches_us']:.1f} µs)")
 
 
 def _plot(res, path: str) -> None:

@@ -173,8 +173,7 @@ def test_table_prints_every_mode(mode, procs, gpus, shared, peer, capsys):
                            routing="perfect"),
                rows=[_row(1, 20.0, 12.0, peer), _row(8, 30.0, None, peer)], measured_sentinel_max_tokens=None,
                host_overhead=[dict(tokens_per_rank=1, host_us_per_rank_step=9.0, two_bare_launches_us=5.0,
-                                   host_us_per_rank_step_bindings=20.0, two_bare_launches_bindings_us=11.0,
-                                   python_us_per_rank_step=4.0, launch_path="direct")])
+                                   python_us_per_rank_step=4.0)])
     bench._table(res)
     out = capsys.readouterr().out
     assert ("in-process ranks" in out) == (mode == "inproc")

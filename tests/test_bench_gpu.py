@@ -27,10 +27,8 @@ def _common(res, rows_want):
             assert math.isfinite(r["combine_us"])
         assert r["dispatch_bytes_written"] > 0 and r["dispatch_bytes_read"] > 0
     for h in res["host_overhead"]:
-        for k in ("host_us_per_rank_step", "host_us_per_rank_step_bindings", "python_us_per_rank_step",
-                  "two_bare_launches_us", "two_bare_launches_bindings_us"):
+        for k in ("host_us_per_rank_step", "python_us_per_rank_step", "two_bare_launches_us"):
             assert math.isfinite(h[k]) and h[k] > 0, (k, h)
-        assert h["launch_path"] == "direct"  # the driver's cuLaunchKernelEx resolves on every supported driver
     assert res["device"] and res["commit"]
 
 
