@@ -198,7 +198,8 @@ def run(args) -> dict:
     with ep_a2a.LocalGroup([args.device] * ep) as group:
         a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(args.tokens), top_k=top_k, num_experts=E,
                                  payloads=payload_specs(H, top_k), combine_hidden_size=H,
-                                 protocol=args.protocol, validate_expert_ids=False)
+                                 protocol=args.protocol, validate_expert_ids=False,
+                                 on_timeout="abort")  # a stuck wait reports who was missing, the run ends cleanly
         layers = []
         try:
             for r in a2a.ranks:

@@ -41,14 +41,11 @@ EP_DEVICE void q8_quantize8(const uint4 (&raw)[Q8Load<T>::N], bool live, uint2* 
   const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
   unsigned w[2] = {0u, 0u};
 #pragma unroll
-  for (int e = 0; e < 8; ++e)
-    w[e >> 2] |= unsigned(__nv_cvt_float_to_fp8(__fdiv_rn(v[e], scale), __NV_SATFINITE, __NV_E4M3)) << (8 * (e & 3));
+  for (int e = 0; e < 8; e += 2)  // one cvt rounds two values (each to nearest even, saturated)
+    w[e >> 2] |= unsigned(__nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v[e], scale), __fdiv_rn(v[e + 1], scale)),
+                                                    __NV_SATFINITE, __NV_E4M3)) << (8 * (e & 3));
   *q = make_uint2(w[0], w[1]);
   if ((threadIdx.x & (Q8_LANES - 1)) == 0) *scale_out = scale;
-}
-
-EP_DEVICE float q8_to_float(unsigned char b) {
-  return __half2float(__half(__nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(b), __NV_E4M3)));
 }
 
 // The FP8 variant of reduce_vectors: thread unit v = Q8_UNIT values (one 8-byte load of
@@ -79,17 +76,23 @@ EP_DEVICE void reduce_q8(const char* const* q, const char* const* sc_ptr, int n,
           sc[k] = __ldcg(reinterpret_cast<const float*>(sc_ptr[c + k]) + v * Q8_UNIT / EP_Q8_BLOCK);
         }
       }
-      // one value at a time keeps 8 dequantized floats live, not 64
+      // two values at a time: one cvt turns a source's 2 bytes into 2 halves (exact), so
+      // 16 dequantized floats are live, not 64
 #pragma unroll
-      for (int e = 0; e < Q8_UNIT; ++e) {
-        float x[8];
+      for (int e = 0; e < Q8_UNIT; e += 2) {
+        float lo[8], hi[8];
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
           const unsigned w = e < 4 ? raw[k].x : raw[k].y;
-          x[k] = __fmul_rn(q8_to_float(static_cast<unsigned char>(w >> (8 * (e & 3)))), sc[k]);
+          const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+              static_cast<__nv_fp8x2_storage_t>(w >> (8 * (e & 3))), __NV_E4M3);
+          lo[k] = __fmul_rn(__half2float(__half(h.x)), sc[k]);
+          hi[k] = __fmul_rn(__half2float(__half(h.y)), sc[k]);
         }
-        const float t = ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7]));
-        acc[e] = (c == 0) ? t : acc[e] + t;
+        const float tl = ((lo[0] + lo[1]) + (lo[2] + lo[3])) + ((lo[4] + lo[5]) + (lo[6] + lo[7]));
+        const float th = ((hi[0] + hi[1]) + (hi[2] + hi[3])) + ((hi[4] + hi[5]) + (hi[6] + hi[7]));
+        acc[e] = (c == 0) ? tl : acc[e] + tl;
+        acc[e + 1] = (c == 0) ? th : acc[e + 1] + th;
       }
     }
     union { uint4 raw[Q8_UNIT * sizeof(T) / 16]; T el[Q8_UNIT]; } o;
