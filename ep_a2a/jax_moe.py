@@ -216,6 +216,7 @@ class JaxMoeLayer(LayerBase):
     __call__ = forward
 
     def close(self) -> None:
+        self.close_gate()
         if self.index is not None:
             self.a2a_rank.synchronize()
             self._keep = []

@@ -9,6 +9,12 @@ blocking framework allocation) before every rank's launch of that phase is issue
 therefore: prepare every rank (route, stage inputs; may block), dispatch every rank (no
 blocking), compute every rank (host syncs allowed: every dispatch can complete), combine
 every rank (no blocking).
+
+The GPU has the same constraint: a rank's spinning kernels hold SMs, so a peer's work that
+precedes its dispatch or combine in its stream (the router, the expert GEMMs) must not have
+to wait for room. Before the dispatch phase and before the combine phase, every rank's
+stream therefore waits for what every rank has issued so far (events, no host sync); the
+spinning kernels then only wait for each other. (One rank per GPU needs no such gate.)
 """
 from __future__ import annotations
 
@@ -39,6 +45,12 @@ class LayerBase:
             raise ValueError(f"gemm: must be one of {gemms}, got {gemm!r}")
         self.s = a2a_rank.default_stream
         self._step = None
+        self._gate_event = None  # run_phases' cross-rank gate (created on first use)
+
+    def close_gate(self) -> None:
+        if self._gate_event is not None:
+            self._gate_event.close()
+            self._gate_event = None
 
     def dispatch(self) -> None:
         """Phase 2: launch this rank's dispatch (no host blocking, no framework call)."""
@@ -73,12 +85,29 @@ def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None) -> 
         for layer in prepared:  # nothing is launched yet: the step is simply dropped
             layer._step = None
         raise
+    _gate(layers)               # every rank's routing runs before any dispatch spins
     for layer in layers:        # every rank's dispatch is issued before anything may block
         layer.dispatch()
     for layer in layers:        # host syncs are safe now: every dispatch can complete
         layer.compute()
+    _gate(layers)               # every rank's expert compute runs before any combine spins
     for layer in layers:        # again nothing in between may block
         layer.combine()
+
+
+def _gate(layers) -> None:
+    """Every rank's stream waits for the work every rank's stream has issued (module docstring)."""
+    if len(layers) < 2:
+        return
+    from .driver.stream import Event
+    for layer in layers:
+        if layer._gate_event is None:
+            layer._gate_event = Event(layer.a2a_rank.device)
+        layer._gate_event.record(layer.s)
+    for layer in layers:
+        for other in layers:
+            if other is not layer:
+                other._gate_event.wait_on(layer.s)
 
 
 def payload_specs(hidden: int, top_k: int) -> list:

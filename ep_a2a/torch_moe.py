@@ -242,6 +242,7 @@ class TorchMoeLayer(LayerBase):
     __call__ = forward
 
     def close(self) -> None:
+        self.close_gate()
         if self.index is not None:
             self.a2a_rank.synchronize()
             self.index.close()

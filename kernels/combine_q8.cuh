@@ -86,8 +86,8 @@ EP_DEVICE void reduce_q8(const char* const* q, const char* const* sc_ptr, int n,
           const unsigned w = e < 4 ? raw[k].x : raw[k].y;
           const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
               static_cast<__nv_fp8x2_storage_t>(w >> (8 * (e & 3))), __NV_E4M3);
-          lo[k] = __fmul_rn(__half2float(__half(h.x)), sc[k]);
-          hi[k] = __fmul_rn(__half2float(__half(h.y)), sc[k]);
+          lo[k] = __fmul_rn(__half2float(__ushort_as_half(h.x)), sc[k]);  // (bits, not a number)
+          hi[k] = __fmul_rn(__half2float(__ushort_as_half(h.y)), sc[k]);
         }
         const float tl = ((lo[0] + lo[1]) + (lo[2] + lo[3])) + ((lo[4] + lo[5]) + (lo[6] + lo[7]));
         const float th = ((hi[0] + hi[1]) + (hi[2] + hi[3])) + ((hi[4] + hi[5]) + (hi[6] + hi[7]));
