@@ -122,8 +122,11 @@ class Baseline:
 
 
 def _ours_step(layers, xs, logits, tmax, between=None):
+    """run_phases, with the stage marks between the phases (same gates, same order)."""
+    from .moe_layer import phase_gate
     for layer, x, lg in zip(layers, xs, logits):
         layer.prepare(x, lg, tmax)
+    phase_gate(layers)
     for layer in layers:
         layer.dispatch()
     if between:
@@ -132,6 +135,7 @@ def _ours_step(layers, xs, logits, tmax, between=None):
         layer.compute()
     if between:
         between("compute")
+    phase_gate(layers)
     return [layer.combine() for layer in layers]
 
 

@@ -85,17 +85,17 @@ def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None) -> 
         for layer in prepared:  # nothing is launched yet: the step is simply dropped
             layer._step = None
         raise
-    _gate(layers)               # every rank's routing runs before any dispatch spins
+    phase_gate(layers)          # every rank's routing runs before any dispatch spins
     for layer in layers:        # every rank's dispatch is issued before anything may block
         layer.dispatch()
     for layer in layers:        # host syncs are safe now: every dispatch can complete
         layer.compute()
-    _gate(layers)               # every rank's expert compute runs before any combine spins
+    phase_gate(layers)          # every rank's expert compute runs before any combine spins
     for layer in layers:        # again nothing in between may block
         layer.combine()
 
 
-def _gate(layers) -> None:
+def phase_gate(layers) -> None:
     """Every rank's stream waits for the work every rank's stream has issued (module docstring)."""
     if len(layers) < 2:
         return
