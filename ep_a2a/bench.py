@@ -306,6 +306,8 @@ class Bench:
         row = dict(tokens_per_rank=T, resolved_protocol=ranks[0].last_protocol, round_trip_us=rt,
                    floor_round_trip_us=ert, round_trip_over_floor=rt / ert,
                    dispatch_bytes_written=written, dispatch_bytes_read=read, bytes_crossing_gpus=remote * per_token,
+                   # what combine pulls back over the links: one partial per remote copy (FP8: half of bf16's)
+                   combine_bytes_crossing_gpus=remote * pulled,
                    copy_floor_tbps=copy_tbps, peer_copy_floor_tbps=peer_tbps,
                    round_trip_tbps=(written + read + combine_traffic) / rt / 1e6,
                    barrier_floor_round_trip_us=barrier_us,
