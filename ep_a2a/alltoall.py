@@ -22,8 +22,7 @@ from cuda.bindings import driver as _drv
 
 from .driver.errors import CudaError, EpA2AError, call
 from .driver.launch import Launch, launch_once, occupancy
-from .driver import memory as _memory
-from .driver.memory import DeviceAllocation, hold_frees, release_held
+from .driver.memory import DeviceAllocation, has_held, hold_frees, release_held
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
 from .driver.tensor import Tensor, as_dtype as lookup_dtype, as_tensor
@@ -64,6 +63,14 @@ def _vec(nbytes: int, *addresses: int) -> int:
     for a in addresses:
         x |= a
     return min(16, x & -x) if x else 16
+
+
+_HOLDING = weakref.WeakSet()  # the all-to-alls that hold frees (several ranks in this process)
+
+
+def _no_rank_mid_step() -> bool:
+    """No rank of any such all-to-all has dispatched without combining (a free is safe)."""
+    return all(r._dispatched_tmax is None for a in list(_HOLDING) for r in a.ranks)
 
 
 class MoeAlltoAll:
@@ -150,11 +157,14 @@ class MoeAlltoAll:
                                             q8_hidden=combine_hidden_size if combine_quant else 0)
         self.workspace = SymmetricWorkspace(group, self.layout.size)
         self.ranks = []
-        # several ranks of this process on one GPU spin on each other: no cuMemFree between
-        # their launches (driver/memory.py)
-        self._holds_frees = any(r.ranks_on_device > 1 for r in group.ranks) and group.is_local
-        if self._holds_frees:
+        # several ranks driven by this process spin on each other (on one GPU or several):
+        # no cuMemFree between their launches (driver/memory.py); balanced by close() or,
+        # for an all-to-all dropped unclosed, by its finalizer
+        self._unhold = None
+        if group.is_local and len(group.ranks) > 1:
             hold_frees(True)
+            self._unhold = weakref.finalize(self, hold_frees, False)
+            _HOLDING.add(self)
         try:
             for i, r in enumerate(group.ranks):
                 r.device.make_current()
@@ -231,15 +241,16 @@ class MoeAlltoAll:
         return self.workspace.size
 
     def close(self) -> None:
-        for r in self.ranks:
-            r.close()
-        self.ranks = []
-        if getattr(self, "workspace", None) is not None:
-            self.workspace.close()
-            self.workspace = None
-        if getattr(self, "_holds_frees", False):
-            self._holds_frees = False
-            hold_frees(False)
+        try:
+            for r in self.ranks:
+                r.close()
+            self.ranks = []
+            if getattr(self, "workspace", None) is not None:
+                self.workspace.close()
+                self.workspace = None
+        finally:
+            if getattr(self, "_unhold", None) is not None:
+                self._unhold()  # hold_frees(False), once
 
     def __enter__(self):
         return self
@@ -462,7 +473,8 @@ class RankAlltoAll:
             splits = 1
         p.combine_splits = splits
         launch = self._launches[proto][1]
-        # SENTINEL pushes and FP8 quantizes every received slot: those grids cover the slots too
+        # SENTINEL pushes every received slot (a block each); the FP8 quantize pass spreads
+        # its 128-value blocks over the whole grid, which this sizes by the slots as well
         launch.grid = self._grid(max(T * splits, a.ep_size * tmax if proto == "sentinel" or a.combine_quant else 0))
         self.device.make_current()
         dst = self.base + a.layout.off_combine
@@ -471,8 +483,8 @@ class RankAlltoAll:
         self._launch(launch, s)
         self._dispatched_tmax = None
         self._prev_step_protocol = proto
-        if _memory._held and all(r._dispatched_tmax is None for r in a.ranks):
-            release_held()  # every rank of this process launched both phases: no kernel waits on the host
+        if has_held() and _no_rank_mid_step() and not is_capturing(s):
+            release_held()  # every rank of the process launched both phases: no kernel waits on the host
         out_t.stream = s
         return out_t
 

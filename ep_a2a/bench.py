@@ -306,7 +306,8 @@ class Bench:
         row = dict(tokens_per_rank=T, resolved_protocol=ranks[0].last_protocol, round_trip_us=rt,
                    floor_round_trip_us=ert, round_trip_over_floor=rt / ert,
                    dispatch_bytes_written=written, dispatch_bytes_read=read, bytes_crossing_gpus=remote * per_token,
-                   # what combine pulls back over the links: one partial per remote copy (FP8: half of bf16's)
+                   # what combine pulls back from other ranks: one partial per remote copy (bf16
+                   # combine; FP8: e4m3 values + a scale per 128, 52% of bf16's)
                    combine_bytes_crossing_gpus=remote * pulled,
                    copy_floor_tbps=copy_tbps, peer_copy_floor_tbps=peer_tbps,
                    round_trip_tbps=(written + read + combine_traffic) / rt / 1e6,
@@ -326,8 +327,9 @@ class Bench:
 
     def host_overhead(self, T: int, iters: int = None) -> dict:
         """µs of host time per rank per eager dispatch+combine (arguments reused, no sync);
-        the maximum over rank processes. Beside it, from the same host: the Python part
-        alone (the same calls with the launches skipped) and two bare launches of the
+        the maximum over rank processes. Beside it, from the same host: everything but the
+        launches (the same calls with Launch.__call__ patched out for the measurement: the
+        checks, parameter updates, any context bind) and two bare launches of the
         prepacked empty kernel (what the driver and cuda-bindings cost without us)."""
         from .driver import launch as _launch
         a, ranks = self.a2a, self.a2a.ranks

@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from .bench import _commit
+from .moe_layer import run_phases
 
 PROFILES = {
     "small": dict(hidden=2048, intermediate=1024, experts=64, top_k=8),
@@ -122,21 +123,7 @@ class Baseline:
 
 
 def _ours_step(layers, xs, logits, tmax, between=None):
-    """run_phases, with the stage marks between the phases (same gates, same order)."""
-    from .moe_layer import phase_gate
-    for layer, x, lg in zip(layers, xs, logits):
-        layer.prepare(x, lg, tmax)
-    phase_gate(layers)
-    for layer in layers:
-        layer.dispatch()
-    if between:
-        between("dispatch")
-    for layer in layers:
-        layer.compute()
-    if between:
-        between("compute")
-    phase_gate(layers)
-    return [layer.combine() for layer in layers]
+    return run_phases(layers, xs, logits, tmax, between=between)
 
 
 def _measure(torch, run, streams, iters: int, warmup: int) -> dict:

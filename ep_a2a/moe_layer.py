@@ -67,10 +67,12 @@ class LayerBase:
         return idx
 
 
-def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None) -> None:
+def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None, between=None) -> list:
     """One MoE step of every in-process rank, phase by phase (see the module docstring).
     xs[r]: [T_r, hidden]; routers[r]: logits [T_r, num_experts] or (ids, weights); T^
-    defaults to the largest T_r (at least 1)."""
+    defaults to the largest T_r (at least 1). `between(stage)`, if given, runs after the
+    dispatch phase ("dispatch") and after the compute phase ("compute") (the layer
+    benchmark marks its stage times there). Returns every layer's combine() result."""
     if not (len(layers) == len(xs) == len(routers)):
         raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
     tmax = runtime_max_tokens_per_rank
@@ -88,26 +90,37 @@ def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None) -> 
     phase_gate(layers)          # every rank's routing runs before any dispatch spins
     for layer in layers:        # every rank's dispatch is issued before anything may block
         layer.dispatch()
+    if between:
+        between("dispatch")
     for layer in layers:        # host syncs are safe now: every dispatch can complete
         layer.compute()
+    if between:
+        between("compute")
     phase_gate(layers)          # every rank's expert compute runs before any combine spins
-    for layer in layers:        # again nothing in between may block
-        layer.combine()
+    return [layer.combine() for layer in layers]  # again nothing in between may block
 
 
 def phase_gate(layers) -> None:
-    """Every rank's stream waits for the work every rank's stream has issued (module docstring)."""
-    if len(layers) < 2:
-        return
+    """Every rank's stream waits for the work every rank of its GPU has issued (module
+    docstring), through the first such rank's stream: the others' events join there, and
+    one event recorded after them fans back out (3n driver calls, not n^2)."""
     from .driver.stream import Event
+    by_gpu = {}
     for layer in layers:
-        if layer._gate_event is None:
-            layer._gate_event = Event(layer.a2a_rank.device)
-        layer._gate_event.record(layer.s)
-    for layer in layers:
-        for other in layers:
-            if other is not layer:
-                other._gate_event.wait_on(layer.s)
+        by_gpu.setdefault(layer.a2a_rank.device.ordinal, []).append(layer)
+    for same in by_gpu.values():
+        if len(same) < 2:
+            continue  # a rank alone on its GPU starves no peer
+        for layer in same:
+            if layer._gate_event is None:
+                layer._gate_event = Event(layer.a2a_rank.device)
+        hub = same[0]
+        for layer in same[1:]:
+            layer._gate_event.record(layer.s)
+            layer._gate_event.wait_on(hub.s)
+        hub._gate_event.record(hub.s)
+        for layer in same[1:]:
+            hub._gate_event.wait_on(layer.s)
 
 
 def payload_specs(hidden: int, top_k: int) -> list:

@@ -1,5 +1,5 @@
 // FP8 combine (combine_quant, FENCE only): the quantization pass over the received slots
-// and the dequantizing reduction. Included by fence.cu after its workspace() helper.
+// and the dequantizing reduction; fence.cu's combine kernels call them.
 #pragma once
 #include "moe_common.cuh"
 
@@ -15,8 +15,10 @@
 // before it converts any of them.
 constexpr int Q8_LANES = EP_Q8_BLOCK / 8;  // lanes per 128-value block
 constexpr int Q8_UNROLL = 4;
+// quantize_partials pairs the two half-warps of a warp (half & 1): two blocks per warp
+static_assert(Q8_LANES == 16, "a 128-value block is one half-warp of 8-value lanes");
 
-template <typename T> struct Q8Load { using V = uint4; static constexpr int N = sizeof(T) * 8 / 16; };
+template <typename T> struct Q8Load { static constexpr int N = sizeof(T) * 8 / 16; };  // 16-byte loads for 8 values
 
 template <typename T>
 EP_DEVICE void q8_load(const T* x, uint4 (&raw)[Q8Load<T>::N]) {

@@ -198,3 +198,42 @@ def test_bad_routing_arguments_rejected_before_any_device_use(kw, words):
 def test_host_arrays_rejected():
     with pytest.raises(ValueError, match="expert_ids: must be on cuda"):
         moe.build_index(np.zeros((4, 2, 2), np.int32), np.zeros((4, 2, 2), np.float32), num_experts=16, ep_size=4, rank=0)
+
+
+def test_phase_gate_makes_every_stream_wait_for_every_rank_of_its_gpu(monkeypatch):
+    """Replay the gate's records and waits: afterwards each stream's next work depends on
+    the work every rank of the same GPU had issued, and nothing ties different GPUs."""
+    import types
+    from ep_a2a import moe_layer
+    from ep_a2a.driver import stream as S
+    deps = {}  # stream -> set of (stream, position) its next work waits for
+    pos = {}   # stream -> number of items issued
+
+    class FakeEvent:
+        def __init__(self, device):
+            self.snap = set()
+
+        def record(self, s):
+            self.snap = {(s, pos.get(s, 0))} | deps.get(s, set())
+            pos[s] = pos.get(s, 0) + 1
+            return self
+
+        def wait_on(self, s):
+            deps.setdefault(s, set()).update(self.snap)
+            pos[s] = pos.get(s, 0) + 1
+
+    monkeypatch.setattr(S, "Event", FakeEvent)
+
+    def layer(gpu, s):
+        dev = types.SimpleNamespace(ordinal=gpu)
+        return types.SimpleNamespace(a2a_rank=types.SimpleNamespace(device=dev), s=s, _gate_event=None)
+
+    layers = [layer(0, 10), layer(0, 11), layer(1, 20), layer(0, 12), layer(1, 21), layer(2, 30)]
+    for L in layers:
+        pos[L.s] = 5  # work each rank issued before the gate
+    moe_layer.phase_gate(layers)
+    for L in layers:
+        waited = {s for s, p in deps.get(L.s, set()) if p >= 5}  # records made at the gate
+        same = {M.s for M in layers if M.a2a_rank.device.ordinal == L.a2a_rank.device.ordinal} - {L.s}
+        assert same <= waited, (L.s, same, waited)
+        assert not ({M.s for M in layers} - same - {L.s}) & waited, "a gate across GPUs"

@@ -1,6 +1,8 @@
 """Plain device allocations as Tensors, and host <-> device copies (demo, tests, benchmark)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 from cuda.bindings import driver as _drv
 
@@ -14,7 +16,9 @@ _CUDA = 2
 # first and the last rank's launch of a phase, so a free that lands there (a garbage
 # collection running __del__ at any bytecode) blocks the host until a kernel times out.
 # While such ranks exist (`hold_frees`), allocations that go away unclosed are queued and
-# freed at the next safe point (`release_held`: after every rank's launches of a step).
+# freed at the next safe point (`release_held`, called by the all-to-all once no rank of
+# the process is between its dispatch and its combine; that call then waits for the device).
+_lock = threading.Lock()  # __del__ runs on whichever thread drops the last reference
 _held_by = 0
 _held = []
 
@@ -22,17 +26,29 @@ _held = []
 def hold_frees(on: bool) -> None:
     """Count one more (or one less) owner of in-process ranks; frees queue while any exists."""
     global _held_by
-    _held_by += 1 if on else -1
-    if not _held_by:
+    with _lock:
+        _held_by += 1 if on else -1
+        last = not _held_by
+    if last:
         release_held()
+
+
+def has_held() -> bool:
+    return bool(_held)
 
 
 def release_held() -> None:
     """Free the queued allocations (call where no rank is waiting for a launch still to come)."""
-    while _held:
-        device, p = _held.pop()
-        device.make_current()
-        call(_drv.cuMemFree, p)
+    while True:
+        with _lock:
+            if not _held:
+                return
+            device, p = _held.pop()
+        try:
+            device.make_current()
+            call(_drv.cuMemFree, p)
+        except Exception:  # a lost context or interpreter shutdown: as __del__, nothing left to free
+            pass
 
 
 class DeviceAllocation:
@@ -53,7 +69,8 @@ class DeviceAllocation:
     def __del__(self):
         try:
             if _held_by and self._p is not None:
-                _held.append((self.device, self._p))
+                with _lock:
+                    _held.append((self.device, self._p))
                 self._p = None
             else:
                 self.close()
