@@ -264,6 +264,55 @@ def _require(ok: bool, arg: str, rule: str) -> None:
         raise ValueError(f"{arg}: {rule}")
 
 
+REPEAT_FAST_PATH = True  # (False: every call takes the full path; the CPU tests compare both)
+
+
+class _Repeat:
+    """A phase call that an identical next call may repeat without its checks and parameter
+    updates: the kernel parameter block and launch shape come out byte for byte the same.
+
+    Engines call with the same buffers every step. A call repeats the last one when it gets
+    the same ep_a2a Tensor objects (same address and shape) for every tensor argument, the
+    same T^ (an int) and stream (None or an int handle), and finds the state its result
+    depended on unchanged: PDL's trigger choice before it, the previous step's protocol, the
+    protocol setting, the active-rank tag; and the first steps' longer timeouts are over.
+    Framework tensors always take the full path (their DLPack exchange orders streams).
+    """
+    __slots__ = ("refs", "geometry", "tmax", "stream", "early_before", "prev_proto", "setting", "tag",
+                 "s", "T", "proto", "launch", "early", "extra")
+
+    @classmethod
+    def of(cls, rank, steps_before, early_before, stream, tmax, tensors, s, T, proto, launch, extra):
+        """The record of a call just made, or None when a later call could not repeat it."""
+        if not REPEAT_FAST_PATH or steps_before < 5 or not (stream is None or type(stream) is int):
+            return None
+        if any(t is not None and type(t) is not Tensor for t in tensors):
+            return None
+        r = cls()
+        r.refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
+        r.geometry = tuple(None if t is None else (t.ptr, t.shape) for t in tensors)
+        r.tmax, r.stream, r.early_before = tmax, stream, early_before
+        r.prev_proto, r.setting, r.tag = rank._prev_step_protocol, rank.a2a.protocol, rank._tag_hi
+        r.s, r.T, r.proto, r.launch, r.early, r.extra = s, T, proto, launch, rank._prev_early, extra
+        return r
+
+    def matches(self, rank, first, rest, tmax, stream) -> bool:
+        if not (type(tmax) is int and tmax == self.tmax and type(stream) is type(self.stream) and stream == self.stream
+                and rank._prev_early is self.early_before and rank._prev_step_protocol == self.prev_proto
+                and rank.a2a.protocol == self.setting and rank._tag_hi == self.tag):
+            return False
+        refs, geo = self.refs, self.geometry
+        if type(rest) not in (list, tuple) or len(rest) + 1 != len(refs):
+            return False
+        for i, t in enumerate((first, *rest)):
+            if refs[i] is None:
+                if t is not None:
+                    return False
+            elif refs[i]() is not t or (t.ptr, t.shape) != geo[i]:
+                return False
+        return True
+
+
 class RankAlltoAll:
     """Dispatch and combine of one rank; all state lives on the device except a phase check."""
 
@@ -322,6 +371,8 @@ class RankAlltoAll:
         self._dispatched_tmax = None   # runtime_max of the dispatch awaiting its combine
         self._local_tokens = 0
         self._seen = {}                # argument name -> (Tensor, geometry) last checked
+        self._repeat_dispatch = None   # the last call of each phase, when it may be repeated cheaply
+        self._repeat_combine = None
         self._out_views = {}           # T -> [T, hidden] view of the internal combine output
         self._descs = [p.payloads[q] for q in range(p.num_payloads)]  # (indexing makes a new wrapper)
         self._payload_names = [f"payloads[{q}] ({spec.name})" for q, spec in enumerate(a2a.payload_specs)]
@@ -383,6 +434,10 @@ class RankAlltoAll:
             raise StateError(f"rank {self.rank}: dispatch called twice without combine")
         if not self.is_active:
             raise StateError(f"rank {self.rank}: not an active rank (set_active_ranks({list(a.active_ranks)}))")
+        rep = self._repeat_dispatch  # an engine's steady state: the same call as the last one
+        if rep is not None and rep.matches(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
+            return self._dispatch_again(rep, token_selected_experts)
+        steps_before, early_before = self.steps, self._prev_early
         tmax = runtime_max_tokens_per_rank
         self._check_tmax(tmax)
         tmax = int(tmax)  # (a NumPy integer would keep its width in the arithmetic below)
@@ -428,6 +483,24 @@ class RankAlltoAll:
             views = self._views[tmax] = self.dispatch_views(tmax)
         for v in (views[0], *views[1]):
             v.stream = s  # consumers on other streams wait for this dispatch (DLPack)
+        self._repeat_dispatch = _Repeat.of(self, steps_before, early_before, stream, tmax,
+                                           [token_selected_experts, *payloads], s, T, proto, launch, views)
+        return views
+
+    def _dispatch_again(self, r: "_Repeat", ids) -> tuple:
+        """dispatch() with the same tensors, T^, stream and state as the last one: only what
+        changes from step to step (the ids' values, PDL's trigger, the step count) is redone."""
+        if self.a2a.validate_expert_ids and r.T and not is_capturing(r.s):
+            self._check_ids(ids, r.s)
+        self.params.trigger_early, self._prev_early = r.early, r.early
+        self.device.make_current()
+        self._launch(r.launch, r.s)
+        self.last_protocol = r.proto
+        self.steps += 1
+        self._dispatched_tmax, self._local_tokens = r.tmax, r.T
+        views = r.extra
+        for v in (views[0], *views[1]):
+            v.stream = r.s
         return views
 
     def combine(self, partial, runtime_max_tokens_per_rank: int = None, stream=None, out=None) -> Tensor:
@@ -443,6 +516,11 @@ class RankAlltoAll:
         tmax = runtime_max_tokens_per_rank
         if self._dispatched_tmax is None:
             raise StateError(f"rank {self.rank}: combine called without a dispatch before it")
+        rep = self._repeat_combine
+        if (rep is not None and type(tmax) is int and tmax == self._dispatched_tmax and self._local_tokens == rep.T
+                and self.last_protocol == rep.proto and rep.matches(self, partial, (out,), tmax, stream)):
+            return self._combine_again(rep)
+        steps_before, early_before = self.steps, self._prev_early
         self._check_tmax(tmax)
         tmax = int(tmax)  # (a NumPy integer would keep its width in the byte counts below)
         if tmax != self._dispatched_tmax:
@@ -478,15 +556,36 @@ class RankAlltoAll:
         launch.grid = self._grid(max(T * splits, a.ep_size * tmax if proto == "sentinel" or a.combine_quant else 0))
         self.device.make_current()
         dst = self.base + a.layout.off_combine
-        if part.ptr != dst:  # staged: the partial results live outside the workspace
-            call(_drv.cuMemcpyDtoDAsync, dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes, s)
+        stage = (dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes) if part.ptr != dst else None
+        if stage:  # staged: the partial results live outside the workspace
+            call(_drv.cuMemcpyDtoDAsync, *stage, s)
         self._launch(launch, s)
         self._dispatched_tmax = None
         self._prev_step_protocol = proto
+        self._after_combine(s)
+        out_t.stream = s
+        self._repeat_combine = _Repeat.of(self, steps_before, early_before, stream, tmax, [partial, out], s, T,
+                                          proto, launch, (out_t, stage))
+        return out_t
+
+    def _combine_again(self, r: "_Repeat") -> Tensor:
+        """combine() with the same tensors, T^, stream and state as the last one (see
+        _dispatch_again): the staging copy, if any, and the launch."""
+        out_t, stage = r.extra
+        self.params.trigger_early, self._prev_early = r.early, r.early
+        self.device.make_current()
+        if stage:
+            call(_drv.cuMemcpyDtoDAsync, *stage, r.s)
+        self._launch(r.launch, r.s)
+        self._dispatched_tmax = None
+        self._prev_step_protocol = r.proto
+        self._after_combine(r.s)
+        out_t.stream = r.s
+        return out_t
+
+    def _after_combine(self, s: int) -> None:
         if has_held() and _no_rank_mid_step() and not is_capturing(s):
             release_held()  # every rank of the process launched both phases: no kernel waits on the host
-        out_t.stream = s
-        return out_t
 
     def _grid(self, want: int) -> int:
         """Blocks for the next launch, and whether it may let its successor launch at once (PDL).

@@ -1,0 +1,172 @@
+"""The repeat fast path of dispatch/combine (alltoall._Repeat) against the full path, on the
+CPU: the same varied call sequence (tensor objects reused or replaced, T^, T, streams, outs,
+staged partials, protocol settings with auto switching, active-rank changes, dispatch-only
+steps) must produce byte-identical kernel parameter blocks, grids, streams, functions,
+staging copies and returned views, launch by launch. Launches and driver calls are recorded,
+not made."""
+import ctypes
+import types
+
+import numpy as np
+import pytest
+
+import ep_a2a.alltoall as A
+from ep_a2a.check import payload_formats
+from ep_a2a.driver.tensor import Tensor, as_dtype
+from ep_a2a.layout import WorkspaceLayout, landing_bytes, sentinel_kind
+
+EP, TMAX, H = 8, 64, 7168
+
+
+class _HostMapped:
+    def __init__(self, n, dev):
+        self.buf = ctypes.create_string_buffer(n)
+        self.host_ptr, self.device_ptr = ctypes.addressof(self.buf), 1 << 45  # (fixed: runs compare bytes)
+
+
+class _Module:
+    def function(self, name):
+        return name
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    rec = []
+
+    class FakeLaunch:
+        def __init__(self, dev, fn, args, grid, block, pdl=False):
+            self.grid, self.fn, self.p = grid, fn, args[0]
+
+        def __call__(self, stream):
+            rec.append(("launch", self.fn, bytes(self.p), self.grid, stream))
+
+    monkeypatch.setattr(A, "HostMapped", _HostMapped)
+    monkeypatch.setattr(A, "Launch", FakeLaunch)
+    monkeypatch.setattr(A, "load", lambda name, dev: _Module())
+    monkeypatch.setattr(A, "occupancy", lambda f, t: 4)
+    monkeypatch.setattr(A, "DeviceAllocation", lambda dev, n: types.SimpleNamespace(ptr=1 << 32))
+    monkeypatch.setattr(A, "call", lambda fn, *args: rec.append(("call", fn.__name__, args)))
+    return rec
+
+
+def _rank():
+    specs = payload_formats(H, 8)["bf16"]
+    kinds = (0,) + tuple(sentinel_kind(s.dtype) for s in specs)
+    pbytes = (32,) + tuple(s.bytes_per_token for s in specs)
+    L = WorkspaceLayout.build(EP, TMAX, 8, pbytes, H * 2, sentinel=True,
+                              landing=tuple(landing_bytes(b, k) for b, k in zip(pbytes, kinds)))
+    a2a = types.SimpleNamespace(
+        ep_size=EP, top_k=8, num_experts=256, max_tokens_per_rank=TMAX, payload_specs=tuple(specs),
+        combine_hidden_size=H, combine_dtype=as_dtype("bfloat16"), protocol="auto", layout=L, kinds=kinds,
+        workspace=types.SimpleNamespace(base=lambda i: 1 << 40, peers=lambda i: [1 << 40] * EP), on_timeout="trap",
+        active_ranks=tuple(range(EP)), combine_quant=None, threads=256, pdl=True, validate_expert_ids=False,
+        first_timeout_s=60, timeout_s=10, crossover_tokens=0)
+    a2a.protocol_for = lambda t: a2a.protocol if a2a.protocol != "auto" else ("sentinel" if t <= 8 else "fence")
+    dev = types.SimpleNamespace(ordinal=0, sm_count=132, make_current=lambda: None)
+    rank = types.SimpleNamespace(rank=0, device=dev, stream=types.SimpleNamespace(handle=7), ranks_on_device=EP)
+    return a2a, A.RankAlltoAll(a2a, 0, rank), specs
+
+
+def _plan(seed, steps):
+    rng = np.random.default_rng(seed)
+    plan, cur = [], dict(ids=0, tmax=16, T=16, stream=None, part="cin", out=None, proto="auto", active=EP, pays=0)
+    for i in range(steps):
+        c, u = dict(cur), rng.random()
+        if u < 0.06:
+            c["tmax"] = int(rng.integers(1, TMAX + 1))
+            c["T"], c["ids"] = int(rng.integers(0, c["tmax"] + 1)), i
+        elif u < 0.10:
+            c["ids"], c["T"] = i, int(rng.integers(0, c["tmax"] + 1))
+        elif u < 0.13:
+            c["pays"] = i
+        elif u < 0.16:
+            c["stream"] = [None, 9, 7][int(rng.integers(3))]
+        elif u < 0.19:
+            c["part"] = ["cin", f"p{i}"][int(rng.integers(2))]
+        elif u < 0.22:
+            c["out"] = [None, f"o{i}", f"odd{i}"][int(rng.integers(3))]
+        elif u < 0.24:
+            c["proto"] = ["auto", "fence", "sentinel"][int(rng.integers(3))]
+        elif u < 0.25:
+            c["active"] = int(rng.integers(6, EP + 1))
+        cur = c
+        plan.append(dict(c, dispatch_only=rng.random() < 0.03))
+    return plan
+
+
+def _run(plan, fast, rec, monkeypatch):
+    monkeypatch.setattr(A, "REPEAT_FAST_PATH", fast)
+    rec.clear()
+    a2a, r, specs = _rank()
+    pool, hits = {}, {"dispatch": 0, "combine": 0}
+    d_again, c_again = r._dispatch_again, r._combine_again
+
+    def count(name, f):
+        def g(*args):
+            hits[name] += 1
+            return f(*args)
+        return g
+    r._dispatch_again, r._combine_again = count("dispatch", d_again), count("combine", c_again)
+
+    def obj(key, make):  # the same key gives the same object within a run (engines reuse buffers)
+        if key not in pool:
+            pool[key] = make(len(pool))
+        return pool[key]
+    for c in plan:
+        a2a.protocol = c["proto"]
+        if c["active"] != len(a2a.active_ranks):
+            a2a.active_ranks = tuple(range(c["active"]))
+            r._set_active(a2a.active_ranks)
+        T, tmax = c["T"], c["tmax"]
+        ids = obj(("ids", c["ids"], T), lambda n: Tensor((1 << 33) + 64 * n, (T, 8), "int32", device=(2, 0)))
+        pays = [obj(("pay", c["pays"], T, k), lambda n, s=s: Tensor((1 << 34) + 4096 * n + 4 * (c["pays"] % 3),
+                                                                     (T,) + tuple(s.shape), s.dtype, device=(2, 0)))
+                for k, s in enumerate(specs)]
+        views = r.dispatch(ids, pays, tmax, stream=c["stream"])
+        rec.append(("views", views[0].ptr, views[0].shape, views[0].stream, views[1][0].stream))
+        if c["dispatch_only"]:
+            r._dispatched_tmax = None  # as the benchmark's dispatch-only graphs do
+            continue
+        part = r.combine_input(tmax) if c["part"] == "cin" else obj(
+            ("part", c["part"], tmax), lambda n: Tensor((1 << 36) + 65536 * n, (EP, tmax, H), "bfloat16", device=(2, 0)))
+        out = None
+        if c["out"] is not None:
+            off = 2 if c["out"].startswith("odd") else 0
+            out = obj(("out", c["out"], T), lambda n: Tensor((1 << 37) + 65536 * n + off, (T, H), "bfloat16",
+                                                             device=(2, 0)))
+        y = r.combine(part, tmax, stream=c["stream"], out=out)
+        rec.append(("out", y.ptr, y.shape, y.stream))
+    return list(rec), hits
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_repeat_fast_path_launches_exactly_what_the_full_path_launches(seed, recorder, monkeypatch):
+    plan = _plan(seed, 1500)
+    full, none = _run(plan, False, recorder, monkeypatch)
+    fast, hits = _run(plan, True, recorder, monkeypatch)
+    assert none == {"dispatch": 0, "combine": 0}
+    assert hits["dispatch"] > len(plan) // 2 and hits["combine"] > len(plan) // 10, hits  # both paths exercised
+    assert len(full) == len(fast)
+    bad = [i for i, (x, y) in enumerate(zip(full, fast)) if x != y]
+    assert not bad, f"{len(bad)} of {len(full)} records differ, first {full[bad[0]][:2]} at {bad[0]}"
+
+
+def test_framework_tensors_and_stream_objects_never_repeat(recorder, monkeypatch):
+    """Only ep_a2a Tensors with None or int streams may repeat: other objects go the full path."""
+    a2a, r, specs = _rank()
+    ids = Tensor(1 << 33, (4, 8), "int32", device=(2, 0))
+    pays = [Tensor((1 << 34) + 4096 * k, (4,) + tuple(s.shape), s.dtype, device=(2, 0)) for k, s in enumerate(specs)]
+    for _ in range(8):
+        r.dispatch(ids, pays, 16)
+        r.combine(r.combine_input(16), 16)
+    assert r._repeat_dispatch is not None and r._repeat_combine is not None
+    r.dispatch(ids, pays, 16, stream=types.SimpleNamespace(handle=7, __cuda_stream__=lambda: (0, 7)))
+    assert r._repeat_dispatch is None
+    r.combine(r.combine_input(16), 16)
+    r.dispatch(ids, pays, 16)
+    r.combine(r.combine_input(16), 16)
+    rep = r._repeat_dispatch
+    assert rep is not None and rep.matches(r, ids, pays, 16, None)
+    ids.ptr += 64  # a Tensor whose address changed is not the call it was
+    assert not rep.matches(r, ids, pays, 16, None)
+    assert not rep.matches(r, Tensor(ids.ptr - 64, (4, 8), "int32", device=(2, 0)), pays, 16, None)  # nor another object
