@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from .bench import _commit
-from .moe_layer import run_phases
+from .moe_layer import phase_gate, run_phases
 
 PROFILES = {
     "small": dict(hidden=2048, intermediate=1024, experts=64, top_k=8),
@@ -54,24 +54,11 @@ def _join(torch, ts, streams):
         ts.wait_event(ev)
 
 
-def _all_wait(torch, streams):
-    """Every stream waits for what every other stream has issued so far (a collective's sync)."""
-    evs = []
-    for s in streams:
-        ev = torch.cuda.Event()
-        ev.record(s)
-        evs.append(ev)
-    for s in streams:
-        for ev in evs:
-            s.wait_event(ev)
-
-
 class Baseline:
     """The all-gather / local experts / reduce-scatter layer, one instance for all ranks."""
 
     def __init__(self, layers):
         self.layers = layers
-        self.streams = [layer.stream for layer in layers]
 
     def route(self, layer, logits):
         import torch
@@ -82,12 +69,12 @@ class Baseline:
         """One step; `between(stage)` is called after the dispatch-like and compute stages."""
         import torch
         import torch.nn.functional as F
-        layers, streams = self.layers, self.streams
+        layers = self.layers
         routes = []
         for layer, lg in zip(layers, logits):
             with torch.cuda.stream(layer.stream):
                 routes.append(self.route(layer, lg))
-        _all_wait(torch, streams)  # the all-gather needs every rank's tokens and routing
+        phase_gate(layers)  # the all-gather needs every rank's tokens and routing
         gathered = []
         for layer in layers:
             with torch.cuda.stream(layer.stream):
@@ -109,7 +96,7 @@ class Baseline:
                 outs.append(out)
         if between:
             between("compute")
-        _all_wait(torch, streams)  # the reduce-scatter needs every rank's partial sums
+        phase_gate(layers)  # the reduce-scatter needs every rank's partial sums
         results, start = [], 0
         for layer, x in zip(layers, xs):
             T = x.shape[0]
