@@ -593,11 +593,15 @@ class RankAlltoAll:
         Every rank sharing the GPU spins on the others, so all their blocks must be resident:
         a rank's grid is capped at its share of the GPU (max_grid). An early trigger puts the
         successor's blocks beside ours, so it is allowed only for grids of at most half that
-        share, and a launch that follows an early trigger is itself held to half.
+        share, and a launch that follows an early trigger is itself held to half. A launch
+        held to half only for that reason triggers late: were it to trigger early, its
+        successor would be held to half too, and so on, so one small step would leave every
+        later large step at half the grid.
         """
         half = max(1, self.max_grid // 2)
+        held = self._prev_early and want > half
         grid = max(1, min(half if self._prev_early else self.max_grid, want))
-        early = self.a2a.pdl and grid <= half
+        early = self.a2a.pdl and grid <= half and not held
         self.params.trigger_early = int(early)
         self._prev_early = early
         return grid

@@ -123,14 +123,16 @@ def e4m3_round(y: np.ndarray) -> np.ndarray:
 
 def q8_roundtrip(x: np.ndarray, block: int = 128) -> np.ndarray:
     """What the FP8 combine delivers of partial rows x (fp32 [..., hidden]): per block of
-    `block` values, scale = amax / 448 (1 for an all-zero block; NaNs ignored by amax, as
-    fmaxf does), q = e4m3(x / scale), returned dequantized: q * scale, in fp32."""
+    `block` values, scale = amax / 448 and factor = 448 / amax (both 1 for an all-zero block;
+    NaNs ignored by amax, as fmaxf does), q = e4m3(x * factor), returned dequantized:
+    q * scale, in fp32. Every step is one exactly rounded fp32 operation, as on the GPU."""
     x = np.asarray(x, np.float32)
     b = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
     amax = np.fmax.reduce(np.abs(b), axis=-1, keepdims=True)
-    scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
-    with np.errstate(invalid="ignore"):
-        return (e4m3_round(b / scale) * scale).astype(np.float32).reshape(x.shape)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+        factor = np.where(amax > 0, np.float32(448) / amax, np.float32(1)).astype(np.float32)
+        return (e4m3_round(b * factor) * scale).astype(np.float32).reshape(x.shape)
 
 
 def to_float32(x: np.ndarray, dtype) -> np.ndarray:

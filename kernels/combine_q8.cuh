@@ -4,9 +4,10 @@
 #include "moe_common.cuh"
 
 // ---- FP8 combine (combine_quant): e4m3 partial results with one fp32 scale per 128 values.
-// scale = amax / 448 (the largest finite e4m3) over the 128 values, q = e4m3(x / scale)
-// rounded to nearest even and saturated; an all-zero block gets scale 1. Division and
-// conversion are exactly rounded, so reference.py reproduces every byte. Dequantization is
+// scale = amax / 448 (the largest finite e4m3) over the 128 values, q = e4m3(x * (448 / amax))
+// rounded to nearest even and saturated (x * 448/amax may round just past 448); an all-zero
+// block gets scale 1 and factor 1. Divisions, products and conversions are exactly rounded,
+// so reference.py reproduces every byte. Dequantization is
 // e4m3 -> fp32 (exact) times the scale. EP_Q8_BLOCK (layout.py) = 16 lanes x 8 values.
 //
 // The pass is bandwidth work on a grid capped at the rank's share of the GPU, so it is
@@ -40,11 +41,13 @@ EP_DEVICE void q8_quantize8(const uint4 (&raw)[Q8Load<T>::N], bool live, uint2* 
 #pragma unroll
   for (int o = Q8_LANES / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (!live) return;
+  // two divisions per block, one multiply per value (a division per value made the pass ALU-bound)
   const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
+  const float inv = amax > 0.f ? __fdiv_rn(448.f, amax) : 1.f;
   unsigned w[2] = {0u, 0u};
 #pragma unroll
   for (int e = 0; e < 8; e += 2)  // one cvt rounds two values (each to nearest even, saturated)
-    w[e >> 2] |= unsigned(__nv_cvt_float2_to_fp8x2(make_float2(__fdiv_rn(v[e], scale), __fdiv_rn(v[e + 1], scale)),
+    w[e >> 2] |= unsigned(__nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[e], inv), __fmul_rn(v[e + 1], inv)),
                                                     __NV_SATFINITE, __NV_E4M3)) << (8 * (e & 3));
   *q = make_uint2(w[0], w[1]);
   if ((threadIdx.x & (Q8_LANES - 1)) == 0) *scale_out = scale;
@@ -52,51 +55,50 @@ EP_DEVICE void q8_quantize8(const uint4 (&raw)[Q8Load<T>::N], bool live, uint2* 
 
 // The FP8 variant of reduce_vectors: thread unit v = Q8_UNIT values (one 8-byte load of
 // e4m3 from each source, one scale: a unit never straddles a 128-block); same tree over
-// groups of 8 sources, same fp32 order. The 8 results leave in one 16-byte store (bf16,
+// groups of 8 sources, same fp32 order, absent members skipped as there. The 8 results leave in one 16-byte store (bf16,
 // fp16) when `out` is 16-byte aligned (vec16: the host's combine_vec), element-wise otherwise.
 // (8 values a unit, not 16: 16-byte loads from 8 sources need more than the 64 registers
 // that keep 4 blocks of 256 threads on an SM.)
 constexpr unsigned Q8_UNIT = 8;
+
+// One group of M present members (q[0..M), their scales sc_ptr[0..M)) at unit v.
+template <int M>
+EP_DEVICE void add_group_q8(const char* const* q, const char* const* sc_ptr, unsigned v, float (&acc)[Q8_UNIT],
+                            bool first) {
+  uint2 raw[M > 0 ? M : 1];
+  float sc[M > 0 ? M : 1];
+#pragma unroll
+  for (int k = 0; k < M; ++k) {  // all loads first
+    raw[k] = __ldcg(reinterpret_cast<const uint2*>(q[k]) + v);
+    sc[k] = __ldcg(reinterpret_cast<const float*>(sc_ptr[k]) + v * Q8_UNIT / EP_Q8_BLOCK);
+  }
+  // two values at a time: one cvt turns a source's 2 bytes into 2 halves (exact), so
+  // 2 * M dequantized floats are live, not 8 * M
+#pragma unroll
+  for (int e = 0; e < Q8_UNIT; e += 2) {
+    float lo[8], hi[8];
+#pragma unroll
+    for (int k = 0; k < M; ++k) {
+      const unsigned w = e < 4 ? raw[k].x : raw[k].y;
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w >> (8 * (e & 3))), __NV_E4M3);
+      lo[k] = __fmul_rn(__half2float(__ushort_as_half(h.x)), sc[k]);  // (bits, not a number)
+      hi[k] = __fmul_rn(__half2float(__ushort_as_half(h.y)), sc[k]);
+    }
+    const auto pair = [&](const float* y, int j) { return 2 * j + 1 < M ? y[2 * j] + y[2 * j + 1] : y[2 * j]; };
+    const float tl = group_sum<M>([&](int j) { return pair(lo, j); });
+    const float th = group_sum<M>([&](int j) { return pair(hi, j); });
+    acc[e] = first ? tl : acc[e] + tl;
+    acc[e + 1] = first ? th : acc[e + 1] + th;
+  }
+}
 
 template <typename T>
 EP_DEVICE void reduce_q8(const char* const* q, const char* const* sc_ptr, int n, T* out, unsigned v0, unsigned v1,
                          bool vec16) {
   for (unsigned v = v0 + threadIdx.x; v < v1; v += blockDim.x) {
     float acc[Q8_UNIT];
-#pragma unroll
-    for (int e = 0; e < Q8_UNIT; ++e) acc[e] = 0.f;
-    for (int c = 0; c < n || c == 0; c += 8) {
-      uint2 raw[8];
-      float sc[8];
-#pragma unroll
-      for (int k = 0; k < 8; ++k) {
-        // absent members: zero bytes and scale 0 dequantize to +0, as the reference reads them
-        raw[k] = make_uint2(0, 0);
-        sc[k] = 0.f;
-        if (c + k < n) {
-          raw[k] = __ldcg(reinterpret_cast<const uint2*>(q[c + k]) + v);
-          sc[k] = __ldcg(reinterpret_cast<const float*>(sc_ptr[c + k]) + v * Q8_UNIT / EP_Q8_BLOCK);
-        }
-      }
-      // two values at a time: one cvt turns a source's 2 bytes into 2 halves (exact), so
-      // 16 dequantized floats are live, not 64
-#pragma unroll
-      for (int e = 0; e < Q8_UNIT; e += 2) {
-        float lo[8], hi[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) {
-          const unsigned w = e < 4 ? raw[k].x : raw[k].y;
-          const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
-              static_cast<__nv_fp8x2_storage_t>(w >> (8 * (e & 3))), __NV_E4M3);
-          lo[k] = __fmul_rn(__half2float(__ushort_as_half(h.x)), sc[k]);  // (bits, not a number)
-          hi[k] = __fmul_rn(__half2float(__ushort_as_half(h.y)), sc[k]);
-        }
-        const float tl = ((lo[0] + lo[1]) + (lo[2] + lo[3])) + ((lo[4] + lo[5]) + (lo[6] + lo[7]));
-        const float th = ((hi[0] + hi[1]) + (hi[2] + hi[3])) + ((hi[4] + hi[5]) + (hi[6] + hi[7]));
-        acc[e] = (c == 0) ? tl : acc[e] + tl;
-        acc[e + 1] = (c == 0) ? th : acc[e + 1] + th;
-      }
-    }
+    for (int c = 0; c < n || c == 0; c += 8)
+      with_members(min(n - c, 8), [&](auto m) { add_group_q8<decltype(m)::value>(q + c, sc_ptr + c, v, acc, c == 0); });
     union { uint4 raw[Q8_UNIT * sizeof(T) / 16]; T el[Q8_UNIT]; } o;
 #pragma unroll
     for (int e = 0; e < Q8_UNIT; ++e) o.el[e] = from_float<T>(acc[e]);

@@ -71,11 +71,16 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
   // one of those releases, so all those stores precede, in causality order, the
   // fence.acq_rel.sys that each publishing lane executes next (cumulativity); a peer that
   // reads our flag with ld.acquire.sys therefore observes every token we pushed to it.
+  //
+  // A grid of one block (small batches) skips the election: its bar.sync alone orders every
+  // thread's pushes before the publishing lanes' fence, and the two dependent gpu-scope
+  // round trips of the election sat on the 1-token critical path.
   __syncthreads();
-  if (threadIdx.x == 0) s_last = atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
+  const bool single = gridDim.x == 1;
+  if (threadIdx.x == 0) s_last = single || atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
   __syncthreads();
   if (s_last && threadIdx.x < 32) {
-    ld_acquire_gpu(done);  // every publishing lane acquires, not only thread 0
+    if (!single) ld_acquire_gpu(done);  // every publishing lane acquires, not only thread 0
     for (int r = threadIdx.x; r < p.ep_size; r += 32)
       if (rank_active(p, r)) reinterpret_cast<unsigned*>(workspace(p, r) + p.off_tmax)[s] = p.step_tag;
     fence_release_sys();
@@ -87,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
                        (static_cast<uint64_t>(step) << 32) | c);
     }
     if (threadIdx.x == 0) {
-      *done = 0;
+      if (!single) *done = 0;
       *reinterpret_cast<unsigned*>(ws + p.off_epoch) = step;  // every block read it already
     }
   }

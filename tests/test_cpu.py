@@ -258,3 +258,57 @@ def test_reference_dispatch_drops_inactive_ranks_and_counts_them():
         assert all(t[i, k] >= 0 or owner[ids[s][i, k]] in [t[i, j] for j in range(k)] for i, k in kept)
     want = sum(int(((ids[s] >= 0) & (owner[np.clip(ids[s], 0, E - 1)] == 2)).sum()) for s in range(ep))
     assert ref.dropped_selections(ids, E, ep, active) == want
+
+
+def _present_only_group(vals: list) -> np.ndarray:
+    """The kernels' shortcut for a group of m < 8 present members: the pairwise tree over the
+    present prefix alone (a node whose right half is absent is its left half), then + 0."""
+    def tree(lo: int, n: int):
+        if n == 1:
+            return vals[lo]
+        if lo + n // 2 >= len(vals):
+            return tree(lo, n // 2)
+        return tree(lo, n // 2) + tree(lo + n // 2, n // 2)
+    t = tree(0, 8)
+    return t if len(vals) == 8 else t + np.float32(0)
+
+
+def test_skipping_absent_members_is_the_same_tree_bit_for_bit():
+    """The identity combine's reduction relies on: summing only the m present members of a
+    group (+0 once when m < 8) gives the bits of the 8-member tree with +0 members, signed
+    zeros, infinities, NaN and cancellations included."""
+    rng = np.random.default_rng()
+    specials = np.float32([0.0, -0.0, np.inf, -np.inf, 1.0, -1.0, 2.0 ** -140, -(2.0 ** -140)])
+    for _ in range(200):
+        m = int(rng.integers(1, 9))
+        w = 64
+        vals = [rng.choice(specials, w) if rng.random() < 0.7 else rng.standard_normal(w).astype(np.float32)
+                for _ in range(m)]
+        vals[0][:8] = -0.0                                     # all-negative-zero columns
+        for v in vals:
+            v[:8] = -0.0
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = ref.tree_sum(vals, w)
+            got = _present_only_group(vals)
+        same = (want.view(np.uint32) == got.view(np.uint32)) | (np.isnan(want) & np.isnan(got))
+        assert same.all(), (m, want[~same], got[~same])
+        if m < 8:
+            assert (want[:8].view(np.uint32) == 0).all()       # -0 members: the padded tree gives +0
+
+
+def test_grid_after_an_early_trigger_returns_to_the_full_share():
+    """A small step triggers its successor early; the launch after it is held to half the
+    rank's share, but must trigger late so that large steps after it get the whole share
+    (an early trigger used to be an absorbing state: every later grid stayed at half)."""
+    from types import SimpleNamespace
+    from ep_a2a.alltoall import RankAlltoAll
+    r = SimpleNamespace(max_grid=66, _prev_early=False, a2a=SimpleNamespace(pdl=True), params=SimpleNamespace())
+    grid = lambda want: RankAlltoAll._grid(r, want)            # noqa: E731
+    assert grid(1) == 1 and r.params.trigger_early == 1        # small: early
+    assert grid(1000) == 33 and r.params.trigger_early == 0    # held to half, triggers late
+    assert grid(1000) == 66 and r.params.trigger_early == 0    # whole share again
+    assert grid(20) == 20 and r.params.trigger_early == 1
+    assert grid(20) == 20 and r.params.trigger_early == 1      # small after small: early, unheld
+    r.a2a.pdl = False
+    assert grid(5) == 5 and r.params.trigger_early == 0
+    assert grid(1000) == 66
