@@ -96,7 +96,7 @@ def read_records(rank_a2a, T: int) -> np.ndarray:
 
 
 def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_copy=True, verify=True,
-             alpha=1.2, invalid_fraction=0.0, payload_fn=None, upload=None) -> StepReport:
+             alpha=1.2, invalid_fraction=0.0, payload_fn=None, upload=None, out_fn=None) -> StepReport:
     """One dispatch/combine step on the ranks of `a2a` that live in this process.
 
     Every process draws the inputs of *all* ranks from `rng` (same seed everywhere in a
@@ -105,6 +105,7 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     integers when `exact`, so sums are exact; random normals otherwise, still compared
     bitwise since the reference sums in the kernels' order).
     Ranks outside a2a.active_ranks (set_active_ranks) must have 0 tokens and are not run.
+    out_fn(rank, (T, hidden), dtype) -> tensor: where combine writes (default: a new tensor).
     """
     ep, top_k, E = a2a.ep_size, a2a.top_k, a2a.num_experts
     active = set(a2a.active_ranks)
@@ -129,7 +130,8 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
                [upload(x, r.device, spec.dtype) for x, spec in zip(pay_h[s], a2a.payload_specs)])
            for s, r in local.items()}
     staged = {s: from_numpy(partial_h[s], r.device, cdt) for s, r in local.items()} if not zero_copy else {}
-    outs = {s: empty((tokens[s], H), cdt, r.device) for s, r in local.items()}
+    out_fn = out_fn or (lambda r, shape, dtype: empty(shape, dtype, r.device))
+    outs = {s: out_fn(r, (tokens[s], H), cdt) for s, r in local.items()}
     for o in outs.values():
         copy_from_numpy(o, np.full(o.nbytes, 0xFF, np.uint8))  # poison: NaN in every float format
     views = {s: r.dispatch(ins[s][0], ins[s][1], runtime_max) for s, r in local.items()}
