@@ -308,7 +308,7 @@ class _Repeat:
             if refs[i] is None:
                 if t is not None:
                     return False
-            elif refs[i]() is not t or (t.ptr, t.shape) != geo[i]:
+            elif t is None or refs[i]() is not t or (t.ptr, t.shape) != geo[i]:  # (a dead ref reads None)
                 return False
         return True
 
@@ -468,11 +468,8 @@ class RankAlltoAll:
         proto = a.protocol_for(tmax)
         launch = self._launches[proto][0]
         p.wait_prev_combine = int(proto == "fence" and self._prev_step_protocol == "sentinel")
-        if proto == "fence":
-            sanitize_blocks = -(-a.ep_size * tmax * a.top_k // (a.threads * 8))
-            launch.grid = self._grid(max(T, sanitize_blocks))
-        else:  # one block per (source, slot) to receive
-            launch.grid = self._grid(a.ep_size * tmax)
+        launch.grid = self._grid(self._dispatch_want(T, tmax, proto),
+                                 self._combine_want(T, tmax, proto, _vec(a.layout.combine_bytes, 0))[0])
         self.device.make_current()
         self._launch(launch, s)
         self.last_protocol = proto
@@ -542,18 +539,10 @@ class RankAlltoAll:
         p = self.params
         p.combine_out = out_t.ptr
         p.combine_vec = vec = _vec(a.layout.combine_bytes, out_t.ptr)
-        # small batches: spread each token over blocks until a thread issues one round of loads
-        # (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16 bytes)
         proto = self.last_protocol
-        units = H // 8 if a.combine_quant else a.layout.combine_bytes // vec  # a thread's share of a token
-        splits = max(1, min(self.max_grid // max(T, 1), -(-units // a.threads)))
-        if proto == "sentinel" and vec != 16:
-            splits = 1
-        p.combine_splits = splits
+        want, p.combine_splits = self._combine_want(T, tmax, proto, vec)
         launch = self._launches[proto][1]
-        # SENTINEL pushes every received slot (a block each); the FP8 quantize pass spreads
-        # its 128-value blocks over the whole grid, which this sizes by the slots as well
-        launch.grid = self._grid(max(T * splits, a.ep_size * tmax if proto == "sentinel" or a.combine_quant else 0))
+        launch.grid = self._grid(want, self._dispatch_want(T, tmax, proto))  # (the next step's, if alike)
         self.device.make_current()
         dst = self.base + a.layout.off_combine
         stage = (dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes) if part.ptr != dst else None
@@ -587,21 +576,46 @@ class RankAlltoAll:
         if has_held() and _no_rank_mid_step() and not is_capturing(s):
             release_held()  # every rank of the process launched both phases: no kernel waits on the host
 
-    def _grid(self, want: int) -> int:
+    def _dispatch_want(self, T: int, tmax: int, proto: str) -> int:
+        """Blocks a dispatch would use: a block per token (FENCE: at least enough to sanitize
+        the received ids in one pass; SENTINEL: one per (source, slot) to receive)."""
+        a = self.a2a
+        if proto == "fence":
+            return max(T, -(-a.ep_size * tmax * a.top_k // (a.threads * 8)))
+        return a.ep_size * tmax
+
+    def _combine_want(self, T: int, tmax: int, proto: str, vec: int) -> tuple:
+        """(blocks, splits) of a combine of T tokens whose output takes vectors of `vec` bytes.
+
+        Small batches spread each token over `splits` blocks until a thread issues one round
+        of loads (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16
+        bytes). SENTINEL pushes every received slot (a block each); the FP8 quantize pass
+        spreads its 128-value blocks over the whole grid, which this sizes by the slots too."""
+        a = self.a2a
+        units = a.combine_hidden_size // 8 if a.combine_quant else a.layout.combine_bytes // vec
+        splits = max(1, min(self.max_grid // max(T, 1), -(-units // a.threads)))
+        if proto == "sentinel" and vec != 16:
+            splits = 1
+        return max(T * splits, a.ep_size * tmax if proto == "sentinel" or a.combine_quant else 0), splits
+
+    def _grid(self, want: int, successor_want: int) -> int:
         """Blocks for the next launch, and whether it may let its successor launch at once (PDL).
 
         Every rank sharing the GPU spins on the others, so all their blocks must be resident:
         a rank's grid is capped at its share of the GPU (max_grid). An early trigger puts the
         successor's blocks beside ours, so it is allowed only for grids of at most half that
-        share, and a launch that follows an early trigger is itself held to half. A launch
-        held to half only for that reason triggers late: were it to trigger early, its
-        successor would be held to half too, and so on, so one small step would leave every
-        later large step at half the grid.
+        share, and a launch that follows an early trigger is itself held to half.
+
+        A launch held to half only for that reason triggers early only when its successor
+        (predicted: the other phase at the same sizes, `successor_want`) would fit in half
+        anyway. Otherwise it triggers late and its successor gets the whole share: an early
+        trigger there would hold the successor to half, and it the next, so one small step
+        would leave every later large step at half the grid.
         """
         half = max(1, self.max_grid // 2)
         held = self._prev_early and want > half
         grid = max(1, min(half if self._prev_early else self.max_grid, want))
-        early = self.a2a.pdl and grid <= half and not held
+        early = self.a2a.pdl and grid <= half and (not held or successor_want <= half)
         self.params.trigger_early = int(early)
         self._prev_early = early
         return grid

@@ -298,17 +298,20 @@ def test_skipping_absent_members_is_the_same_tree_bit_for_bit():
 
 def test_grid_after_an_early_trigger_returns_to_the_full_share():
     """A small step triggers its successor early; the launch after it is held to half the
-    rank's share, but must trigger late so that large steps after it get the whole share
-    (an early trigger used to be an absorbing state: every later grid stayed at half)."""
+    rank's share. Held, it triggers early only when its successor is small too: otherwise
+    large steps after it would stay at half the grid (an early trigger used to be an
+    absorbing state), and at small batches the early trigger keeps hiding the next launch."""
     from types import SimpleNamespace
     from ep_a2a.alltoall import RankAlltoAll
     r = SimpleNamespace(max_grid=66, _prev_early=False, a2a=SimpleNamespace(pdl=True), params=SimpleNamespace())
-    grid = lambda want: RankAlltoAll._grid(r, want)            # noqa: E731
-    assert grid(1) == 1 and r.params.trigger_early == 1        # small: early
-    assert grid(1000) == 33 and r.params.trigger_early == 0    # held to half, triggers late
-    assert grid(1000) == 66 and r.params.trigger_early == 0    # whole share again
-    assert grid(20) == 20 and r.params.trigger_early == 1
-    assert grid(20) == 20 and r.params.trigger_early == 1      # small after small: early, unheld
+    grid = lambda want, succ: RankAlltoAll._grid(r, want, succ)  # noqa: E731
+    assert grid(1, 1) == 1 and r.params.trigger_early == 1          # small: early
+    assert grid(1000, 1000) == 33 and r.params.trigger_early == 0   # held to half, large successor: late
+    assert grid(1000, 1000) == 66 and r.params.trigger_early == 0   # whole share again
+    assert grid(1000, 1000) == 66 and r.params.trigger_early == 0
+    assert grid(20, 66) == 20 and r.params.trigger_early == 1       # small, unheld: early
+    assert grid(66, 20) == 33 and r.params.trigger_early == 1       # held, small successor: early
+    assert grid(20, 66) == 20 and r.params.trigger_early == 1
     r.a2a.pdl = False
-    assert grid(5) == 5 and r.params.trigger_early == 0
-    assert grid(1000) == 66
+    assert grid(5, 5) == 5 and r.params.trigger_early == 0
+    assert grid(1000, 1000) == 66

@@ -170,3 +170,20 @@ def test_framework_tensors_and_stream_objects_never_repeat(recorder, monkeypatch
     ids.ptr += 64  # a Tensor whose address changed is not the call it was
     assert not rep.matches(r, ids, pays, 16, None)
     assert not rep.matches(r, Tensor(ids.ptr - 64, (4, 8), "int32", device=(2, 0)), pays, 16, None)  # nor another object
+
+
+def test_a_dead_reference_never_matches_a_none_argument():
+    """The last call's tensor has been dropped (its weak reference reads None) and the next
+    call passes None where a tensor belongs: no match, so the full path's TypeError names
+    the argument (the GPU hostile-input test caught an AttributeError from here)."""
+    import gc
+
+    class Rank:
+        _prev_early, _prev_step_protocol, _tag_hi = False, "fence", 0
+        a2a = types.SimpleNamespace(protocol="fence")
+    t = Tensor(1 << 40, (4, H), "bfloat16", device=(2, 0))
+    r = A._Repeat.of(Rank, 10, False, None, 4, [t, None], 0, 4, "fence", None, None)
+    assert r is not None and r.matches(Rank, t, (None,), 4, None)
+    del t
+    gc.collect()
+    assert not r.matches(Rank, None, (None,), 4, None)
