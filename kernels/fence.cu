@@ -18,12 +18,24 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
   __shared__ int s_ntargets;
   __shared__ int s_last;
   __shared__ unsigned s_count[EP_MAX_RANKS];  // C[s][r]: slots source r filled in our region
+  __shared__ unsigned s_sent[EP_MAX_RANKS];   // one-block grids: slots we took on each target
 
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
   char* const ws = workspace(p, s);
   unsigned* const cnt = reinterpret_cast<unsigned*>(ws + p.off_counters);
   unsigned* const done = reinterpret_cast<unsigned*>(ws + p.off_done);
   int* const records = reinterpret_cast<int*>(ws + p.off_records);
+
+  // A grid of one block (small batches) keeps its slot counters in shared memory and skips
+  // the last-block election: the global counter atomics and the election's two dependent
+  // gpu-scope round trips sat on the 1-token critical path, and one block's bar.sync alone
+  // orders every thread's pushes before the publishing lanes' fence.
+  // (Warp 0 alone takes the slots and publishes the counts: it zeroes them itself.)
+  const bool single = gridDim.x == 1;
+  if (single && threadIdx.x < 32) {
+    for (int r = threadIdx.x; r < p.ep_size; r += 32) s_sent[r] = 0;
+    __syncwarp();
+  }
 
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
@@ -43,7 +55,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
       const int lane = threadIdx.x;
       int rec = -1;
       if (sel.first) {
-        const int slot = atomicAdd(&cnt[sel.target], 1u);
+        const int slot = atomicAdd(single ? &s_sent[sel.target] : &cnt[sel.target], 1u);
         const int j = __popc(sel.firsts & ((1u << lane) - 1));
         s_target[j] = sel.target;
         s_slot[j] = slot;
@@ -71,12 +83,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
   // one of those releases, so all those stores precede, in causality order, the
   // fence.acq_rel.sys that each publishing lane executes next (cumulativity); a peer that
   // reads our flag with ld.acquire.sys therefore observes every token we pushed to it.
-  //
-  // A grid of one block (small batches) skips the election: its bar.sync alone orders every
-  // thread's pushes before the publishing lanes' fence, and the two dependent gpu-scope
-  // round trips of the election sat on the 1-token critical path.
   __syncthreads();
-  const bool single = gridDim.x == 1;
   if (threadIdx.x == 0) s_last = single || atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
   __syncthreads();
   if (s_last && threadIdx.x < 32) {
@@ -85,8 +92,8 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
       if (rank_active(p, r)) reinterpret_cast<unsigned*>(workspace(p, r) + p.off_tmax)[s] = p.step_tag;
     fence_release_sys();
     for (int r = threadIdx.x; r < p.ep_size; r += 32) {
-      const unsigned c = cnt[r];
-      cnt[r] = 0;
+      const unsigned c = single ? s_sent[r] : cnt[r];
+      if (!single) cnt[r] = 0;
       if (rank_active(p, r))
         st_relaxed_sys(reinterpret_cast<uint64_t*>(workspace(p, r) + p.off_dispatch_flags) + s,
                        (static_cast<uint64_t>(step) << 32) | c);
