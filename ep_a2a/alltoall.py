@@ -16,6 +16,7 @@ import math
 import weakref
 import zlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from cuda.bindings import driver as _drv
@@ -54,6 +55,15 @@ class PayloadSpec:
 
 class StateError(EpA2AError):
     """dispatch/combine called out of order, or on a closed all-to-all."""
+
+
+class Fp8Partial(NamedTuple):
+    """The FP8 combine input of one rank (combine_quant="fp8"), from combine_input(T^, fp8=True):
+    views of its workspace that the MoE epilogue fills (moe.finalize does), so that combine
+    skips its own quantize pass. Value j of a slot is values[..., j] * scales[..., j // 128]."""
+    values: Tensor  # float8_e4m3fn [ep_size, T^, hidden]
+    scales: Tensor  # float32 [ep_size, T^, hidden / 128]
+    dtype: str      # the combine dtype: each partial value is rounded to it before quantizing
 
 
 def _vec(nbytes: int, *addresses: int) -> int:
@@ -410,13 +420,25 @@ class RankAlltoAll:
                  for q, s in enumerate(a.payload_specs)]
         return ids, views
 
-    def combine_input(self, runtime_max_tokens_per_rank: int) -> Tensor:
-        """Where the MoE writes its partial results for combine: [ep_size, T^, hidden]."""
+    def combine_input(self, runtime_max_tokens_per_rank: int, fp8: bool = False):
+        """Where the MoE writes its partial results for combine: [ep_size, T^, hidden].
+
+        fp8=True (combine_quant="fp8" only): an Fp8Partial, the e4m3 values and per-128 scales
+        that combine would quantize the partial results into; an epilogue that writes them
+        itself (moe.finalize) spares combine that pass and the bf16 round trip through HBM.
+        """
         a = self.a2a
         self._check_open()
         self._check_tmax(runtime_max_tokens_per_rank)
-        return self._view(a.layout.off_combine, (a.ep_size, int(runtime_max_tokens_per_rank), a.combine_hidden_size),
-                          a.combine_dtype.name, None)
+        shape = (a.ep_size, int(runtime_max_tokens_per_rank), a.combine_hidden_size)
+        if fp8:
+            if a.combine_quant != "fp8":
+                raise ValueError(f"fp8: an FP8 combine input needs combine_quant='fp8' (this all-to-all has "
+                                 f"combine_quant={a.combine_quant!r})")
+            return Fp8Partial(self._view(a.layout.off_combine_q, shape, "float8_e4m3fn", None),
+                              self._view(a.layout.off_combine_scales, shape[:2] + (shape[2] // Q8_BLOCK,),
+                                         "float32", None), a.combine_dtype.name)
+        return self._view(a.layout.off_combine, shape, a.combine_dtype.name, None)
 
     # -- the two phases -------------------------------------------------------------------
     def dispatch(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None, stream=None):
@@ -505,8 +527,9 @@ class RankAlltoAll:
 
         partial: [ep_size, T^, hidden] (or [ep_size * T^, hidden]) of combine_dtype: the
         view from combine_input() (zero copy) or any tensor on this GPU (staged into the
-        workspace first). Returns `out` or a [local_num_tokens, hidden] view of an
-        internal buffer valid until the next combine.
+        workspace first); with combine_quant="fp8", also combine_input(T^, fp8=True) once
+        the epilogue has written it (then combine does not quantize). Returns `out` or a
+        [local_num_tokens, hidden] view of an internal buffer valid until the next combine.
         """
         a = self.a2a
         self._check_open()
@@ -525,10 +548,14 @@ class RankAlltoAll:
                      f"combine got {tmax} but the dispatch of this step used {self._dispatched_tmax}")
         s = self.default_stream if stream is None else stream_handle(stream)
         H, T = a.combine_hidden_size, self._local_tokens
-        part = self._input(partial, "partial", (H,), a.combine_dtype.name, None, s, leading_dims=(1, 2))
-        if part.shape[:-1] not in ((a.ep_size * tmax,), (a.ep_size, tmax)):
-            _require(False, "partial", f"must be [ep_size={a.ep_size}, runtime_max_tokens_per_rank={tmax}, {H}], "
-                     f"got {part.shape}")
+        prequantized = isinstance(partial, Fp8Partial)
+        if prequantized:
+            self._check_fp8_partial(partial, tmax)
+        else:
+            part = self._input(partial, "partial", (H,), a.combine_dtype.name, None, s, leading_dims=(1, 2))
+            if part.shape[:-1] not in ((a.ep_size * tmax,), (a.ep_size, tmax)):
+                _require(False, "partial", f"must be [ep_size={a.ep_size}, runtime_max_tokens_per_rank={tmax}, {H}], "
+                         f"got {part.shape}")
         if out is None:  # [T, H] views of the internal buffer, one per T (no object per call)
             out_t = self._out_views.get(T)
             if out_t is None:
@@ -540,12 +567,14 @@ class RankAlltoAll:
         p.combine_out = out_t.ptr
         p.combine_vec = vec = _vec(a.layout.combine_bytes, out_t.ptr)
         proto = self.last_protocol
-        want, p.combine_splits = self._combine_want(T, tmax, proto, vec)
+        p.combine_prequantized = int(prequantized)
+        want, p.combine_splits = self._combine_want(T, tmax, proto, vec, quantize=not prequantized)
         launch = self._launches[proto][1]
         launch.grid = self._grid(want, self._dispatch_want(T, tmax, proto))  # (the next step's, if alike)
         self.device.make_current()
         dst = self.base + a.layout.off_combine
-        stage = (dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes) if part.ptr != dst else None
+        stage = (dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes) \
+            if not prequantized and part.ptr != dst else None
         if stage:  # staged: the partial results live outside the workspace
             call(_drv.cuMemcpyDtoDAsync, *stage, s)
         self._launch(launch, s)
@@ -556,6 +585,18 @@ class RankAlltoAll:
         self._repeat_combine = _Repeat.of(self, steps_before, early_before, stream, tmax, [partial, out], s, T,
                                           proto, launch, (out_t, stage))
         return out_t
+
+    def _check_fp8_partial(self, partial: Fp8Partial, tmax: int) -> None:
+        """An Fp8Partial is only ever this rank's own workspace views for this T^ (the kernel
+        reads the section in place; there is nothing to stage from elsewhere)."""
+        _require(self.a2a.combine_quant == "fp8", "partial",
+                 f"an Fp8Partial needs combine_quant='fp8' (this all-to-all has {self.a2a.combine_quant!r})")
+        want = self.combine_input(tmax, fp8=True)
+        for got, ref, name in ((partial.values, want.values, "values"), (partial.scales, want.scales, "scales")):
+            if type(got) is not Tensor or (got.ptr, got.shape, got.dtype.name) != (ref.ptr, ref.shape, ref.dtype.name):
+                _require(False, "partial", f"an Fp8Partial must be this rank's combine_input({tmax}, fp8=True); its "
+                         f"{name} is not that view")
+        _require(partial.dtype == want.dtype, "partial", f"dtype must be {want.dtype!r}, got {partial.dtype!r}")
 
     def _combine_again(self, r: "_Repeat") -> Tensor:
         """combine() with the same tensors, T^, stream and state as the last one (see
@@ -584,19 +625,21 @@ class RankAlltoAll:
             return max(T, -(-a.ep_size * tmax * a.top_k // (a.threads * 8)))
         return a.ep_size * tmax
 
-    def _combine_want(self, T: int, tmax: int, proto: str, vec: int) -> tuple:
+    def _combine_want(self, T: int, tmax: int, proto: str, vec: int, quantize: bool = True) -> tuple:
         """(blocks, splits) of a combine of T tokens whose output takes vectors of `vec` bytes.
 
         Small batches spread each token over `splits` blocks until a thread issues one round
         of loads (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16
         bytes). SENTINEL pushes every received slot (a block each); the FP8 quantize pass
-        spreads its 128-value blocks over the whole grid, which this sizes by the slots too."""
+        spreads its 128-value blocks over the whole grid, which this sizes by the slots too
+        (quantize=False: the epilogue quantized, combine_input(T^, fp8=True))."""
         a = self.a2a
         units = a.combine_hidden_size // 8 if a.combine_quant else a.layout.combine_bytes // vec
         splits = max(1, min(self.max_grid // max(T, 1), -(-units // a.threads)))
         if proto == "sentinel" and vec != 16:
             splits = 1
-        return max(T * splits, a.ep_size * tmax if proto == "sentinel" or a.combine_quant else 0), splits
+        slots = proto == "sentinel" or (a.combine_quant and quantize)
+        return max(T * splits, a.ep_size * tmax if slots else 0), splits
 
     def _grid(self, want: int, successor_want: int) -> int:
         """Blocks for the next launch, and whether it may let its successor launch at once (PDL).

@@ -102,6 +102,7 @@ class Bench:
         self.hidden = args.hidden or p["hidden"]
         self.top_k = args.top_k or p["top_k"]
         self.num_experts = args.experts or p["num_experts"]
+        self.epilogue_fp8 = args.combine_quant == "fp8-epilogue"
         self.specs = _payloads(args.format, self.hidden, self.top_k)
         # routing of every rank is drawn from one seed in every process (all know all byte
         # counts); payload data from a stream of this process's own
@@ -112,7 +113,7 @@ class Bench:
                                       num_experts=self.num_experts, payloads=self.specs,
                                       combine_hidden_size=self.hidden,
                                       protocol="fence" if args.combine_quant else "auto",
-                                      combine_quant=args.combine_quant,
+                                      combine_quant="fp8" if args.combine_quant else None,
                                       validate_expert_ids=False, pdl=not args.no_pdl,
                                       threads_per_block=args.threads, timeout_s=timeout_s,
                                       first_timeout_s=first_timeout_s)
@@ -143,9 +144,21 @@ class Bench:
         for r, ar in zip(self.group.ranks, self.a2a.ranks):
             pays = [from_numpy(random_payload(self.rng, sp, T), r.device, sp.dtype) for sp in self.specs]
             ins.append((from_numpy(ids[r.rank], r.device, "int32"), pays))
-            copy_from_numpy(ar.combine_input(T),
-                            from_float32(self.rng.standard_normal((self.ep, T, self.hidden)).astype(np.float32), "bfloat16"))
+            partial = from_float32(self.rng.standard_normal((self.ep, T, self.hidden)).astype(np.float32), "bfloat16")
+            if self.epilogue_fp8:  # what a quantizing MoE epilogue leaves (moe.finalize into fp8=True)
+                from .reference import q8_quantize, to_float32
+                q = ar.combine_input(T, fp8=True)
+                codes, scales = q8_quantize(to_float32(partial, "bfloat16"))
+                copy_from_numpy(q.values, codes)
+                copy_from_numpy(q.scales, scales)
+            else:
+                copy_from_numpy(ar.combine_input(T), partial)
         return ins, ids
+
+    def _combine_input(self, r, T: int):
+        """The combine input of rank r: its bf16 partial results, or (--combine-quant
+        fp8-epilogue) the FP8 ones an epilogue wrote, so combine skips its quantize pass."""
+        return r.combine_input(T, fp8=self.epilogue_fp8)
 
     def _graph(self, body, streams=None):
         """`--rounds` calls of body captured into one graph on this process's first stream."""
@@ -259,7 +272,7 @@ class Bench:
             for (x_ids, pays), r in zip(ins, ranks):
                 r.dispatch(x_ids, pays, T)
             for r in ranks:
-                r.combine(r.combine_input(T), T)
+                r.combine(self._combine_input(r, T), T)
 
         def empty_like(rt: bool):
             def body():
@@ -335,7 +348,7 @@ class Bench:
         a, ranks = self.a2a, self.a2a.ranks
         iters = iters or (20 if self.shared_gpu else 200)  # time-sliced steps cost ms each
         ins, _ = self._inputs(T)
-        cin = [r.combine_input(T) for r in ranks]
+        cin = [self._combine_input(r, T) for r in ranks]
 
         def step():
             for (x_ids, pays), r in zip(ins, ranks):
@@ -474,8 +487,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="sweep SENTINEL only up to this many tokens")
     ap.add_argument("--rounds", type=_bounded_int(1), default=20)
     ap.add_argument("--replays", type=_bounded_int(1), default=30)
-    ap.add_argument("--combine-quant", choices=["fp8"], default=None,
-                    help="FP8 (e4m3, per-128 scales) combine: FENCE only")
+    ap.add_argument("--combine-quant", choices=["fp8", "fp8-epilogue"], default=None,
+                    help="FP8 (e4m3, per-128 scales) combine, FENCE only. fp8: combine quantizes the bf16 "
+                         "partial results itself; fp8-epilogue: the MoE epilogue wrote them as FP8 "
+                         "(combine_input(T^, fp8=True), as moe.finalize can), so combine only pulls and reduces")
     ap.add_argument("--no-pdl", action="store_true")
     ap.add_argument("--threads", type=int, default=256, help="threads per block of the protocol kernels")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<device>-<date>.json)")
@@ -488,7 +503,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         ap.error(f"--protocol: {bad} not among {', '.join(PROTOCOLS)}")
     if args.combine_quant and set(args.protocol.split(",")) != {"fence"}:
-        ap.error("--combine-quant fp8 needs --protocol fence")
+        ap.error(f"--combine-quant {args.combine_quant} needs --protocol fence")
     if args.threads % 32 or not 96 <= args.threads <= 512:
         ap.error(f"--threads must be a multiple of 32 in 96..512, got {args.threads}")
     if args.mode == "procs":
@@ -502,6 +517,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.ranks = 8 if args.ranks is None else args.ranks
         args.device = 0 if args.device is None else args.device
     return args
+
+
+_QUANT_NAMES = {"fp8": ", FP8 combine", "fp8-epilogue": ", FP8 combine of epilogue-quantized partials"}
 
 
 def main(argv=None) -> int:
@@ -546,7 +564,7 @@ def _setup(res) -> str:
 
 def _table(res) -> None:
     print(f"{res['device']}, {_setup(res)}, {res['config']['profile']}, "
-          f"{res['config']['format']}{', FP8 combine' if res['config'].get('combine_quant') else ''}, "
+          f"{res['config']['format']}{_QUANT_NAMES.get(res['config'].get('combine_quant'), '')}, "
           f"{res['config']['routing']} routing, commit {res['commit']}")
     if res.get("shared_gpu"):
         print(f"shared_gpu: {res['procs']} processes time-slice {res['gpus']} GPU(s): cross-process waits cost "

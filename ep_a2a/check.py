@@ -96,7 +96,8 @@ def read_records(rank_a2a, T: int) -> np.ndarray:
 
 
 def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_copy=True, verify=True,
-             alpha=1.2, invalid_fraction=0.0, payload_fn=None, upload=None, out_fn=None) -> StepReport:
+             alpha=1.2, invalid_fraction=0.0, payload_fn=None, upload=None, out_fn=None,
+             prequantize=False) -> StepReport:
     """One dispatch/combine step on the ranks of `a2a` that live in this process.
 
     Every process draws the inputs of *all* ranks from `rng` (same seed everywhere in a
@@ -106,6 +107,9 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     bitwise since the reference sums in the kernels' order).
     Ranks outside a2a.active_ranks (set_active_ranks) must have 0 tokens and are not run.
     out_fn(rank, (T, hidden), dtype) -> tensor: where combine writes (default: a new tensor).
+    prequantize (combine_quant="fp8"): the stand-in MoE writes the FP8 combine input itself
+    (reference.q8_quantize of its partial results into combine_input(T^, fp8=True)), as a
+    quantizing epilogue does; the expected output is the same.
     """
     ep, top_k, E = a2a.ep_size, a2a.top_k, a2a.num_experts
     active = set(a2a.active_ranks)
@@ -142,11 +146,18 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
         want_pay = [[ref.sentinel_escape(x, k) for x, k in zip(pay_h[s], a2a.kinds[1:])] for s in range(ep)] \
             if sentinel else pay_h
         _check_dispatch(a2a, rep, ids_h, want_pay, records, views, sentinel)
-    if zero_copy:
+    if prequantize:
+        for s, r in local.items():
+            q = r.combine_input(runtime_max, fp8=True)
+            codes, scales = ref.q8_quantize(ref.to_float32(partial_h[s], cdt))
+            copy_from_numpy(q.values, codes)
+            copy_from_numpy(q.scales, scales)
+    elif zero_copy:
         for s, r in local.items():
             copy_from_numpy(r.combine_input(runtime_max), partial_h[s])
     for s, r in local.items():
-        part = r.combine_input(runtime_max) if zero_copy else staged[s]
+        part = r.combine_input(runtime_max, fp8=True) if prequantize else \
+            r.combine_input(runtime_max) if zero_copy else staged[s]
         r.combine(part, runtime_max, out=outs[s])
     a2a.synchronize()
     if verify:

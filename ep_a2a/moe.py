@@ -28,14 +28,14 @@ import ctypes
 import math
 import operator
 
-from .alltoall import _vec
+from .alltoall import Fp8Partial, _vec
 from .driver.device import Device, get_device
 from .driver.launch import Launch
 from .driver.memory import DeviceAllocation
 from .driver.module import load
 from .driver.stream import stream_handle
 from .driver.tensor import Tensor, as_tensor, float32, int32
-from .layout import MAX_RANKS, MAX_TOP_K
+from .layout import MAX_RANKS, MAX_TOP_K, Q8_BLOCK
 
 MAX_LOCAL_EXPERTS = 1024
 _CUDA = 2                      # DLPack kDLCUDA
@@ -45,7 +45,7 @@ _MAX_TABLE = 1 << 16           # [local expert][tile] counts the one-block scan 
 _THREADS = 256                 # gather / finalize blocks
 _FINALIZE_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_scatter", "moe_gather_rows") + tuple(
-    f"moe_finalize_{i}_{o}" for i in _FINALIZE_DTYPES.values() for o in _FINALIZE_DTYPES.values())
+    f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in _FINALIZE_DTYPES.values() for o in _FINALIZE_DTYPES.values())
 
 
 class _IndexArgs(ctypes.Structure):
@@ -348,12 +348,17 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
     then rounded to out's dtype (round to nearest even); slots without a local row get 0.
     fc2_out: bf16 / fp16 / fp32 [rows >= index.capacity, hidden], the experts' outputs in the
     index's row order. out: bf16 / fp16 / fp32 [ep_size, T^, hidden] (or [ep_size * T^,
-    hidden]), typically r.combine_input(T^): written in place, no staging copy.
+    hidden]), typically r.combine_input(T^): written in place, no staging copy. Or, with
+    combine_quant="fp8", r.combine_input(T^, fp8=True) (an Fp8Partial): each sum is rounded
+    to the combine dtype and quantized there as combine's own pass would (e4m3, one scale
+    per 128 values), so combine skips that pass and delivers the same bits.
     stream: default, the stream of the index's build.
     """
     _check_built(index, "finalize")
     s = _stream(stream, index.stream)
     dev = index.device.ordinal
+    if isinstance(out, Fp8Partial):
+        return _finalize_fp8(index, fc2_out, out, s, dev)
     x = _cuda_tensor(fc2_out, "fc2_out", s, dev)
     y = _cuda_tensor(out, "out", s, dev)
     for t, name in ((x, "fc2_out"), (y, "out")):
@@ -372,5 +377,33 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
             ctypes.c_uint64(index._base["row_weight"]), ctypes.c_int32(index.slots), ctypes.c_int32(index.top_k),
             ctypes.c_int32(hidden), ctypes.c_int32(elems), ctypes.c_int32(group)]
     name = f"moe_finalize_{_FINALIZE_DTYPES[x.dtype.name]}_{_FINALIZE_DTYPES[y.dtype.name]}"
+    index.device.make_current()
+    index._launch(name, args, grid, _THREADS, 0, s)
+
+
+def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int) -> None:
+    """finalize into an FP8 combine input: a half-warp per 128-value block of a slot."""
+    x = _cuda_tensor(fc2_out, "fc2_out", s, dev)
+    q, sc = (_cuda_tensor(t, "out", s, dev) for t in (out.values, out.scales))
+    _require(x.dtype.name in _FINALIZE_DTYPES, "fc2_out", f"dtype must be one of {tuple(_FINALIZE_DTYPES)}, got {x.dtype.name}")
+    _require(out.dtype in _FINALIZE_DTYPES, "out", f"dtype must be one of {tuple(_FINALIZE_DTYPES)}, got {out.dtype!r}")
+    _require(q.dtype.name == "float8_e4m3fn" and sc.dtype.name == "float32", "out",
+             f"an Fp8Partial holds float8_e4m3fn values and float32 scales, got {q.dtype.name} and {sc.dtype.name}")
+    inner = _slot_rows(q, "out", index)
+    _require(len(inner) == 1 and inner[0] % Q8_BLOCK == 0 and inner[0] > 0, "out",
+             f"values must have one hidden dimension, a multiple of {Q8_BLOCK}, got shape {list(q.shape)}")
+    hidden = inner[0]
+    _require(_slot_rows(sc, "out", index) == (hidden // Q8_BLOCK,), "out",
+             f"scales must be [..., hidden / {Q8_BLOCK} = {hidden // Q8_BLOCK}], got {list(sc.shape)}")
+    _require(x.ndim == 2 and x.shape[1] == hidden and x.shape[0] >= index.capacity, "fc2_out",
+             f"shape must be [rows >= capacity={index.capacity}, hidden={hidden}], got {list(x.shape)}")
+    _require(x.ptr % 16 == 0, "fc2_out", f"must be 16-byte aligned with an FP8 out (16-byte loads), got {x.ptr:#x}")
+    _require(q.ptr % 8 == 0 and sc.ptr % 4 == 0, "out", "values must be 8-byte aligned, scales 4-byte aligned")
+    units = index.slots * (hidden // Q8_BLOCK)  # 128-value blocks: a half-warp each
+    grid = max(1, min(-(-units // (_THREADS // 16)), 8 * index.device.sm_count))
+    args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(q.ptr), ctypes.c_uint64(sc.ptr),
+            ctypes.c_uint64(index._base["row_of"]), ctypes.c_uint64(index._base["row_weight"]),
+            ctypes.c_int32(index.slots), ctypes.c_int32(index.top_k), ctypes.c_int32(hidden)]
+    name = f"moe_finalize_q8_{_FINALIZE_DTYPES[x.dtype.name]}_{_FINALIZE_DTYPES[out.dtype]}"
     index.device.make_current()
     index._launch(name, args, grid, _THREADS, 0, s)

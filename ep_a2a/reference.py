@@ -121,6 +121,42 @@ def e4m3_round(y: np.ndarray) -> np.ndarray:
     return np.copysign(q, y).astype(np.float32)
 
 
+def e4m3_decode(codes: np.ndarray) -> np.ndarray:
+    """float8 e4m3fn bytes -> their values as fp32 (0x7F and 0xFF are NaN)."""
+    c = np.asarray(codes, np.uint8).astype(np.int32)
+    e, m = (c >> 3) & 0xF, c & 7
+    mag = np.where(e == 0, np.ldexp(m.astype(np.float32), -9),
+                   np.ldexp((8 + m).astype(np.float32), e - 10)).astype(np.float32)
+    mag = np.where((c & 0x7F) == 0x7F, np.float32(np.nan), mag)
+    return np.where(c & 0x80, -mag, mag).astype(np.float32)
+
+
+def e4m3_encode(y: np.ndarray) -> np.ndarray:
+    """The byte of each fp32 value that is exactly an e4m3fn value (e4m3_round's output;
+    NaN -> 0x7F, the sign kept as the GPU's conversion keeps it)."""
+    table = e4m3_decode(np.arange(128, dtype=np.uint8))[:127]  # +0 .. 448, ascending
+    y = np.asarray(y, np.float32)
+    a = np.abs(y)
+    code = np.searchsorted(table, np.where(np.isnan(a), 0, a)).astype(np.uint8)
+    assert np.array_equal(table[code][~np.isnan(a)], a[~np.isnan(a)]), "e4m3_encode: a value is not e4m3"
+    code = np.where(np.isnan(a), np.uint8(0x7F), code).astype(np.uint8)
+    return (code | np.where(np.signbit(y), np.uint8(0x80), np.uint8(0))).astype(np.uint8)
+
+
+def q8_quantize(x: np.ndarray, block: int = 128) -> tuple:
+    """What combine's FP8 pass (and finalize into an Fp8Partial) writes for rows x (fp32
+    [..., hidden]): (e4m3 bytes [..., hidden], fp32 scales [..., hidden / block]). See
+    q8_roundtrip for the rule; e4m3_decode(bytes) * scale gives its values back."""
+    x = np.asarray(x, np.float32)
+    b = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
+    amax = np.fmax.reduce(np.abs(b), axis=-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
+        factor = np.where(amax > 0, np.float32(448) / amax, np.float32(1)).astype(np.float32)
+        codes = e4m3_encode(e4m3_round(b * factor))
+    return codes.reshape(x.shape), scale[..., 0]
+
+
 def q8_roundtrip(x: np.ndarray, block: int = 128) -> np.ndarray:
     """What the FP8 combine delivers of partial rows x (fp32 [..., hidden]): per block of
     `block` values, scale = amax / 448 and factor = 448 / amax (both 1 for an all-zero block;

@@ -1,5 +1,6 @@
 // FP8 combine (combine_quant, FENCE only): the quantization pass over the received slots
-// and the dequantizing reduction; fence.cu's combine kernels call them.
+// and the dequantizing reduction; fence.cu's combine kernels call them, and the MoE
+// epilogue (moe_compute.cu) quantizes with q8_quantize8 when it writes FP8 partials itself.
 #pragma once
 #include "moe_common.cuh"
 
@@ -28,16 +29,11 @@ EP_DEVICE void q8_load(const T* x, uint4 (&raw)[Q8Load<T>::N]) {
 }
 
 // 8 values of one lane, its half-warp's amax (all 32 lanes call it together), 8 e4m3 bytes out.
-template <typename T>
-EP_DEVICE void q8_quantize8(const uint4 (&raw)[Q8Load<T>::N], bool live, uint2* q, float* scale_out) {
-  float v[8];
-  const T* el = reinterpret_cast<const T*>(raw);
+// Also the MoE epilogue's (moe_compute.cu: finalize into the FP8 combine input).
+EP_DEVICE void q8_quantize8(const float (&v)[8], bool live, uint2* q, float* scale_out) {
   float amax = 0.f;
 #pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    v[e] = to_float<T>(el[e]);
-    amax = fmaxf(amax, fabsf(v[e]));
-  }
+  for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(v[e]));
 #pragma unroll
   for (int o = Q8_LANES / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (!live) return;
@@ -51,6 +47,15 @@ EP_DEVICE void q8_quantize8(const uint4 (&raw)[Q8Load<T>::N], bool live, uint2* 
                                                     __NV_SATFINITE, __NV_E4M3)) << (8 * (e & 3));
   *q = make_uint2(w[0], w[1]);
   if ((threadIdx.x & (Q8_LANES - 1)) == 0) *scale_out = scale;
+}
+
+template <typename T>
+EP_DEVICE void q8_quantize8(const uint4 (&raw)[Q8Load<T>::N], bool live, uint2* q, float* scale_out) {
+  float v[8];
+  const T* el = reinterpret_cast<const T*>(raw);
+#pragma unroll
+  for (int e = 0; e < 8; ++e) v[e] = to_float<T>(el[e]);
+  q8_quantize8(v, live, q, scale_out);
 }
 
 // The FP8 variant of reduce_vectors: thread unit v = Q8_UNIT values (one 8-byte load of

@@ -153,15 +153,18 @@ __device__ void fence_combine(const A2AParams& p) {
   const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch);
 
   // Who publishes: block 0 at once (our partial results were written by earlier kernels of
-  // this stream: MoE compute or the staging copy), or, quantizing, the last block.
+  // this stream: MoE compute or the staging copy; FP8 ones by the MoE epilogue when
+  // combine_prequantized), or, quantizing here, the last block.
   bool publish = blockIdx.x == 0;
-  if constexpr (Q8) quantize_partials<T>(p, ws, tmax, publish);
+  const bool quantize = Q8 && !p.combine_prequantized;
+  if constexpr (Q8)
+    if (quantize) quantize_partials<T>(p, ws, tmax, publish);
   if (publish && threadIdx.x < 32) {
     // the release fence makes the partial results visible to peers before our flag is
     fence_release_sys();
     for (int r = threadIdx.x; r < p.ep_size; r += 32)
       if (rank_active(p, r)) st_relaxed_sys(reinterpret_cast<unsigned*>(workspace(p, r) + p.off_combine_flags) + s, step);
-    if (Q8 && threadIdx.x == 0) *reinterpret_cast<unsigned*>(ws + p.off_done) = 0;
+    if (quantize && threadIdx.x == 0) *reinterpret_cast<unsigned*>(ws + p.off_done) = 0;
   }
   wait_steps(p, p.off_combine_flags, step, 2);
   __syncthreads();  // the pollers' acquires order the whole block's pulls (bar.sync is cumulative)

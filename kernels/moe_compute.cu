@@ -16,7 +16,7 @@
 // of earlier experts, then the expert's rows in earlier tiles), and the warp walks its tile
 // again, handing out rows in j order. Small inputs (decode) run all three steps in one block;
 // large ones run them as count, scan and scatter kernels.
-#include "moe_common.cuh"
+#include "combine_q8.cuh"
 
 // Mirrored field for field by ep_a2a/moe.py (_IndexArgs).
 struct MoeIndexArgs {
@@ -263,6 +263,47 @@ EP_DEVICE void finalize(const void* fc2, void* out, const int* row_of, const flo
   }
 }
 
+// finalize into the FP8 combine input (combine_quant="fp8"): the same fp32 sum per value,
+// rounded to the combine dtype TOut (what the bf16/fp16/fp32 finalize stores), then quantized
+// as combine's own quantize pass would quantize that stored value: so the combine that
+// follows (combine_prequantized) skips its pass and reads bit-identical e4m3 bytes and
+// scales. A half-warp owns one 128-value block of a slot (lane l: values 8l..8l+7), the
+// layout of the pass; the loop advances both halves of a warp together (the amax shuffles).
+template <typename TIn, typename TOut>
+EP_DEVICE void finalize_slots_q8(const TIn* fc2, unsigned char* q, float* scales, const int* row_of,
+                                 const float* row_weight, int slots, int top_k, int hidden) {
+  const unsigned per_row = hidden / EP_Q8_BLOCK, units = static_cast<unsigned>(slots) * per_row;
+  const unsigned half = (blockIdx.x * blockDim.x + threadIdx.x) / Q8_LANES;
+  const unsigned halves = gridDim.x * blockDim.x / Q8_LANES;
+  const unsigned lane = threadIdx.x & (Q8_LANES - 1);
+  for (unsigned u0 = half & ~1u; u0 < units; u0 += halves) {
+    const unsigned u = u0 + (half & 1);
+    const bool live = u < units;
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) v[e] = 0.f;
+    size_t at = 0;  // value index of this lane's 8 values: slot * hidden + block * 128 + lane * 8
+    if (live) {
+      const unsigned slot = u / per_row;
+      at = static_cast<size_t>(slot) * hidden + (u - slot * per_row) * EP_Q8_BLOCK + lane * 8;
+      const int* sel = row_of + static_cast<size_t>(slot) * top_k;
+      for (int k = 0; k < top_k; ++k) {
+        const int row = sel[k];
+        if (row < 0) continue;
+        const float w = row_weight[row];
+        uint4 raw[Q8Load<TIn>::N];  // (fc2 16-byte aligned: the host checks)
+        q8_load<TIn>(fc2 + static_cast<size_t>(row) * hidden + (at - static_cast<size_t>(slot) * hidden), raw);
+        const TIn* x = reinterpret_cast<const TIn*>(raw);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(v[e], __fmul_rn(w, to_float<TIn>(x[e])));
+      }
+#pragma unroll
+      for (int e = 0; e < 8; ++e) v[e] = to_float<TOut>(from_float<TOut>(v[e]));
+    }
+    q8_quantize8(v, live, reinterpret_cast<uint2*>(q + at), scales + at / EP_Q8_BLOCK);
+  }
+}
+
 // moe_finalize_<fc2 dtype>_<out dtype>
 #define EP_FINALIZE(IN, TIN, OUT, TOUT)                                                                         \
   extern "C" __global__ void __launch_bounds__(256) moe_finalize_##IN##_##OUT(                                \
@@ -279,3 +320,21 @@ EP_FINALIZE(f16, __half, f32, float)
 EP_FINALIZE(f32, float, bf16, __nv_bfloat16)
 EP_FINALIZE(f32, float, f16, __half)
 EP_FINALIZE(f32, float, f32, float)
+
+// moe_finalize_q8_<fc2 dtype>_<combine dtype>: hidden a multiple of 128 (the host checks)
+#define EP_FINALIZE_Q8(IN, TIN, OUT, TOUT)                                                                       \
+  extern "C" __global__ void __launch_bounds__(256) moe_finalize_q8_##IN##_##OUT(                              \
+      const void* fc2, unsigned char* q, float* scales, const int* row_of, const float* row_weight, int slots,  \
+      int top_k, int hidden) {                                                                                  \
+    finalize_slots_q8<TIN, TOUT>(static_cast<const TIN*>(fc2), q, scales, row_of, row_weight, slots, top_k,    \
+                                 hidden);                                                                       \
+  }
+EP_FINALIZE_Q8(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
+EP_FINALIZE_Q8(bf16, __nv_bfloat16, f16, __half)
+EP_FINALIZE_Q8(bf16, __nv_bfloat16, f32, float)
+EP_FINALIZE_Q8(f16, __half, bf16, __nv_bfloat16)
+EP_FINALIZE_Q8(f16, __half, f16, __half)
+EP_FINALIZE_Q8(f16, __half, f32, float)
+EP_FINALIZE_Q8(f32, float, bf16, __nv_bfloat16)
+EP_FINALIZE_Q8(f32, float, f16, __half)
+EP_FINALIZE_Q8(f32, float, f32, float)

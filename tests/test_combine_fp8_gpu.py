@@ -19,6 +19,57 @@ def test_fp8_combine_bitwise_against_the_model(cdtype, ep, top_k):
         run(a2a, rng, list(rng.integers(0, 40, ep)), 40, exact=False, zero_copy=False)
 
 
+@pytest.mark.parametrize("cdtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("ep,top_k", [(1, 2), (3, 6), (8, 8), (8, 22)])
+def test_fp8_combine_of_an_input_the_epilogue_quantized(cdtype, ep, top_k):
+    """combine_input(T^, fp8=True) written by the MoE side: combine skips its quantize pass
+    and delivers the same bits as when it quantizes itself; mixed with quantizing steps."""
+    rng = np.random.default_rng()
+    group, a2a = make(ep, top_k=top_k, hidden=384, cdtype=cdtype, combine_quant="fp8", max_tokens=64)
+    with group, a2a:
+        from ep_a2a.check import run_step
+        for T, pre in ((1, True), (7, False), (64, True), (33, True), (64, False), (5, True)):
+            rep = run_step(a2a, rng, [T] * ep, max(T, 8), exact=False, route="zipf", prequantize=pre)
+            assert not rep.mismatches, (T, pre, rep.mismatches[:3])
+
+
+def test_fp8_combine_input_rules():
+    """An Fp8Partial is only this rank's own views for this T^; a plain all-to-all has none."""
+    from ep_a2a.alltoall import Fp8Partial
+    from ep_a2a.check import run_step
+    rng = np.random.default_rng()
+    group, a2a = make(2, top_k=2, hidden=256, combine_quant="fp8", max_tokens=16)
+    with group, a2a:
+        r0, r1 = a2a.ranks
+        run_step(a2a, rng, [4, 4], 8)
+        from ep_a2a.driver.memory import from_numpy
+        # (inputs first: in-process ranks spin on each other, so nothing blocks between launches)
+        ins = [(from_numpy(np.zeros((2, 2), np.int32), r.device, "int32"),
+                [_zeros(sp, 2, r.device) for sp in a2a.payload_specs]) for r in a2a.ranks]
+        for r, (ids, pays) in zip(a2a.ranks, ins):
+            r.dispatch(ids, pays, 8)
+        bad = [r1.combine_input(8, fp8=True),                                     # another rank's views
+               r0.combine_input(4, fp8=True),                                     # another T^
+               Fp8Partial(r0.combine_input(8, fp8=True).values, r0.combine_input(8, fp8=True).scales, "float16")]
+        for part in bad:
+            with pytest.raises(ValueError, match="partial"):
+                r0.combine(part, 8)
+        for r in a2a.ranks:
+            r.combine(r.combine_input(8, fp8=True), 8)
+        a2a.synchronize()
+    group, plain = make(2, top_k=2, hidden=256, max_tokens=16)
+    with group, plain:
+        with pytest.raises(ValueError, match="fp8"):
+            plain.ranks[0].combine_input(8, fp8=True)
+
+
+def _zeros(spec, rows, device):
+    from ep_a2a.driver.memory import copy_from_numpy, empty
+    t = empty((rows,) + tuple(spec.shape), spec.dtype, device)
+    copy_from_numpy(t, np.zeros(t.nbytes, np.uint8))
+    return t
+
+
 def test_fp8_combine_graph_replay_and_large_batch():
     rng = np.random.default_rng()
     group, a2a = make(8, top_k=8, hidden=7168, combine_quant="fp8", max_tokens=512)

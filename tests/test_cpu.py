@@ -315,3 +315,26 @@ def test_grid_after_an_early_trigger_returns_to_the_full_share():
     r.a2a.pdl = False
     assert grid(5, 5) == 5 and r.params.trigger_early == 0
     assert grid(1000, 1000) == 66
+
+
+def test_q8_quantize_bytes_decode_to_the_roundtrip():
+    """The byte-level model (what the GPU writes: e4m3 codes and scales) decodes to exactly
+    q8_roundtrip's values, signed zeros, saturation and NaN included; every byte decodes."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((16, 512)) * rng.uniform(1e-3, 1e3, (16, 1))).astype(np.float32)
+    x[0, :128] = 0.0
+    x[1, :128] = -0.0
+    x[2, 5] = np.nan
+    x[3, :128] = rng.choice(np.float32([448.0, -448.0, 1e-30, -1e-30, 3.0]), 128)
+    codes, scales = ref.q8_quantize(x)
+    assert codes.dtype == np.uint8 and scales.shape == (16, 4)
+    back = (ref.e4m3_decode(codes).reshape(16, 4, 128) * scales[..., None]).reshape(16, 512)
+    want = ref.q8_roundtrip(x)
+    nan = np.isnan(want)
+    assert nan[2, 5] and np.array_equal(np.isnan(back), nan)
+    assert np.array_equal(back[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert (codes[1, :128] == 0x80).all() and (codes[0, :128] == 0).all()
+    every = ref.e4m3_decode(np.arange(256, dtype=np.uint8))
+    assert np.isnan(every[[0x7F, 0xFF]]).all() and every[0x7E] == 448 and every[1] == 2.0 ** -9
+    finite = ~np.isnan(every)
+    assert np.array_equal(ref.e4m3_encode(every[finite]), np.arange(256)[finite].astype(np.uint8))

@@ -304,10 +304,11 @@ def _stand_in(x_bits, experts):
     return ref.from_float32(ref.to_float32(x_bits, "bfloat16") * scale, "bfloat16")
 
 
-def _want_combined(ids, w, x, num_experts, ep, cdtype):
+def _want_combined(ids, w, x, num_experts, ep, cdtype, fp8=False):
     """What one source rank's combine returns: per token, over its target ranks in the order
     of their first selection (combine's tree order), the target's finalize result (sum over
-    ascending k of the selections it owns of weight * stand-in, in fp32, rounded to cdtype)."""
+    ascending k of the selections it owns of weight * stand-in, in fp32, rounded to cdtype;
+    fp8: then through e4m3 with per-128 scales, reference.q8_roundtrip)."""
     from ep_a2a import reference as ref
     owner = ref.expert_owner(num_experts, ep)
     T, top_k = ids.shape
@@ -323,20 +324,28 @@ def _want_combined(ids, w, x, num_experts, ep, cdtype):
                 y = ref.to_float32(_stand_in(x[m], ids[m, k]), "bfloat16")
                 acc[m] = acc[m] + w[m, k][:, None] * y
         partial[t] = ref.to_float32(ref.from_float32(acc, cdtype), cdtype)
+        if fp8:
+            partial[t] = ref.q8_roundtrip(partial[t])
     rows = [ref.tree_sum([partial[t][i] for t in ref.targets_of(ids[i], owner)], H) for i in range(T)]
     return ref.from_float32(np.array(rows, np.float32).reshape(T, H), cdtype)
 
 
-@pytest.mark.parametrize("ep,top_k,tmax,protocol,cdtype", [
-    (1, 1, 1, "fence", "bfloat16"),
-    (3, 8, 7, "fence", "float32"),
-    (3, 22, 128, "fence", "float16"),
-    (8, 8, 128, "fence", "bfloat16"),
-    (8, 22, 7, "sentinel", "bfloat16"),
-    (8, 8, 4096, "fence", "bfloat16"),
+@pytest.mark.parametrize("ep,top_k,tmax,protocol,cdtype,fp8", [
+    (1, 1, 1, "fence", "bfloat16", False),
+    (3, 8, 7, "fence", "float32", False),
+    (3, 22, 128, "fence", "float16", False),
+    (8, 8, 128, "fence", "bfloat16", False),
+    (8, 22, 7, "sentinel", "bfloat16", False),
+    (8, 8, 4096, "fence", "bfloat16", False),
+    # finalize straight into the FP8 combine input; combine then skips its quantize pass
+    (1, 2, 5, "fence", "bfloat16", True),
+    (3, 22, 128, "fence", "float16", True),
+    (8, 8, 128, "fence", "bfloat16", True),
+    (8, 8, 1024, "fence", "float32", True),
 ])
-def test_dispatch_index_gather_finalize_combine(ep, top_k, tmax, protocol, cdtype):
+def test_dispatch_index_gather_finalize_combine(ep, top_k, tmax, protocol, cdtype, fp8):
     import ep_a2a
+    from ep_a2a import reference as ref
     from ep_a2a import moe_reference as mref
     from ep_a2a.check import payload_formats, routing
     from ep_a2a.driver.memory import copy_from_numpy, empty, from_numpy, to_numpy
@@ -347,7 +356,8 @@ def test_dispatch_index_gather_finalize_combine(ep, top_k, tmax, protocol, cdtyp
     group = ep_a2a.LocalGroup([0] * ep)
     a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E,
                              payloads=payload_formats(H, top_k)["bf16"], combine_hidden_size=H,
-                             combine_dtype=cdtype, protocol=protocol, timeout_s=20.0)
+                             combine_dtype=cdtype, protocol=protocol, timeout_s=20.0,
+                             combine_quant="fp8" if fp8 else None)
     with group, a2a:
         tokens = [int(rng.integers(0, tmax + 1)) for _ in range(ep)]
         tokens[0] = tmax
@@ -401,23 +411,36 @@ def test_dispatch_index_gather_finalize_combine(ep, top_k, tmax, protocol, cdtyp
             f[:want.total] = _stand_in(g[:want.total], experts)
             copy_from_numpy(fc2[s], f)
             _poison(r.combine_input(tmax))
+            if fp8:
+                _poison(r.combine_input(tmax, fp8=True).values)
+                _poison(r.combine_input(tmax, fp8=True).scales)
             wants.append(want)
             fc2_h.append(f)
         dev.synchronize()
 
-        for s, r in enumerate(a2a.ranks):
-            finalize(idx[s], fc2[s], r.combine_input(tmax))  # on the build's stream, into the workspace
+        for s, r in enumerate(a2a.ranks):  # on the build's stream, into the workspace
+            finalize(idx[s], fc2[s], r.combine_input(tmax, fp8=fp8))
         a2a.synchronize()
         for s, r in enumerate(a2a.ranks):
-            got = _bits(to_numpy(r.combine_input(tmax))).reshape(ep * tmax, -1)
-            assert np.array_equal(got, _bits(mref.finalize(wants[s], fc2_h[s], "bfloat16", cdtype)).reshape(ep * tmax, -1)), \
-                f"{seed} tokens={tokens} rank={r.rank}: finalize"
+            fin = mref.finalize(wants[s], fc2_h[s], "bfloat16", cdtype)
+            want = _bits(fin).reshape(ep * tmax, -1)
+            if fp8:  # the e4m3 bytes and scales combine's own quantize pass would make of that
+                codes, scales = ref.q8_quantize(ref.to_float32(fin, cdtype).reshape(ep * tmax, -1))
+                q = r.combine_input(tmax, fp8=True)
+                assert np.array_equal(_bits(to_numpy(q.values)).reshape(ep * tmax, -1), codes), \
+                    f"{seed} tokens={tokens} rank={r.rank}: finalize fp8 values"
+                got_sc = np.ascontiguousarray(to_numpy(q.scales)).reshape(ep * tmax, -1).view(np.uint32)
+                assert np.array_equal(got_sc, scales.view(np.uint32)), \
+                    f"{seed} tokens={tokens} rank={r.rank}: finalize fp8 scales"
+            else:
+                got = _bits(to_numpy(r.combine_input(tmax))).reshape(ep * tmax, -1)
+                assert np.array_equal(got, want), f"{seed} tokens={tokens} rank={r.rank}: finalize"
 
         for s, r in enumerate(a2a.ranks):
-            r.combine(r.combine_input(tmax), tmax, out=outs[s])
+            r.combine(r.combine_input(tmax, fp8=fp8), tmax, out=outs[s])
         a2a.synchronize()
         for s in range(ep):
-            want = _want_combined(ids_h[s], w_h[s], x_h[s], E, ep, cdtype)
+            want = _want_combined(ids_h[s], w_h[s], x_h[s], E, ep, cdtype, fp8)
             assert np.array_equal(_bits(to_numpy(outs[s])), _bits(want)), f"{seed} tokens={tokens}: combine rank {s}"
         for t in idx:
             t.close()
