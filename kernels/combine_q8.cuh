@@ -8,8 +8,8 @@
 // scale = amax / 448 (the largest finite e4m3) over the 128 values, q = e4m3(x * (448 / amax))
 // rounded to nearest even and saturated (x * 448/amax may round just past 448); an all-zero
 // block gets scale 1 and factor 1. Divisions, products and conversions are exactly rounded,
-// so reference.py reproduces every byte. Dequantization is
-// e4m3 -> fp32 (exact) times the scale. EP_Q8_BLOCK (layout.py) = 16 lanes x 8 values.
+// so reference.py reproduces every byte. Dequantization is e4m3 -> fp32 (exact) times the
+// scale. EP_Q8_BLOCK (layout.py) = 16 lanes x 8 values.
 //
 // The pass is bandwidth work on a grid capped at the rank's share of the GPU, so it is
 // written for loads in flight: a half-warp owns one 128-value block, each lane 8 values
@@ -60,8 +60,9 @@ EP_DEVICE void q8_quantize8(const uint4 (&raw)[Q8Load<T>::N], bool live, uint2* 
 
 // The FP8 variant of reduce_vectors: thread unit v = Q8_UNIT values (one 8-byte load of
 // e4m3 from each source, one scale: a unit never straddles a 128-block); same tree over
-// groups of 8 sources, same fp32 order, absent members skipped as there. The 8 results leave in one 16-byte store (bf16,
-// fp16) when `out` is 16-byte aligned (vec16: the host's combine_vec), element-wise otherwise.
+// groups of 8 sources, same fp32 order, absent members skipped (group_sum: the same bits).
+// The 8 results leave in one 16-byte store (bf16, fp16) when `out` is 16-byte aligned
+// (vec16: the host's combine_vec), element-wise otherwise.
 // (8 values a unit, not 16: 16-byte loads from 8 sources need more than the 64 registers
 // that keep 4 blocks of 256 threads on an SM.)
 constexpr unsigned Q8_UNIT = 8;
