@@ -176,7 +176,8 @@ def run(args) -> dict:
     with ep_a2a.LocalGroup([args.device] * ep) as group:
         a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(args.tokens), top_k=top_k, num_experts=E,
                                  payloads=payload_specs(H, top_k), combine_hidden_size=H,
-                                 protocol=args.protocol, validate_expert_ids=False,
+                                 protocol="fence" if args.combine_quant else args.protocol,
+                                 combine_quant=args.combine_quant, validate_expert_ids=False,
                                  on_timeout="abort")  # a stuck wait reports who was missing, the run ends cleanly
         layers = []
         try:
@@ -217,7 +218,8 @@ def run(args) -> dict:
                 sm_count=props.multi_processor_count, torch=torch.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=_commit(),
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
-                            device=args.device, tokens=args.tokens, protocol=args.protocol, iters=args.iters,
+                            device=args.device, tokens=args.tokens, iters=args.iters,
+                            protocol="fence" if args.combine_quant else args.protocol, combine_quant=args.combine_quant,
                             warmup=args.warmup, seed=seed, gemm=gemm, routing="random logits, softmax top-k renormalized",
                             dtype="bf16 weights and activations, fp32 accumulation"),
                 method=__doc__, rows=rows)
@@ -243,6 +245,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top-k", dest="top_k", type=int)
     ap.add_argument("--protocol", choices=("fence", "sentinel", "auto"), default="auto")
     ap.add_argument("--gemm", choices=("auto", "grouped", "loop"), default="auto")
+    ap.add_argument("--combine-quant", choices=("fp8",), default=None,
+                    help="FP8 combine (FENCE): finalize writes e4m3 partials, combine pulls those")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int)

@@ -107,6 +107,8 @@ class JaxMoeLayer(LayerBase):
             self._w2_e = [self.w2t[e] for e in range(L)]
         dev = a2a_rank.device
         self.index = ExpertIndex.for_rank(a2a_rank)
+        # FP8 combine: finalize quantizes into the workspace, so combine skips its own pass
+        self._fp8 = a2a_rank.a2a.combine_quant == "fp8"
         cap = self.ep_size * a.max_tokens_per_rank * self.top_k
         self._xg = empty((cap, H), "bfloat16", dev)       # expert-major rows (gather_rows)
         self._y = empty((cap, H), "bfloat16", dev) if self.gemm == "loop" else None
@@ -181,13 +183,13 @@ class JaxMoeLayer(LayerBase):
                 call(_drv.cuMemcpyDtoDAsync, self._y.ptr + a * row_bytes, src.ptr, (b - a) * row_bytes, s)
                 self._keep += [xe, ye, src]
             fc2 = self._y
-        finalize(idx, fc2, self.a2a_rank.combine_input(st["tmax"]), stream=s)
+        finalize(idx, fc2, self.a2a_rank.combine_input(st["tmax"], fp8=self._fp8), stream=s)
 
     def combine(self) -> None:
         """Phase 4: launch this rank's combine into our output buffer (no host blocking)."""
         st, r = self._step, self.a2a_rank
         tmax = st["tmax"]
-        r.combine(r.combine_input(tmax), tmax, stream=self.s, out=self._out.view(0, (st["T"], self.hidden)))
+        r.combine(r.combine_input(tmax, fp8=self._fp8), tmax, stream=self.s, out=self._out.view(0, (st["T"], self.hidden)))
         self._step = dict(T=st["T"])
 
     def result(self):

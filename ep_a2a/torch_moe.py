@@ -8,7 +8,9 @@ One TorchMoeLayer per rank holds that rank's local experts (the all-to-all's con
 moe.local_experts): FC1 = gate and up projections stacked, w_gate_up [E_local, 2*I, hidden]
 (rows [0, I) gate, [I, 2I) up), FC2 w_down [E_local, hidden, I], both bf16, laid out like
 nn.Linear weights (out_features, in_features). Every GEMM takes bf16 inputs, accumulates in
-fp32 and rounds its output to bf16; finalize and combine accumulate in fp32.
+fp32 and rounds its output to bf16; finalize and combine accumulate in fp32. On an all-to-all
+built with combine_quant="fp8", finalize writes the partial results as FP8 (e4m3, a scale per
+128 values) straight into the combine input, and combine pulls those.
 
 Router (route()): logits fp32 [T, num_experts] -> the top_k largest logits -> softmax over
 those k (= softmax over all experts, top_k, then renormalize to sum 1). With
@@ -115,6 +117,8 @@ class TorchMoeLayer(LayerBase):
 
         self.stream = torch.cuda.ExternalStream(self.s, device=self.device)  # torch work of this rank runs here
         self.index = ExpertIndex.for_rank(a2a_rank)
+        # FP8 combine: finalize quantizes into the workspace, so combine skips its own pass
+        self._fp8 = a2a_rank.a2a.combine_quant == "fp8"
         cap, I = self.ep_size * a.max_tokens_per_rank * self.top_k, self.inter
         bf = dict(dtype=torch.bfloat16, device=self.device)
         self._xg = torch.empty(cap, H, **bf)          # expert-major FC1 input (gather_rows)
@@ -214,7 +218,7 @@ class TorchMoeLayer(LayerBase):
                     if b > a:
                         torch.matmul(self._act[a:b], self.w_down[e].t(), out=self._y[a:b])
                 y_t = self._y_t
-        finalize(idx, y_t, self.a2a_rank.combine_input(st["tmax"]), stream=s)
+        finalize(idx, y_t, self.a2a_rank.combine_input(st["tmax"], fp8=self._fp8), stream=s)
 
     def combine(self):
         """Phase 4: launch this rank's combine into the layer's output buffer (no host blocking).
@@ -222,7 +226,7 @@ class TorchMoeLayer(LayerBase):
         on this rank's stream (moe_forward_all_ranks makes the caller's stream wait for it)."""
         st, r = self._step, self.a2a_rank
         tmax, T = st["tmax"], st["T"]
-        r.combine(r.combine_input(tmax), tmax, stream=self.s, out=self._out_t.view(0, (T, self.hidden)))
+        r.combine(r.combine_input(tmax, fp8=self._fp8), tmax, stream=self.s, out=self._out_t.view(0, (T, self.hidden)))
         self._step = None
         self.output = self._out[:T]
         return self.output

@@ -45,7 +45,7 @@ def _token_counts(rng, ep, tmax, step):
     return [int(rng.integers(1, tmax + 1))] * ep
 
 
-def _build(ep, E, top_k, H, I, tmax, protocol, gemm, rng, dev):
+def _build(ep, E, top_k, H, I, tmax, protocol, gemm, rng, dev, combine_quant=None):
     import ep_a2a
     from ep_a2a.moe import local_experts
     from ep_a2a.torch_moe import TorchMoeLayer, bf16_from_bits, payload_specs, random_weights
@@ -53,7 +53,7 @@ def _build(ep, E, top_k, H, I, tmax, protocol, gemm, rng, dev):
     group = ep_a2a.LocalGroup([0] * ep)
     a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E,
                              payloads=payload_specs(H, top_k), combine_hidden_size=H, combine_dtype="bfloat16",
-                             protocol=protocol, timeout_s=20.0)
+                             protocol=protocol, timeout_s=20.0, combine_quant=combine_quant)
     w1, w2 = bf16_from_bits(w1_bits, dev), bf16_from_bits(w2_bits, dev)
     layers = []
     for r in a2a.ranks:
@@ -144,6 +144,47 @@ def test_given_routing_with_repeats_and_empty_selections(gemm):
             layer.close()
         a2a.close()
         group.close()
+
+
+def test_layer_with_fp8_combine_close_to_the_bf16_layer():
+    """combine_quant="fp8": finalize writes e4m3 partials (a scale per 128 values) into the
+    workspace and combine pulls those. The same weights, inputs and routing through a layer
+    with the bf16 combine and one with FP8: every token within 2**-3 relative L2 of the bf16
+    output (e4m3 keeps 3 mantissa bits: about 2**-5 on normal data), and not all equal (the
+    FP8 path ran)."""
+    from ep_a2a.reference import from_float32, to_float32
+    from ep_a2a.torch_moe import bf16_from_bits, bits_from_bf16, distinct_logits, moe_forward_all_ranks
+    dev = _cuda()
+    rng, seed = _rng()
+    ep, E, top_k, H, I, tmax = 4, 16, 4, 256, 128, 32
+    wseed = int(rng.integers(2 ** 31))
+    tokens = [tmax, 5, 0, 17]
+    xs_bits = [from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16") for T in tokens]
+    logits = [distinct_logits(rng, T, E) for T in tokens]
+    outs = {}
+    for quant in (None, "fp8"):
+        group, a2a, layers, _ = _build(ep, E, top_k, H, I, tmax, "fence", "auto", np.random.default_rng(wseed), dev,
+                                       combine_quant=quant)
+        try:
+            for layer in layers:
+                assert layer._fp8 == (quant == "fp8")
+            got = moe_forward_all_ranks(layers, [bf16_from_bits(x, dev) for x in xs_bits],
+                                        [torch.from_numpy(lg).to(dev) for lg in logits])
+            torch.cuda.synchronize()
+            outs[quant] = [to_float32(bits_from_bf16(o), "bfloat16") for o in got]
+        finally:
+            for layer in layers:
+                layer.close()
+            a2a.close()
+            group.close()
+    differ = False
+    for r, (a, b) in enumerate(zip(outs[None], outs["fp8"])):
+        assert np.isfinite(b).all(), f"{seed} rank {r}: FP8 output not finite"
+        err = np.linalg.norm(b - a, axis=1)
+        ref = np.linalg.norm(a, axis=1)
+        assert (err <= 2.0 ** -3 * ref + 1e-30).all(), f"{seed} rank {r}: relative error {(err / np.maximum(ref, 1e-30)).max():.3g}"
+        differ |= bool((a != b).any())
+    assert differ, f"{seed}: the FP8 layer returned the bf16 layer's bits (FP8 combine did not run?)"
 
 
 def test_torch_dense_reference_agrees_with_numpy():
