@@ -311,15 +311,12 @@ EP_DEVICE void finalize_slots_q8(const TIn* fc2, unsigned char* q, float* scales
       int vec_elems, int group) {                                                                              \
     finalize<TIN, TOUT>(fc2, out, row_of, row_weight, slots, top_k, hidden, vec_elems, group);                \
   }
-EP_FINALIZE(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
-EP_FINALIZE(bf16, __nv_bfloat16, f16, __half)
-EP_FINALIZE(bf16, __nv_bfloat16, f32, float)
-EP_FINALIZE(f16, __half, bf16, __nv_bfloat16)
-EP_FINALIZE(f16, __half, f16, __half)
-EP_FINALIZE(f16, __half, f32, float)
-EP_FINALIZE(f32, float, bf16, __nv_bfloat16)
-EP_FINALIZE(f32, float, f16, __half)
-EP_FINALIZE(f32, float, f32, float)
+// every (fc2 dtype, out dtype) pair, for the finalize kernels below
+#define EP_FINALIZE_PAIRS(M)                                                                                     \
+  M(bf16, __nv_bfloat16, bf16, __nv_bfloat16) M(bf16, __nv_bfloat16, f16, __half) M(bf16, __nv_bfloat16, f32, float) \
+  M(f16, __half, bf16, __nv_bfloat16) M(f16, __half, f16, __half) M(f16, __half, f32, float)                        \
+  M(f32, float, bf16, __nv_bfloat16) M(f32, float, f16, __half) M(f32, float, f32, float)
+EP_FINALIZE_PAIRS(EP_FINALIZE)
 
 // moe_finalize_q8_<fc2 dtype>_<combine dtype>: hidden a multiple of 128 (the host checks)
 #define EP_FINALIZE_Q8(IN, TIN, OUT, TOUT)                                                                       \
@@ -329,12 +326,4 @@ EP_FINALIZE(f32, float, f32, float)
     finalize_slots_q8<TIN, TOUT>(static_cast<const TIN*>(fc2), q, scales, row_of, row_weight, slots, top_k,    \
                                  hidden);                                                                       \
   }
-EP_FINALIZE_Q8(bf16, __nv_bfloat16, bf16, __nv_bfloat16)
-EP_FINALIZE_Q8(bf16, __nv_bfloat16, f16, __half)
-EP_FINALIZE_Q8(bf16, __nv_bfloat16, f32, float)
-EP_FINALIZE_Q8(f16, __half, bf16, __nv_bfloat16)
-EP_FINALIZE_Q8(f16, __half, f16, __half)
-EP_FINALIZE_Q8(f16, __half, f32, float)
-EP_FINALIZE_Q8(f32, float, bf16, __nv_bfloat16)
-EP_FINALIZE_Q8(f32, float, f16, __half)
-EP_FINALIZE_Q8(f32, float, f32, float)
+EP_FINALIZE_PAIRS(EP_FINALIZE_Q8)
