@@ -132,43 +132,54 @@ def e4m3_decode(codes: np.ndarray) -> np.ndarray:
 
 
 def e4m3_encode(y: np.ndarray) -> np.ndarray:
-    """The byte of each fp32 value that is exactly an e4m3fn value (e4m3_round's output;
-    NaN -> 0x7F, the sign kept as the GPU's conversion keeps it)."""
+    """The byte of each fp32 value that is exactly an e4m3fn value (e4m3_round's output).
+    NaN -> 0x7F whatever its sign (the sign of a NaN byte is not modelled: it decodes as NaN
+    either way, and the tests compare bytes only where the values are finite)."""
     table = e4m3_decode(np.arange(128, dtype=np.uint8))[:127]  # +0 .. 448, ascending
     y = np.asarray(y, np.float32)
     a = np.abs(y)
-    code = np.searchsorted(table, np.where(np.isnan(a), 0, a)).astype(np.uint8)
-    assert np.array_equal(table[code][~np.isnan(a)], a[~np.isnan(a)]), "e4m3_encode: a value is not e4m3"
-    code = np.where(np.isnan(a), np.uint8(0x7F), code).astype(np.uint8)
-    return (code | np.where(np.signbit(y), np.uint8(0x80), np.uint8(0))).astype(np.uint8)
+    nan = np.isnan(a)
+    code = np.searchsorted(table, np.where(nan, 0, a)).astype(np.uint8)
+    assert np.array_equal(table[code][~nan], a[~nan]), "e4m3_encode: a value is not e4m3"
+    code = (code | np.where(np.signbit(y), np.uint8(0x80), np.uint8(0))).astype(np.uint8)
+    return np.where(nan, np.uint8(0x7F), code).astype(np.uint8)
 
 
-def q8_quantize(x: np.ndarray, block: int = 128) -> tuple:
-    """What combine's FP8 pass (and finalize into an Fp8Partial) writes for rows x (fp32
-    [..., hidden]): (e4m3 bytes [..., hidden], fp32 scales [..., hidden / block]). See
-    q8_roundtrip for the rule; e4m3_decode(bytes) * scale gives its values back."""
+def _q8_blocks(x: np.ndarray, block: int) -> tuple:
+    """The quantization rule, per block of `block` values of rows x (fp32 [..., hidden]):
+    scale = amax / 448 and factor = 448 / amax (NaNs ignored by amax, as fmaxf does), both 1
+    when amax is 0 or so small that amax / 448 underflows to 0; q = e4m3(x * factor), or
+    e4m3(x / scale) where factor overflows to inf (amax below ~1.3e-36: x * inf would make
+    NaN of zeros). Every step is one exactly rounded fp32 operation, as on the GPU.
+    Returns (q as fp32 [..., hidden / block, block], scale [..., hidden / block, 1])."""
     x = np.asarray(x, np.float32)
     b = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
     amax = np.fmax.reduce(np.abs(b), axis=-1, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
-        factor = np.where(amax > 0, np.float32(448) / amax, np.float32(1)).astype(np.float32)
-        codes = e4m3_encode(e4m3_round(b * factor))
-    return codes.reshape(x.shape), scale[..., 0]
+        scale = (amax / np.float32(448)).astype(np.float32)
+        zero = ~(scale > 0)
+        factor = np.where(zero, np.float32(1), np.float32(448) / amax).astype(np.float32)
+        scale = np.where(zero, np.float32(1), scale).astype(np.float32)
+        y = np.where(np.isinf(factor), b / scale, b * factor).astype(np.float32)
+        return e4m3_round(y), scale
+
+
+def q8_quantize(x: np.ndarray, block: int = 128) -> tuple:
+    """What combine's FP8 pass (and finalize into an Fp8Partial) writes for rows x (fp32
+    [..., hidden]): (e4m3 bytes [..., hidden], fp32 scales [..., hidden / block]); the rule
+    is _q8_blocks'. e4m3_decode(bytes) * scale gives q8_roundtrip's values."""
+    x = np.asarray(x, np.float32)
+    q, scale = _q8_blocks(x, block)
+    return e4m3_encode(q).reshape(x.shape), scale[..., 0]
 
 
 def q8_roundtrip(x: np.ndarray, block: int = 128) -> np.ndarray:
-    """What the FP8 combine delivers of partial rows x (fp32 [..., hidden]): per block of
-    `block` values, scale = amax / 448 and factor = 448 / amax (both 1 for an all-zero block;
-    NaNs ignored by amax, as fmaxf does), q = e4m3(x * factor), returned dequantized:
-    q * scale, in fp32. Every step is one exactly rounded fp32 operation, as on the GPU."""
+    """What the FP8 combine delivers of partial rows x (fp32 [..., hidden]): e4m3 values with
+    one fp32 scale per `block` values (_q8_blocks), dequantized: q * scale, in fp32."""
     x = np.asarray(x, np.float32)
-    b = x.reshape(x.shape[:-1] + (x.shape[-1] // block, block))
-    amax = np.fmax.reduce(np.abs(b), axis=-1, keepdims=True)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(amax > 0, amax / np.float32(448), np.float32(1)).astype(np.float32)
-        factor = np.where(amax > 0, np.float32(448) / amax, np.float32(1)).astype(np.float32)
-        return (e4m3_round(b * factor) * scale).astype(np.float32).reshape(x.shape)
+    q, scale = _q8_blocks(x, block)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return (q * scale).astype(np.float32).reshape(x.shape)
 
 
 def to_float32(x: np.ndarray, dtype) -> np.ndarray:

@@ -7,8 +7,9 @@
 // ---- FP8 combine (combine_quant): e4m3 partial results with one fp32 scale per 128 values.
 // scale = amax / 448 (the largest finite e4m3) over the 128 values, q = e4m3(x * (448 / amax))
 // rounded to nearest even and saturated (x * 448/amax may round just past 448); an all-zero
-// block gets scale 1 and factor 1. Divisions, products and conversions are exactly rounded,
-// so reference.py reproduces every byte. Dequantization is e4m3 -> fp32 (exact) times the
+// block gets scale 1 and factor 1 (reference._q8_blocks states the edge cases too).
+// Divisions, products and conversions are exactly rounded, so reference.py reproduces every
+// byte. Dequantization is e4m3 -> fp32 (exact) times the
 // scale. EP_Q8_BLOCK (layout.py) = 16 lanes x 8 values.
 //
 // The pass is bandwidth work on a grid capped at the rank's share of the GPU, so it is
@@ -37,14 +38,22 @@ EP_DEVICE void q8_quantize8(const float (&v)[8], bool live, uint2* q, float* sca
 #pragma unroll
   for (int o = Q8_LANES / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (!live) return;
-  // two divisions per block, one multiply per value (a division per value made the pass ALU-bound)
-  const float scale = amax > 0.f ? __fdiv_rn(amax, 448.f) : 1.f;
-  const float inv = amax > 0.f ? __fdiv_rn(448.f, amax) : 1.f;
+  // two divisions per block, one multiply per value (a division per value made the pass
+  // ALU-bound). amax == 0, or so small that amax / 448 underflows: scale and factor 1. amax
+  // below ~1.3e-36: 448 / amax overflows, and x * inf would make NaN of the block's zeros,
+  // so such a block divides by the scale instead (uniform over the half-warp).
+  const float scale0 = __fdiv_rn(amax, 448.f);
+  const bool zero = !(scale0 > 0.f);
+  const float scale = zero ? 1.f : scale0;
+  const float inv = zero ? 1.f : __fdiv_rn(448.f, amax);
+  const bool divide = isinf(inv);
   unsigned w[2] = {0u, 0u};
 #pragma unroll
-  for (int e = 0; e < 8; e += 2)  // one cvt rounds two values (each to nearest even, saturated)
-    w[e >> 2] |= unsigned(__nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(v[e], inv), __fmul_rn(v[e + 1], inv)),
-                                                    __NV_SATFINITE, __NV_E4M3)) << (8 * (e & 3));
+  for (int e = 0; e < 8; e += 2) {  // one cvt rounds two values (each to nearest even, saturated)
+    const float2 y = divide ? make_float2(__fdiv_rn(v[e], scale), __fdiv_rn(v[e + 1], scale))
+                            : make_float2(__fmul_rn(v[e], inv), __fmul_rn(v[e + 1], inv));
+    w[e >> 2] |= unsigned(__nv_cvt_float2_to_fp8x2(y, __NV_SATFINITE, __NV_E4M3)) << (8 * (e & 3));
+  }
   *q = make_uint2(w[0], w[1]);
   if ((threadIdx.x & (Q8_LANES - 1)) == 0) *scale_out = scale;
 }

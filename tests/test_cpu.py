@@ -338,3 +338,26 @@ def test_q8_quantize_bytes_decode_to_the_roundtrip():
     assert np.isnan(every[[0x7F, 0xFF]]).all() and every[0x7E] == 448 and every[1] == 2.0 ** -9
     finite = ~np.isnan(every)
     assert np.array_equal(ref.e4m3_encode(every[finite]), np.arange(256)[finite].astype(np.uint8))
+
+
+def test_q8_tiny_blocks_stay_finite():
+    """Blocks whose largest magnitude is tiny: 448 / amax overflows below ~1.3e-36 (the rule
+    divides by the scale there instead of multiplying by inf, which made NaN of zeros), and
+    amax / 448 underflows below ~6e-43 (scale 1: the values round to signed zeros)."""
+    x = np.zeros((4, 256), np.float32)
+    x[0, :3] = [1e-37, 3e-38, -2e-38]          # factor would overflow
+    x[1, :2] = [1e-44, -1e-45]                 # scale would underflow
+    x[2, :2] = [1e-30, 5e-31]                  # small but ordinary
+    x[3, 128:130] = [3.0, -1e-37]              # one ordinary block beside an empty one
+    d = ref.q8_roundtrip(x)
+    codes, scales = ref.q8_quantize(x)
+    assert np.isfinite(d).all() and np.isfinite(scales).all() and ((codes & 0x7F) != 0x7F).all()
+    amax = np.abs(x.reshape(4, 2, 128)).max(axis=-1, keepdims=True)
+    err = np.abs(d - x).reshape(4, 2, 128)
+    # the stated 1/16-of-amax bound needs a normal scale (amax >= 448 * 2**-126); below
+    # that the scale's subnormal precision and the underflow to scale 1 give at most amax
+    normal = amax >= 448 * 2.0 ** -126
+    assert (err <= np.where(normal, amax / 16, amax)).all()
+    assert not normal[0, 0, 0] and abs(d[0, 0] - x[0, 0]) <= 1e-37 / 16
+    assert d[0, 3] == 0 and not np.signbit(d[0, 3])
+    assert scales[1, 0] == 1 and d[1, 0] == 0 and np.signbit(d[1, 1])
