@@ -362,12 +362,11 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
     x = _cuda_tensor(fc2_out, "fc2_out", s, dev)
     y = _cuda_tensor(out, "out", s, dev)
     for t, name in ((x, "fc2_out"), (y, "out")):
-        _require(t.dtype.name in _FINALIZE_DTYPES, name, f"dtype must be one of {tuple(_FINALIZE_DTYPES)}, got {t.dtype.name}")
+        _check_finalize_dtype(t.dtype.name, name)
     inner = _slot_rows(y, "out", index)
     _require(len(inner) == 1 and inner[0] >= 1, "out", f"must have one hidden dimension, got shape {list(y.shape)}")
     hidden = inner[0]
-    _require(x.ndim == 2 and x.shape[1] == hidden and x.shape[0] >= index.capacity, "fc2_out",
-             f"shape must be [rows >= capacity={index.capacity}, hidden={hidden}], got {list(x.shape)}")
+    _check_fc2_shape(x, hidden, index)
     widest = 16 // max(x.itemsize, y.itemsize)
     elems = next(e for e in (8, 4, 2, 1) if e <= widest and hidden % e == 0
                  and x.ptr % (e * x.itemsize) == 0 and y.ptr % (e * y.itemsize) == 0)
@@ -381,12 +380,21 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
     index._launch(name, args, grid, _THREADS, 0, s)
 
 
+def _check_finalize_dtype(dtype: str, name: str) -> None:
+    _require(dtype in _FINALIZE_DTYPES, name, f"dtype must be one of {tuple(_FINALIZE_DTYPES)}, got {dtype}")
+
+
+def _check_fc2_shape(x: Tensor, hidden: int, index: ExpertIndex) -> None:
+    _require(x.ndim == 2 and x.shape[1] == hidden and x.shape[0] >= index.capacity, "fc2_out",
+             f"shape must be [rows >= capacity={index.capacity}, hidden={hidden}], got {list(x.shape)}")
+
+
 def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int) -> None:
     """finalize into an FP8 combine input: a half-warp per 128-value block of a slot."""
     x = _cuda_tensor(fc2_out, "fc2_out", s, dev)
     q, sc = (_cuda_tensor(t, "out", s, dev) for t in (out.values, out.scales))
-    _require(x.dtype.name in _FINALIZE_DTYPES, "fc2_out", f"dtype must be one of {tuple(_FINALIZE_DTYPES)}, got {x.dtype.name}")
-    _require(out.dtype in _FINALIZE_DTYPES, "out", f"dtype must be one of {tuple(_FINALIZE_DTYPES)}, got {out.dtype!r}")
+    _check_finalize_dtype(x.dtype.name, "fc2_out")
+    _check_finalize_dtype(out.dtype, "out")
     _require(q.dtype.name == "float8_e4m3fn" and sc.dtype.name == "float32", "out",
              f"an Fp8Partial holds float8_e4m3fn values and float32 scales, got {q.dtype.name} and {sc.dtype.name}")
     inner = _slot_rows(q, "out", index)
@@ -395,8 +403,7 @@ def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int
     hidden = inner[0]
     _require(_slot_rows(sc, "out", index) == (hidden // Q8_BLOCK,), "out",
              f"scales must be [..., hidden / {Q8_BLOCK} = {hidden // Q8_BLOCK}], got {list(sc.shape)}")
-    _require(x.ndim == 2 and x.shape[1] == hidden and x.shape[0] >= index.capacity, "fc2_out",
-             f"shape must be [rows >= capacity={index.capacity}, hidden={hidden}], got {list(x.shape)}")
+    _check_fc2_shape(x, hidden, index)
     _require(x.ptr % 16 == 0, "fc2_out", f"must be 16-byte aligned with an FP8 out (16-byte loads), got {x.ptr:#x}")
     _require(q.ptr % 8 == 0 and sc.ptr % 4 == 0, "out", "values must be 8-byte aligned, scales 4-byte aligned")
     units = index.slots * (hidden // Q8_BLOCK)  # 128-value blocks: a half-warp each
