@@ -695,9 +695,9 @@ class RankAlltoAll:
         # under this argument name, with the same geometry, is not checked again (~1 µs each).
         # A weak reference: holding the tensor would move its cuMemFree into a later dispatch,
         # where it would block the host between two in-process ranks' launches (deadlock).
-        seen = self._seen.get(name)
-        if seen is not None and seen[0]() is obj and seen[1] == (obj.ptr, obj.shape, obj.strides, obj.dtype,
-                                                                 obj.device, rows, inner, dtype):
+        seen = self._seen.get(name)  # (a dead reference reads None: None itself never matches)
+        if seen is not None and obj is not None and seen[0]() is obj and seen[1] == (
+                obj.ptr, obj.shape, obj.strides, obj.dtype, obj.device, rows, inner, dtype):
             return obj
         t = self._check_input(obj, name, inner, dtype, rows, stream, leading_dims)
         if type(obj) is Tensor:

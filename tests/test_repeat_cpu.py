@@ -187,3 +187,19 @@ def test_a_dead_reference_never_matches_a_none_argument():
     del t
     gc.collect()
     assert not r.matches(Rank, None, (None,), 4, None)
+
+
+def test_a_dead_checked_input_never_matches_a_none_argument():
+    """The same hole one level down, in _input's cache of checked arguments: the tensor last
+    checked as token_selected_experts is gone and the next dispatch passes None. The check
+    must run and name the argument (the GPU hostile-input test, SENTINEL case, caught an
+    AttributeError here)."""
+    import gc
+    import weakref
+    t = Tensor(1 << 40, (4, 8), "int32", device=(2, 0))
+    rank = types.SimpleNamespace(_seen={"token_selected_experts": (weakref.ref(t), ())})
+    rank._check_input = lambda *args: A.RankAlltoAll._check_input(rank, *args)
+    del t
+    gc.collect()
+    with pytest.raises(TypeError, match="token_selected_experts: expected a tensor, got None"):
+        A.RankAlltoAll._input(rank, None, "token_selected_experts", (8,), "int32", None, 0)
