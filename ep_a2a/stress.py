@@ -5,7 +5,8 @@ up front (one per payload format and combine dtype, each with its own hidden siz
 expert count), the protocol (fence, sentinel, or auto around a crossover inside the token
 range, so auto switches step to step), runtime_max_tokens_per_rank, the token count of each
 rank (zeros included), the routing (uniform, zipf, perfect; a fraction of the selections
--1), exact or random-normal partial results, zero-copy or staged combine. Every step runs
+-1), exact or random-normal partial results, zero-copy or staged combine, and for the FP8
+combine whether combine quantizes or the stand-in epilogue wrote the FP8 input itself. Every step runs
 the real dispatch and combine on random data; the checked steps also compare every byte
 with the NumPy reference (ep_a2a/check.py, the harness the tests use).
 
@@ -105,7 +106,7 @@ def _draw_step(rng, a2as, max_tokens: int, ep: int) -> dict:
     return dict(key=key, mode=str(rng.choice(MODES)), tmax=tmax, tokens=[int(t) for t in tokens],
                 route=str(rng.choice(ROUTES)), invalid=float(rng.choice([0.0, 0.0, 0.05, 0.3])),
                 alpha=float(rng.uniform(0.6, 2.0)), exact=bool(rng.random() < 0.6),
-                zero_copy=bool(rng.random() < 0.7))
+                zero_copy=bool(rng.random() < 0.7), prequantize=bool(rng.random() < 0.5))
 
 
 def _checked(step: int, every) -> bool:
@@ -149,7 +150,9 @@ def main(argv=None) -> int:
             try:
                 rep = run_step(a2a, rng, d["tokens"], d["tmax"], route=d["route"], exact=d["exact"],
                                zero_copy=d["zero_copy"], verify=verify, alpha=d["alpha"],
-                               invalid_fraction=d["invalid"])
+                               invalid_fraction=d["invalid"],
+                               # FP8 combine: half the steps an epilogue wrote the FP8 input itself
+                               prequantize=d["prequantize"] and a2a.combine_quant == "fp8")
             except Exception as e:  # the ranks may be mid-step (or the context lost): stop here
                 fig["errors"] += 1
                 fig["first_failures"].append(f"step {step} ({d}): {type(e).__name__}: {e}")
@@ -161,7 +164,7 @@ def main(argv=None) -> int:
             fig["dispatch_bytes"] += db
             fig["combine_bytes"] += cb
             fig["protocols"][proto] = fig["protocols"].get(proto, 0) + 1
-            name = "/".join(d["key"])
+            name = "/".join(d["key"]) + ("/epilogue-fp8" if d["prequantize"] and a2a.combine_quant else "")
             fig["formats"][name] = fig["formats"].get(name, 0) + 1
             if verify:
                 fig["steps_checked"] += 1
