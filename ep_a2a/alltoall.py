@@ -384,6 +384,7 @@ class RankAlltoAll:
         self._repeat_dispatch = None   # the last call of each phase, when it may be repeated cheaply
         self._repeat_combine = None
         self._out_views = {}           # T -> [T, hidden] view of the internal combine output
+        self._fp8_inputs = {}          # T^ -> (its Fp8Partial, the (ptr, shape, dtype) each view must keep)
         self._descs = [p.payloads[q] for q in range(p.num_payloads)]  # (indexing makes a new wrapper)
         self._payload_names = [f"payloads[{q}] ({spec.name})" for q, spec in enumerate(a2a.payload_specs)]
         self._payload_shapes = [tuple(spec.shape) for spec in a2a.payload_specs]
@@ -435,9 +436,7 @@ class RankAlltoAll:
             if a.combine_quant != "fp8":
                 raise ValueError(f"fp8: an FP8 combine input needs combine_quant='fp8' (this all-to-all has "
                                  f"combine_quant={a.combine_quant!r})")
-            return Fp8Partial(self._view(a.layout.off_combine_q, shape, "float8_e4m3fn", None),
-                              self._view(a.layout.off_combine_scales, shape[:2] + (shape[2] // Q8_BLOCK,),
-                                         "float32", None), a.combine_dtype.name)
+            return self._fp8_input(shape[1])[0]
         return self._view(a.layout.off_combine, shape, a.combine_dtype.name, None)
 
     # -- the two phases -------------------------------------------------------------------
@@ -586,14 +585,28 @@ class RankAlltoAll:
                                           proto, launch, (out_t, stage))
         return out_t
 
+    def _fp8_input(self, tmax: int) -> tuple:
+        """(combine_input(T^, fp8=True), the geometry its views must have), made once per T^:
+        an engine asks for it every step and hands it to combine, whose check is then a few
+        comparisons. The geometry is kept apart because a caller may change a Tensor's fields."""
+        got = self._fp8_inputs.get(tmax)
+        if got is None:
+            a = self.a2a
+            shape = (a.ep_size, tmax, a.combine_hidden_size)
+            part = Fp8Partial(self._view(a.layout.off_combine_q, shape, "float8_e4m3fn", None),
+                              self._view(a.layout.off_combine_scales, shape[:2] + (shape[2] // Q8_BLOCK,),
+                                         "float32", None), a.combine_dtype.name)
+            got = self._fp8_inputs[tmax] = (part, tuple((t.ptr, t.shape, t.dtype.name) for t in part[:2]))
+        return got
+
     def _check_fp8_partial(self, partial: Fp8Partial, tmax: int) -> None:
         """An Fp8Partial is only ever this rank's own workspace views for this T^ (the kernel
         reads the section in place; there is nothing to stage from elsewhere)."""
         _require(self.a2a.combine_quant == "fp8", "partial",
                  f"an Fp8Partial needs combine_quant='fp8' (this all-to-all has {self.a2a.combine_quant!r})")
-        want = self.combine_input(tmax, fp8=True)
-        for got, ref, name in ((partial.values, want.values, "values"), (partial.scales, want.scales, "scales")):
-            if type(got) is not Tensor or (got.ptr, got.shape, got.dtype.name) != (ref.ptr, ref.shape, ref.dtype.name):
+        want, geometry = self._fp8_input(tmax)
+        for got, geo, name in zip(partial[:2], geometry, ("values", "scales")):
+            if type(got) is not Tensor or (got.ptr, got.shape, got.dtype.name) != geo:
                 _require(False, "partial", f"an Fp8Partial must be this rank's combine_input({tmax}, fp8=True); its "
                          f"{name} is not that view")
         _require(partial.dtype == want.dtype, "partial", f"dtype must be {want.dtype!r}, got {partial.dtype!r}")

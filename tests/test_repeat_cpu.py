@@ -49,17 +49,18 @@ def recorder(monkeypatch):
     return rec
 
 
-def _rank():
+def _rank(combine_quant=None):
     specs = payload_formats(H, 8)["bf16"]
     kinds = (0,) + tuple(sentinel_kind(s.dtype) for s in specs)
     pbytes = (32,) + tuple(s.bytes_per_token for s in specs)
     L = WorkspaceLayout.build(EP, TMAX, 8, pbytes, H * 2, sentinel=True,
-                              landing=tuple(landing_bytes(b, k) for b, k in zip(pbytes, kinds)))
+                              landing=tuple(landing_bytes(b, k) for b, k in zip(pbytes, kinds)),
+                              q8_hidden=H if combine_quant else 0)
     a2a = types.SimpleNamespace(
         ep_size=EP, top_k=8, num_experts=256, max_tokens_per_rank=TMAX, payload_specs=tuple(specs),
         combine_hidden_size=H, combine_dtype=as_dtype("bfloat16"), protocol="auto", layout=L, kinds=kinds,
         workspace=types.SimpleNamespace(base=lambda i: 1 << 40, peers=lambda i: [1 << 40] * EP), on_timeout="trap",
-        active_ranks=tuple(range(EP)), combine_quant=None, threads=256, pdl=True, validate_expert_ids=False,
+        active_ranks=tuple(range(EP)), combine_quant=combine_quant, threads=256, pdl=True, validate_expert_ids=False,
         first_timeout_s=60, timeout_s=10, crossover_tokens=0)
     a2a.protocol_for = lambda t: a2a.protocol if a2a.protocol != "auto" else ("sentinel" if t <= 8 else "fence")
     dev = types.SimpleNamespace(ordinal=0, sm_count=132, make_current=lambda: None)
@@ -203,3 +204,22 @@ def test_a_dead_checked_input_never_matches_a_none_argument():
     gc.collect()
     with pytest.raises(TypeError, match="token_selected_experts: expected a tensor, got None"):
         A.RankAlltoAll._input(rank, None, "token_selected_experts", (8,), "int32", None, 0)
+
+
+def test_fp8_input_made_once_per_t_hat_and_checked_by_geometry(recorder):
+    """combine_input(T^, fp8=True) is one object per T^ (an engine asks every step); the check
+    combine makes compares the views' geometry recorded when they were made, so neither a
+    changed field of that very object nor another rank's or T^'s views pass."""
+    _, r, _ = _rank("fp8")
+    q = r.combine_input(16, fp8=True)
+    assert r.combine_input(16, fp8=True) is q and r.combine_input(8, fp8=True) is not q
+    assert (q.values.shape, q.scales.shape, q.dtype) == ((EP, 16, H), (EP, 16, H // 128), "bfloat16")
+    r._check_fp8_partial(q, 16)
+    for bad, why in ((r.combine_input(8, fp8=True), "its values is not that view"),
+                     (A.Fp8Partial(q.values, q.scales, "float16"), "dtype must be 'bfloat16'"),
+                     (A.Fp8Partial(q.values, None, "bfloat16"), "its scales is not that view")):
+        with pytest.raises(ValueError, match=why):
+            r._check_fp8_partial(bad, 16)
+    q.values.ptr += 128  # a caller moved the cached view: no longer the workspace's
+    with pytest.raises(ValueError, match="its values is not that view"):
+        r._check_fp8_partial(q, 16)
