@@ -6,9 +6,9 @@ expert count), the protocol (fence, sentinel, or auto around a crossover inside 
 range, so auto switches step to step), runtime_max_tokens_per_rank, the token count of each
 rank (zeros included), the routing (uniform, zipf, perfect; a fraction of the selections
 -1), exact or random-normal partial results, zero-copy or staged combine, and for the FP8
-combine whether combine quantizes or the stand-in epilogue wrote the FP8 input itself. Every step runs
-the real dispatch and combine on random data; the checked steps also compare every byte
-with the NumPy reference (ep_a2a/check.py, the harness the tests use).
+combine whether combine quantizes or the stand-in epilogue wrote the FP8 input itself.
+Every step runs the real dispatch and combine on random data; the checked steps also
+compare every byte with the NumPy reference (ep_a2a/check.py, the harness the tests use).
 
 Bytes moved are logical, as in the paper's Appendix B: per step,
   dispatch: sum of tokens * min(ep_size, top_k) * activation bytes per token (hidden states
@@ -147,12 +147,12 @@ def main(argv=None) -> int:
             a2a.protocol = "fence" if a2a.combine_quant else d["mode"]
             proto = a2a.protocol_for(d["tmax"])
             verify = _checked(step, args.check_every)
+            # FP8 combine: half the steps an epilogue wrote the FP8 input itself
+            prequantize = d["prequantize"] and a2a.combine_quant == "fp8"
             try:
                 rep = run_step(a2a, rng, d["tokens"], d["tmax"], route=d["route"], exact=d["exact"],
                                zero_copy=d["zero_copy"], verify=verify, alpha=d["alpha"],
-                               invalid_fraction=d["invalid"],
-                               # FP8 combine: half the steps an epilogue wrote the FP8 input itself
-                               prequantize=d["prequantize"] and a2a.combine_quant == "fp8")
+                               invalid_fraction=d["invalid"], prequantize=prequantize)
             except Exception as e:  # the ranks may be mid-step (or the context lost): stop here
                 fig["errors"] += 1
                 fig["first_failures"].append(f"step {step} ({d}): {type(e).__name__}: {e}")
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
             fig["dispatch_bytes"] += db
             fig["combine_bytes"] += cb
             fig["protocols"][proto] = fig["protocols"].get(proto, 0) + 1
-            name = "/".join(d["key"]) + ("/epilogue-fp8" if d["prequantize"] and a2a.combine_quant else "")
+            name = "/".join(d["key"]) + ("/epilogue-fp8" if prequantize else "")
             fig["formats"][name] = fig["formats"].get(name, 0) + 1
             if verify:
                 fig["steps_checked"] += 1

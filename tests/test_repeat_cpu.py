@@ -209,7 +209,7 @@ def test_a_dead_checked_input_never_matches_a_none_argument():
 def test_fp8_input_made_once_per_t_hat_and_checked_by_geometry(recorder):
     """combine_input(T^, fp8=True) is one object per T^ (an engine asks every step); the check
     combine makes compares the views' geometry recorded when they were made, so neither a
-    changed field of that very object nor another rank's or T^'s views pass."""
+    changed field of that very object nor another T^'s views pass."""
     _, r, _ = _rank("fp8")
     q = r.combine_input(16, fp8=True)
     assert r.combine_input(16, fp8=True) is q and r.combine_input(8, fp8=True) is not q
