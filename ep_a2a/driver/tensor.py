@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 
 import numpy as np
 from cuda.bindings import driver as _drv
@@ -76,7 +77,9 @@ def as_dtype(x) -> DType:
     if isinstance(x, str) and x in DTYPES:
         return DTYPES[x]
     try:
-        d = _BY_NUMPY.get(np.dtype(x))
+        with warnings.catch_warnings():  # (NumPy's deprecated aliases, e.g. "a": refused below anyway)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            d = _BY_NUMPY.get(np.dtype(x))
     except (TypeError, ValueError, SyntaxError):  # np.dtype("01") raises SyntaxError
         d = None
     if d is None:
