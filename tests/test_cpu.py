@@ -312,6 +312,12 @@ def test_grid_after_an_early_trigger_returns_to_the_full_share():
     assert grid(20, 66) == 20 and r.params.trigger_early == 1       # small, unheld: early
     assert grid(66, 20) == 33 and r.params.trigger_early == 1       # held, small successor: early
     assert grid(20, 66) == 20 and r.params.trigger_early == 1
+    # a successor that fills its grid (a quantizing FP8 combine) is never halved for our trigger
+    fills = lambda want, succ: RankAlltoAll._grid(r, want, succ, True)  # noqa: E731
+    assert grid(1000, 1000) == 33 and fills(1000, 1000) == 66           # (back to the whole share)
+    assert fills(16, 128) == 16 and r.params.trigger_early == 0         # unheld, large filling successor: late
+    assert grid(128, 16) == 66 and r.params.trigger_early == 0          # so it gets the whole share
+    assert fills(16, 8) == 16 and r.params.trigger_early == 1           # a filling successor that fits: early
     r.a2a.pdl = False
     assert grid(5, 5) == 5 and r.params.trigger_early == 0
     assert grid(1000, 1000) == 66

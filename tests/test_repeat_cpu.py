@@ -68,7 +68,7 @@ def _rank(combine_quant=None):
     return a2a, A.RankAlltoAll(a2a, 0, rank), specs
 
 
-def _plan(seed, steps):
+def _plan(seed, steps, fp8=False):
     rng = np.random.default_rng(seed)
     plan, cur = [], dict(ids=0, tmax=16, T=16, stream=None, part="cin", out=None, proto="auto", active=EP, pays=0)
     for i in range(steps):
@@ -83,7 +83,8 @@ def _plan(seed, steps):
         elif u < 0.16:
             c["stream"] = [None, 9, 7][int(rng.integers(3))]
         elif u < 0.19:
-            c["part"] = ["cin", f"p{i}"][int(rng.integers(2))]
+            parts = ["cin", f"p{i}"] + (["fp8"] if fp8 else [])  # fp8: what a quantizing epilogue wrote
+            c["part"] = parts[int(rng.integers(len(parts)))]
         elif u < 0.22:
             c["out"] = [None, f"o{i}", f"odd{i}"][int(rng.integers(3))]
         elif u < 0.24:
@@ -95,10 +96,10 @@ def _plan(seed, steps):
     return plan
 
 
-def _run(plan, fast, rec, monkeypatch):
+def _run(plan, fast, rec, monkeypatch, combine_quant=None):
     monkeypatch.setattr(A, "REPEAT_FAST_PATH", fast)
     rec.clear()
-    a2a, r, specs = _rank()
+    a2a, r, specs = _rank(combine_quant)
     pool, hits = {}, {"dispatch": 0, "combine": 0}
     d_again, c_again = r._dispatch_again, r._combine_again
 
@@ -128,7 +129,8 @@ def _run(plan, fast, rec, monkeypatch):
         if c["dispatch_only"]:
             r._dispatched_tmax = None  # as the benchmark's dispatch-only graphs do
             continue
-        part = r.combine_input(tmax) if c["part"] == "cin" else obj(
+        part = r.combine_input(tmax) if c["part"] == "cin" else r.combine_input(tmax, fp8=True) \
+            if c["part"] == "fp8" else obj(
             ("part", c["part"], tmax), lambda n: Tensor((1 << 36) + 65536 * n, (EP, tmax, H), "bfloat16", device=(2, 0)))
         out = None
         if c["out"] is not None:
@@ -140,11 +142,13 @@ def _run(plan, fast, rec, monkeypatch):
     return list(rec), hits
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_repeat_fast_path_launches_exactly_what_the_full_path_launches(seed, recorder, monkeypatch):
-    plan = _plan(seed, 1500)
-    full, none = _run(plan, False, recorder, monkeypatch)
-    fast, hits = _run(plan, True, recorder, monkeypatch)
+@pytest.mark.parametrize("seed,combine_quant", [(0, None), (1, None), (2, "fp8")])
+def test_repeat_fast_path_launches_exactly_what_the_full_path_launches(seed, combine_quant, recorder, monkeypatch):
+    """(FP8: combines of plain partials, which quantize, alternate with epilogue-quantized ones,
+    which never repeat and change how the next dispatch predicts its combine.)"""
+    plan = _plan(seed, 1500, fp8=combine_quant == "fp8")
+    full, none = _run(plan, False, recorder, monkeypatch, combine_quant)
+    fast, hits = _run(plan, True, recorder, monkeypatch, combine_quant)
     assert none == {"dispatch": 0, "combine": 0}
     assert hits["dispatch"] > len(plan) // 2 and hits["combine"] > len(plan) // 10, hits  # both paths exercised
     assert len(full) == len(fast)
@@ -180,7 +184,7 @@ def test_a_dead_reference_never_matches_a_none_argument():
     import gc
 
     class Rank:
-        _prev_early, _prev_step_protocol, _tag_hi = False, "fence", 0
+        _prev_early, _prev_step_protocol, _tag_hi, _quantizing_combine = False, "fence", 0, False
         a2a = types.SimpleNamespace(protocol="fence")
     t = Tensor(1 << 40, (4, H), "bfloat16", device=(2, 0))
     r = A._Repeat.of(Rank, 10, False, None, 4, [t, None], 0, 4, "fence", None, None)
