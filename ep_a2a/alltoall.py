@@ -26,7 +26,7 @@ from .driver.launch import Launch, launch_once, occupancy
 from .driver.memory import DeviceAllocation, has_held, hold_frees, release_held
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
-from .driver.tensor import Tensor, as_dtype as lookup_dtype, as_tensor
+from .driver.tensor import CUDA, Tensor, as_dtype as lookup_dtype, as_tensor
 from .driver.vmm import HostMapped
 from .errors import error_from_record
 from .layout import (A2AParams, ErrorRecord, MAX_PAYLOADS, MAX_RANKS, MAX_TOP_K, Q8_BLOCK, TAG_TMAX_BITS,
@@ -37,7 +37,6 @@ from .symmetric import SymmetricWorkspace
 PROTOCOLS = ("fence", "sentinel", "auto")
 ON_TIMEOUT = ("trap", "abort")
 COMBINE_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
-_CUDA = 2  # DLPack kDLCUDA
 
 
 @dataclass(frozen=True)
@@ -415,7 +414,7 @@ class RankAlltoAll:
 
     # -- views into the workspace ------------------------------------------------------
     def _view(self, offset: int, shape, dtype, stream) -> Tensor:
-        return Tensor(self.base + offset, tuple(shape), lookup_dtype(dtype), device=(_CUDA, self.device.ordinal),
+        return Tensor(self.base + offset, tuple(shape), lookup_dtype(dtype), device=(CUDA, self.device.ordinal),
                       owner=self, stream=stream)
 
     def dispatch_views(self, tmax: int):
@@ -565,7 +564,7 @@ class RankAlltoAll:
             out_t = self._out_views.get(T)
             if out_t is None:
                 out_t = self._out_views[T] = Tensor(self._out.ptr, (T, H), a.combine_dtype,
-                                                    device=(_CUDA, self.device.ordinal), owner=self._out)
+                                                    device=(CUDA, self.device.ordinal), owner=self._out)
         else:
             out_t = self._input(out, "out", (H,), a.combine_dtype.name, T, s)
         p = self.params
@@ -745,7 +744,7 @@ class RankAlltoAll:
         want = lookup_dtype(dtype)
         if t.dtype != want:
             raise TypeError(f"{name}: dtype must be {want.name}, got {t.dtype.name}")
-        if t.device != (_CUDA, self.device.ordinal):
+        if t.device != (CUDA, self.device.ordinal):
             raise ValueError(f"{name}: must be on cuda:{self.device.ordinal} (this rank's GPU), got device {t.device}")
         if not t.is_contiguous:
             raise ValueError(f"{name}: must be contiguous (row-major), got strides {t.strides} for shape {t.shape}")

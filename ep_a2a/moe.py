@@ -28,17 +28,16 @@ import ctypes
 import math
 import operator
 
-from .alltoall import Fp8Partial, _vec
+from .alltoall import Fp8Partial, _require, _vec
 from .driver.device import Device, get_device
 from .driver.launch import Launch
 from .driver.memory import DeviceAllocation
 from .driver.module import load
 from .driver.stream import stream_handle
-from .driver.tensor import Tensor, as_tensor, float32, int32
+from .driver.tensor import CUDA, Tensor, as_tensor, float32, int32
 from .layout import MAX_RANKS, MAX_TOP_K, Q8_BLOCK
 
 MAX_LOCAL_EXPERTS = 1024
-_CUDA = 2                      # DLPack kDLCUDA
 _TABLE_SHARED_INTS = 10240     # the [local expert][warp] table in shared memory: 40 KiB of the 48 KiB default
 _TILE_ROUNDS = 16              # a warp tile is at most 16 rounds of 32 entries while the table is small
 _MAX_TABLE = 1 << 16           # [local expert][tile] counts the one-block scan reads (multi-kernel path)
@@ -58,11 +57,6 @@ class _IndexArgs(ctypes.Structure):
 
 
 assert ctypes.sizeof(_IndexArgs) == 88, "kernels/moe_compute.cu static_asserts the same size"
-
-
-def _require(ok: bool, arg: str, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"{arg}: {rule}")
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
@@ -180,7 +174,7 @@ class ExpertIndex:
         return self.slots * self.top_k
 
     def _tensor(self, name, shape, dtype) -> Tensor:
-        return Tensor(self._base[name], shape, dtype, device=(_CUDA, self.device.ordinal), owner=self._alloc)
+        return Tensor(self._base[name], shape, dtype, device=(CUDA, self.device.ordinal), owner=self._alloc)
 
     def _views_for(self, tmax: int) -> tuple:
         v = self._views.get(tmax)
@@ -241,7 +235,7 @@ def _cuda_tensor(obj, name: str, stream: int, ordinal=None) -> Tensor:
     if obj is None:
         raise ValueError(f"{name}: expected a tensor, got None")
     t = as_tensor(obj, stream=stream)
-    _require(t.device[0] == _CUDA and (ordinal is None or t.device[1] == ordinal), name,
+    _require(t.device[0] == CUDA and (ordinal is None or t.device[1] == ordinal), name,
              f"must be on cuda:{'?' if ordinal is None else ordinal}, got device {t.device}")
     _require(t.is_contiguous, name, f"must be contiguous (row-major), got strides {t.strides} for shape {t.shape}")
     _require(t.ptr % t.itemsize == 0, name, f"address {t.ptr:#x} is not aligned to {t.dtype.name}")

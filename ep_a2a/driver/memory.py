@@ -8,9 +8,7 @@ from cuda.bindings import driver as _drv
 
 from .device import Device
 from .errors import call
-from .tensor import Tensor, as_dtype as lookup_dtype
-
-_CUDA = 2
+from .tensor import CUDA, Tensor, as_dtype as lookup_dtype
 
 # cuMemFree waits for the whole device. In-process ranks spin on each other between the
 # first and the last rank's launch of a phase, so a free that lands there (a garbage
@@ -82,7 +80,7 @@ def empty(shape, dtype, device: Device) -> Tensor:
     dt = lookup_dtype(dtype)
     shape = tuple(int(s) for s in shape)
     alloc = DeviceAllocation(device, int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
-    return Tensor(alloc.ptr, shape, dt, device=(_CUDA, device.ordinal), owner=alloc)
+    return Tensor(alloc.ptr, shape, dt, device=(CUDA, device.ordinal), owner=alloc)
 
 
 def from_numpy(array: np.ndarray, device: Device, dtype=None) -> Tensor:
