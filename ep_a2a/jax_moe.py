@@ -35,7 +35,7 @@ from cuda.bindings import driver as _drv
 from .driver.errors import call
 from .driver.memory import empty
 from .driver.tensor import as_tensor
-from .moe import ExpertIndex, finalize
+from .moe import ExpertIndex
 from .moe_layer import (LayerBase, check_layer_output, dense_reference, distinct_logits,  # noqa: F401
                         max_relative_error, payload_specs, random_weights, route_reference, run_phases)
 
@@ -107,8 +107,6 @@ class JaxMoeLayer(LayerBase):
             self._w2_e = [self.w2t[e] for e in range(L)]
         dev = a2a_rank.device
         self.index = ExpertIndex.for_rank(a2a_rank)
-        # FP8 combine: finalize quantizes into the workspace, so combine skips its own pass
-        self._fp8 = a2a_rank.a2a.combine_quant == "fp8"
         cap = self.ep_size * a.max_tokens_per_rank * self.top_k
         self._xg = empty((cap, H), "bfloat16", dev)       # expert-major rows (gather_rows)
         self._y = empty((cap, H), "bfloat16", dev) if self.gemm == "loop" else None
@@ -157,7 +155,7 @@ class JaxMoeLayer(LayerBase):
         """Phase 3 (once every rank of the process has dispatched): index and gather on our
         stream, the experts in JAX, finalize into the combine input on our stream."""
         import jax
-        st, s, H = self._step, self.s, self.hidden
+        s, H = self.s, self.hidden
         idx = self.index_and_gather(self._xg)
         cap = idx.capacity
         if self.gemm == "ragged":
@@ -183,14 +181,13 @@ class JaxMoeLayer(LayerBase):
                 call(_drv.cuMemcpyDtoDAsync, self._y.ptr + a * row_bytes, src.ptr, (b - a) * row_bytes, s)
                 self._keep += [xe, ye, src]
             fc2 = self._y
-        finalize(idx, fc2, self.a2a_rank.combine_input(st["tmax"], fp8=self._fp8), stream=s)
+        self.finalize_partials(idx, fc2)
 
     def combine(self) -> None:
         """Phase 4: launch this rank's combine into our output buffer (no host blocking)."""
-        st, r = self._step, self.a2a_rank
-        tmax = st["tmax"]
-        r.combine(r.combine_input(tmax, fp8=self._fp8), tmax, stream=self.s, out=self._out.view(0, (st["T"], self.hidden)))
-        self._step = dict(T=st["T"])
+        T = self._step["T"]
+        self.combine_into(self._out.view(0, (T, self.hidden)))
+        self._step = dict(T=T)
 
     def result(self):
         """After combine: wait for this rank and return its output as a new jax array [T, hidden]."""

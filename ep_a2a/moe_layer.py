@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .alltoall import PayloadSpec
-from .moe import build_index, gather_rows, local_experts
+from .moe import build_index, finalize, gather_rows, local_experts
 from .reference import from_float32, to_float32
 
 
@@ -44,6 +44,8 @@ class LayerBase:
         if gemm not in gemms:
             raise ValueError(f"gemm: must be one of {gemms}, got {gemm!r}")
         self.s = a2a_rank.default_stream
+        # FP8 combine: finalize quantizes into the workspace, so combine skips its own pass
+        self._fp8 = a.combine_quant == "fp8"
         self._step = None
         self._gate_event = None  # run_phases' cross-rank gate (created on first use)
 
@@ -65,6 +67,17 @@ class LayerBase:
                           stream=self.s, out=self.index)
         gather_rows(idx, x_v, rows, stream=self.s)
         return idx
+
+    def finalize_partials(self, idx, fc2) -> None:
+        """The end of phase 3, on this rank's stream: the experts' outputs (in the index's row
+        order), weighted and summed per slot, into the combine input (FP8 where combine is)."""
+        finalize(idx, fc2, self.a2a_rank.combine_input(self._step["tmax"], fp8=self._fp8), stream=self.s)
+
+    def combine_into(self, out) -> None:
+        """Phase 4: launch this rank's combine of that input into `out` [T, hidden] (no host
+        blocking)."""
+        r, tmax = self.a2a_rank, self._step["tmax"]
+        r.combine(r.combine_input(tmax, fp8=self._fp8), tmax, stream=self.s, out=out)
 
 
 def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None, between=None) -> list:

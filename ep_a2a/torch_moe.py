@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from .driver.tensor import as_tensor
-from .moe import ExpertIndex, finalize
+from .moe import ExpertIndex
 from .moe_layer import (LayerBase, check_layer_output, dense_reference, distinct_logits,  # noqa: F401
                         max_relative_error, payload_specs, random_weights, route_reference, run_phases)
 from .reference import from_float32, to_float32  # noqa: F401
@@ -117,8 +117,6 @@ class TorchMoeLayer(LayerBase):
 
         self.stream = torch.cuda.ExternalStream(self.s, device=self.device)  # torch work of this rank runs here
         self.index = ExpertIndex.for_rank(a2a_rank)
-        # FP8 combine: finalize quantizes into the workspace, so combine skips its own pass
-        self._fp8 = a2a_rank.a2a.combine_quant == "fp8"
         cap, I = self.ep_size * a.max_tokens_per_rank * self.top_k, self.inter
         bf = dict(dtype=torch.bfloat16, device=self.device)
         self._xg = torch.empty(cap, H, **bf)          # expert-major FC1 input (gather_rows)
@@ -189,7 +187,7 @@ class TorchMoeLayer(LayerBase):
         only once every rank of the process has dispatched (the loop GEMM syncs the host)."""
         import torch
         import torch.nn.functional as F
-        st, s, I = self._step, self.s, self.inter
+        s, I = self.s, self.inter
         idx = self.index_and_gather(self._xg_t)
         cap = idx.capacity
         with torch.cuda.stream(self.stream), torch.no_grad():
@@ -218,15 +216,14 @@ class TorchMoeLayer(LayerBase):
                     if b > a:
                         torch.matmul(self._act[a:b], self.w_down[e].t(), out=self._y[a:b])
                 y_t = self._y_t
-        finalize(idx, y_t, self.a2a_rank.combine_input(st["tmax"], fp8=self._fp8), stream=s)
+        self.finalize_partials(idx, y_t)
 
     def combine(self):
         """Phase 4: launch this rank's combine into the layer's output buffer (no host blocking).
         Returns the bf16 [T, hidden] output: a view valid until this layer's next step, ready
         on this rank's stream (moe_forward_all_ranks makes the caller's stream wait for it)."""
-        st, r = self._step, self.a2a_rank
-        tmax, T = st["tmax"], st["T"]
-        r.combine(r.combine_input(tmax, fp8=self._fp8), tmax, stream=self.s, out=self._out_t.view(0, (T, self.hidden)))
+        T = self._step["T"]
+        self.combine_into(self._out_t.view(0, (T, self.hidden)))
         self._step = None
         self.output = self._out[:T]
         return self.output
