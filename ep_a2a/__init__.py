@@ -10,7 +10,6 @@ from .alltoall import Fp8Partial, MoeAlltoAll, PayloadSpec, StateError  # noqa: 
 from .bootstrap import MpiBootstrap, TorchDistributedBootstrap, UnixSocketBootstrap  # noqa: E402
 from .driver.tensor import Tensor, as_tensor  # noqa: E402
 from .moe import ExpertIndex, build_index, finalize, gather_rows  # noqa: E402,F401
-from . import bootstrap  # noqa: E402,F401
 
 __all__ = ["CudaError", "EpA2AError", "NoDriverError", "PeerError", "PeerTimeoutError", "PeerAbortedError", "RuntimeMaxMismatchError",
            "ActiveRanksMismatchError",

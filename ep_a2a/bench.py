@@ -40,6 +40,8 @@ import time
 
 import numpy as np
 
+from .layout import Q8_BLOCK
+
 PROFILES = {
     "deepseek-v3": dict(hidden=7168, top_k=8, num_experts=256),
     "deepseek-v4.1-flash": dict(hidden=5120, top_k=6, num_experts=384),
@@ -147,13 +149,13 @@ class Bench:
             if self.epilogue_fp8:  # what a quantizing MoE epilogue leaves (moe.finalize into fp8=True)
                 # random finite e4m3 bytes and scales: quantizing normals in NumPy took minutes at
                 # 4096 tokens (session 4 run 6 timed out), and the timing does not depend on values
-                q = ar.combine_input(T, fp8=True)
+                q = self._combine_input(ar, T)
                 codes = self.rng.integers(0, 256, q.values.shape, dtype=np.uint8)
                 codes[(codes & 0x7F) == 0x7F] -= 1  # 0x7F / 0xFF are NaN: 0x7E / 0xFE (+-448) instead
                 copy_from_numpy(q.values, codes)
                 copy_from_numpy(q.scales, self.rng.uniform(2.0 ** -10, 2.0 ** -6, q.scales.shape).astype(np.float32))
             else:
-                copy_from_numpy(ar.combine_input(T), from_float32(
+                copy_from_numpy(self._combine_input(ar, T), from_float32(
                     self.rng.standard_normal((self.ep, T, self.hidden)).astype(np.float32), "bfloat16"))
         return ins, ids
 
@@ -180,11 +182,9 @@ class Bench:
 
     def _time(self, graph) -> float:
         """Median µs of one graph replay on this process (events outside the graph)."""
-        from cuda.bindings import driver as _drv
-        from .driver.errors import call
         s0 = self.streams[0]
         graph.launch(s0)  # warm-up
-        call(_drv.cuStreamSynchronize, s0)
+        self.group.ranks[0].stream.synchronize()  # (s0 is its handle)
         times = []
         for _ in range(self.args.replays):
             self.meet()  # rank processes replay together; their previous replays have all ended
@@ -298,12 +298,13 @@ class Bench:
         # bytes: what dispatch writes (one copy per distinct target) and reads (once per token)
         owner = expert_owner(self.num_experts, self.ep)
         per_token = sum(sp.bytes_per_token for sp in self.specs) + 4 * self.top_k
-        sends = [sum(len(targets_of(row, owner)) for row in ids[s]) for s in range(self.ep)]
-        remote = sum(sum(1 for q in targets_of(row, owner) if q != s) for s in range(self.ep) for row in ids[s])
+        targets = [[targets_of(row, owner) for row in ids[s]] for s in range(self.ep)]
+        sends = [sum(map(len, targets[s])) for s in range(self.ep)]
+        remote = sum(1 for s in range(self.ep) for t in targets[s] for q in t if q != s)
         written = sum(sends) * per_token
         read = T * self.ep * per_token
         # each partial read once (FP8: e4m3 values + an fp32 scale per 128), plus outputs written
-        pulled = self.hidden + self.hidden // 128 * 4 if self.args.combine_quant else self.hidden * 2
+        pulled = self.hidden + self.hidden // Q8_BLOCK * 4 if self.args.combine_quant else self.hidden * 2
         combine_bytes = sum(sends) * pulled
         combine_traffic = combine_bytes + T * self.ep * self.hidden * 2
 

@@ -109,10 +109,6 @@ class Baseline:
         return results
 
 
-def _ours_step(layers, xs, logits, tmax, between=None):
-    return run_phases(layers, xs, logits, tmax, between=between)
-
-
 def _measure(torch, run, streams, iters: int, warmup: int) -> dict:
     """Median µs of the whole step, of each stage (with joins), and host µs to issue a step."""
     ts = torch.cuda.Stream()
@@ -173,11 +169,11 @@ def run(args) -> dict:
     w1 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).to(torch.bfloat16)
     rows = []
+    protocol = "fence" if args.combine_quant else args.protocol  # (FP8 combine is FENCE only)
     with ep_a2a.LocalGroup([args.device] * ep) as group:
         a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(args.tokens), top_k=top_k, num_experts=E,
                                  payloads=payload_specs(H, top_k), combine_hidden_size=H,
-                                 protocol="fence" if args.combine_quant else args.protocol,
-                                 combine_quant=args.combine_quant, validate_expert_ids=False,
+                                 protocol=protocol, combine_quant=args.combine_quant, validate_expert_ids=False,
                                  on_timeout="abort")  # a stuck wait reports who was missing, the run ends cleanly
         layers = []
         try:
@@ -198,7 +194,8 @@ def run(args) -> dict:
                     print(f"WARNING: T={T}: ours and the baseline differ by {diff:.3g} (relative to the largest output)",
                           file=sys.stderr)
                 row = dict(tokens_per_rank=T, max_rel_diff_vs_baseline=diff,
-                           ours=_measure(torch, lambda b: _ours_step(layers, xs, logits, T, b), streams, args.iters, args.warmup),
+                           ours=_measure(torch, lambda b: run_phases(layers, xs, logits, T, between=b), streams,
+                                         args.iters, args.warmup),
                            baseline=_measure(torch, lambda b: base.step(xs, logits, b), streams, args.iters, args.warmup))
                 row["speedup"] = row["baseline"]["layer_us"] / row["ours"]["layer_us"]
                 rows.append(row)
@@ -219,7 +216,7 @@ def run(args) -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=_commit(),
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
                             device=args.device, tokens=args.tokens, iters=args.iters,
-                            protocol="fence" if args.combine_quant else args.protocol, combine_quant=args.combine_quant,
+                            protocol=protocol, combine_quant=args.combine_quant,
                             warmup=args.warmup, seed=seed, gemm=gemm, routing="random logits, softmax top-k renormalized",
                             dtype="bf16 weights and activations, fp32 accumulation"),
                 method=__doc__, rows=rows)

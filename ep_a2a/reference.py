@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .layout import Q8_BLOCK
+
 
 def expert_owner(num_experts: int, ep_size: int) -> np.ndarray:
     """Rank of every expert: contiguous blocks, the first num_experts % ep_size ranks own one more."""
@@ -164,7 +166,7 @@ def _q8_blocks(x: np.ndarray, block: int) -> tuple:
         return e4m3_round(y), scale
 
 
-def q8_quantize(x: np.ndarray, block: int = 128) -> tuple:
+def q8_quantize(x: np.ndarray, block: int = Q8_BLOCK) -> tuple:
     """What combine's FP8 pass (and finalize into an Fp8Partial) writes for rows x (fp32
     [..., hidden]): (e4m3 bytes [..., hidden], fp32 scales [..., hidden / block]); the rule
     is _q8_blocks'. e4m3_decode(bytes) * scale gives q8_roundtrip's values."""
@@ -173,7 +175,7 @@ def q8_quantize(x: np.ndarray, block: int = 128) -> tuple:
     return e4m3_encode(q).reshape(x.shape), scale[..., 0]
 
 
-def q8_roundtrip(x: np.ndarray, block: int = 128) -> np.ndarray:
+def q8_roundtrip(x: np.ndarray, block: int = Q8_BLOCK) -> np.ndarray:
     """What the FP8 combine delivers of partial rows x (fp32 [..., hidden]): e4m3 values with
     one fp32 scale per `block` values (_q8_blocks), dequantized: q * scale, in fp32."""
     x = np.asarray(x, np.float32)
