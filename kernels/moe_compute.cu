@@ -282,17 +282,18 @@ EP_DEVICE void finalize_slots_q8(const TIn* fc2, unsigned char* q, float* scales
     float v[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) v[e] = 0.f;
-    size_t at = 0;  // value index of this lane's 8 values: slot * hidden + block * 128 + lane * 8
+    size_t at = 0;  // value index of this lane's 8 values: slot * hidden + col
     if (live) {
       const unsigned slot = u / per_row;
-      at = static_cast<size_t>(slot) * hidden + (u - slot * per_row) * EP_Q8_BLOCK + lane * 8;
+      const size_t col = (u - slot * per_row) * EP_Q8_BLOCK + lane * 8;  // block * 128 + lane * 8
+      at = static_cast<size_t>(slot) * hidden + col;
       const int* sel = row_of + static_cast<size_t>(slot) * top_k;
       for (int k = 0; k < top_k; ++k) {
         const int row = sel[k];
         if (row < 0) continue;
         const float w = row_weight[row];
         uint4 raw[Q8Load<TIn>::N];  // (fc2 16-byte aligned: the host checks)
-        q8_load<TIn>(fc2 + static_cast<size_t>(row) * hidden + (at - static_cast<size_t>(slot) * hidden), raw);
+        q8_load<TIn>(fc2 + static_cast<size_t>(row) * hidden + col, raw);
         const TIn* x = reinterpret_cast<const TIn*>(raw);
 #pragma unroll
         for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(v[e], __fmul_rn(w, to_float<TIn>(x[e])));
