@@ -8,6 +8,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+from common import fresh_rng, layer_token_counts  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 jax = pytest.importorskip("jax")
@@ -20,11 +21,6 @@ CASES = [  # ep, experts, top_k, hidden, intermediate, max_tokens_per_rank
 ]
 
 
-def _rng():
-    seed = int.from_bytes(os.urandom(8), "little")
-    return np.random.default_rng(seed), f"seed={seed}"
-
-
 def _gpu():
     try:
         return jax.devices("gpu")[0]
@@ -34,16 +30,6 @@ def _gpu():
 
 def _bf16(bits, dev):
     return jax.device_put(jnp.asarray(np.ascontiguousarray(bits).view(jnp.bfloat16)), dev)
-
-
-def _tokens(rng, ep, tmax, step):
-    if step == 0:
-        t = [int(rng.integers(0, tmax + 1)) for _ in range(ep)]
-        t[0] = tmax
-        if ep > 1:
-            t[-1] = 0
-        return t
-    return [int(rng.integers(0, tmax // 2 + 1)) for _ in range(ep)]
 
 
 @pytest.mark.parametrize("gemm", ["ragged", "loop"])
@@ -60,7 +46,7 @@ def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, g
     dev = _gpu()
     if gemm == "ragged" and not hasattr(jax.lax, "ragged_dot"):
         pytest.skip(f"jax {jax.__version__} has no lax.ragged_dot")
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     w1_bits, w2_bits = random_weights(rng, E, H, I)
     w1, w2 = _bf16(w1_bits, dev), _bf16(w2_bits, dev)
     group = ep_a2a.LocalGroup([0] * ep)
@@ -72,7 +58,7 @@ def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, g
             first, n = local_experts(E, ep, r.rank)
             layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=gemm))
         for step in range(2):
-            tokens = _tokens(rng, ep, tmax, step)
+            tokens = layer_token_counts(rng, ep, tmax, step)
             msg = f"{seed} {protocol} {gemm} step {step} tokens={tokens}"
             xs_bits = [from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16") for T in tokens]
             logits = [distinct_logits(rng, T, E) for T in tokens]

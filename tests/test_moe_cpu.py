@@ -6,15 +6,11 @@ import re
 
 import numpy as np
 import pytest
+from common import fresh_rng
 
 from ep_a2a import moe, moe_reference as mref, reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _rng():
-    seed = int.from_bytes(os.urandom(8), "little")
-    return np.random.default_rng(seed), seed
 
 
 def _random_ids(rng, shape, num_experts):
@@ -56,20 +52,20 @@ def _check_properties(ids, w, num_experts, ep, rank, msg):
 @pytest.mark.parametrize("ep,num_experts,top_k,tmax", [(1, 8, 1, 5), (3, 10, 8, 7), (8, 67, 22, 16), (8, 3, 2, 4),
                                                       (72, 288, 8, 2)])
 def test_index_properties_random(ep, num_experts, top_k, tmax):
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     ids = _random_ids(rng, (ep, tmax, top_k), num_experts)
     w = rng.standard_normal((ep, tmax, top_k)).astype(np.float32)
     for rank in range(ep):
-        _check_properties(ids, w, num_experts, ep, rank, f"seed={seed} rank={rank}")
+        _check_properties(ids, w, num_experts, ep, rank, f"{seed} rank={rank}")
 
 
 def test_index_is_deterministic():
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     ids = _random_ids(rng, (4, 33, 6), 16)
     w = rng.standard_normal(ids.shape).astype(np.float32)
     a, b = (mref.build_index(ids.copy(), w.copy(), 16, 4, 1) for _ in range(2))
     for f in ("counts", "offsets", "rows", "row_weight", "row_of"):
-        assert np.array_equal(getattr(a, f), getattr(b, f)), f"seed={seed}: {f}"
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f"{seed}: {f}"
 
 
 def test_token_with_several_local_experts_by_hand():
@@ -88,19 +84,19 @@ def test_token_with_several_local_experts_by_hand():
 
 @pytest.mark.parametrize("num_experts,rank", [(16, 2), (3, 5)])  # no token reaches it / it owns no expert
 def test_empty_rank(num_experts, rank):
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     owner = ref.expert_owner(num_experts, 8)
     others = np.flatnonzero(owner != rank)
     ids = rng.choice(np.append(others, -1), (8, 9, 4)).astype(np.int32)
     idx = mref.build_index(ids, np.ones(ids.shape, np.float32), num_experts, 8, rank)
-    assert idx.total == 0 and (idx.row_of == -1).all() and len(idx.rows) == 0, f"seed={seed}"
+    assert idx.total == 0 and (idx.row_of == -1).all() and len(idx.rows) == 0, f"{seed}"
     assert len(idx.counts) == len(mref.local_experts(num_experts, 8, rank))
     out = mref.finalize(idx, np.zeros((0, 5), np.float32), "float32", "bfloat16")
     assert out.shape == (8 * 9, 5) and (out == 0).all()
 
 
 def test_gather_reference():
-    rng, _ = _rng()
+    rng, _ = fresh_rng()
     ids = _random_ids(rng, (3, 5, 4), 12)
     idx = mref.build_index(ids, np.ones(ids.shape, np.float32), 12, 3, 0)
     src = rng.integers(0, 256, (15, 7), dtype=np.uint8)
@@ -131,7 +127,7 @@ def test_finalize_order_rounding_and_empty_slots():
 
 
 def test_finalize_matches_a_plain_loop():
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     ids = _random_ids(rng, (4, 6, 5), 20)
     w = rng.standard_normal(ids.shape).astype(np.float32)
     idx = mref.build_index(ids, w, 20, 4, 3)
@@ -143,7 +139,7 @@ def test_finalize_matches_a_plain_loop():
             p = idx.row_of[s, k]
             if p >= 0:
                 acc = np.float32(acc + np.float32(idx.row_weight[p]) * fc2[p])
-        assert np.array_equal(got[s].view(np.uint32), acc.view(np.uint32)), f"seed={seed} slot={s}"
+        assert np.array_equal(got[s].view(np.uint32), acc.view(np.uint32)), f"{seed} slot={s}"
 
 
 def test_local_experts_agree_with_reference_split():

@@ -2,19 +2,13 @@
 reference (moe_reference.py), on uploaded arrays and on what a real dispatch left in the
 rank-major workspace; then dispatch -> index -> gather -> stand-in expert -> finalize into the
 combine input -> combine, checked against a per-token reference; and a CUDA graph replay."""
-import os
-
 import numpy as np
 import pytest
+from common import fresh_rng
 
 pytestmark = pytest.mark.gpu
 
 POISON = 0xA5  # every output byte is set to this before a call: a skipped write cannot pass
-
-
-def _rng():
-    seed = int.from_bytes(os.urandom(8), "little")
-    return np.random.default_rng(seed), f"seed={seed}"
 
 
 def _dev():
@@ -100,7 +94,7 @@ def test_build_index_uploaded(ep, top_k, tmax):
     from ep_a2a.driver.memory import from_numpy
     from ep_a2a.driver.stream import Stream
     from ep_a2a.moe import ExpertIndex, build_index
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     dev = _dev()
     st = Stream(dev)
     num_experts = {1: 37, 3: 29, 8: 67}[ep]  # uneven blocks: the first ranks own one more
@@ -139,7 +133,7 @@ def test_build_index_uploaded_shapes(ep, num_experts, top_k, tmax):
     from ep_a2a import moe_reference as mref
     from ep_a2a.driver.memory import from_numpy
     from ep_a2a.moe import build_index
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     dev = _dev()
     ids_h = _ids("replacement", rng, ep, tmax, top_k, num_experts, 0)
     w_h = rng.standard_normal(ids_h.shape).astype(np.float32)
@@ -173,7 +167,7 @@ def test_gather_and_finalize_uploaded(ep, top_k, tmax):
     from ep_a2a.driver.stream import Stream
     from ep_a2a.driver.tensor import Tensor, as_dtype
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     dev = _dev()
     st = Stream(dev)
     num_experts = 8 * ep + 3
@@ -239,7 +233,7 @@ def test_bad_input_rejected_before_launch():
     from ep_a2a.driver.memory import empty, from_numpy, to_numpy
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows
     dev = _dev()
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     ep, tmax, top_k, E = 2, 4, 3, 8
     idx = ExpertIndex(dev, num_experts=E, ep_size=ep, rank=1, max_tokens_per_rank=tmax, top_k=top_k)
     ids = from_numpy(_ids("replacement", rng, ep, tmax, top_k, E, 1), dev)
@@ -350,7 +344,7 @@ def test_dispatch_index_gather_finalize_combine(ep, top_k, tmax, protocol, cdtyp
     from ep_a2a.check import payload_formats, routing
     from ep_a2a.driver.memory import copy_from_numpy, empty, from_numpy, to_numpy
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     H = 384 if fp8 else 128  # (fp8: three 128-value blocks a row, so the block offsets count)
     E = max(4 * ep + 1, 5)  # ep 3 with top_k 22: every token picks every expert (several per rank)
     group = ep_a2a.LocalGroup([0] * ep)
@@ -453,7 +447,7 @@ def test_graph_capture_and_replay(ep, top_k, tmax):
     from ep_a2a.driver.memory import copy_from_numpy, empty, to_numpy
     from ep_a2a.driver.stream import Graph, Stream
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     dev = _dev()
     st = Stream(dev)
     E, rank, H = 4 * ep + 1, ep - 1, 64

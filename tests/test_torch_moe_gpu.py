@@ -3,10 +3,9 @@ float64 reference of the same layer over every token and expert (NumPy), within 
 tolerances stated in torch_moe (TOKEN_REL_L2, ELEMENT_ULPS, TOTAL_REL_L2: six bf16 roundings
 on the path, 2-3x margin over a simulation of them). Fresh random inputs every run; the seed
 is in every failure message."""
-import os
-
 import numpy as np
 import pytest
+from common import fresh_rng, layer_token_counts
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
@@ -21,28 +20,10 @@ CASES = [
 ]
 
 
-def _rng():
-    seed = int.from_bytes(os.urandom(8), "little")
-    return np.random.default_rng(seed), f"seed={seed}"
-
-
 def _cuda():
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device")
     return torch.device("cuda", 0)
-
-
-def _token_counts(rng, ep, tmax, step):
-    """Tokens per rank of one step: step 0 has a full rank and (ep > 1) an empty one."""
-    if step == 0:
-        t = [int(rng.integers(0, tmax + 1)) for _ in range(ep)]
-        t[0] = tmax
-        if ep > 1:
-            t[-1] = 0
-        return t
-    if step == 1:
-        return [int(rng.integers(0, tmax // 2 + 1)) for _ in range(ep)]
-    return [int(rng.integers(1, tmax + 1))] * ep
 
 
 def _build(ep, E, top_k, H, I, tmax, protocol, gemm, rng, dev, combine_quant=None):
@@ -96,11 +77,11 @@ def test_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol):
     from ep_a2a.reference import from_float32
     from ep_a2a.torch_moe import distinct_logits, route_reference
     dev = _cuda()
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     group, a2a, layers, wbits = _build(ep, E, top_k, H, I, tmax, protocol, "auto", rng, dev)
     try:
         for step in range(3):
-            tokens = _token_counts(rng, ep, tmax, step)
+            tokens = layer_token_counts(rng, ep, tmax, step)
             msg = f"{seed} {protocol} step {step} tokens={tokens}"
             xs_bits = [from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16") for T in tokens]
             logits = [distinct_logits(rng, T, E) for T in tokens]
@@ -123,12 +104,12 @@ def test_given_routing_with_repeats_and_empty_selections(gemm):
     unnormalized weights; the per-expert loop and the grouped GEMM."""
     from ep_a2a.reference import from_float32
     dev = _cuda()
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     ep, E, top_k, H, I, tmax = 4, 12, 4, 256, 128, 32
     group, a2a, layers, wbits = _build(ep, E, top_k, H, I, tmax, "fence", gemm, rng, dev)
     try:
         for step in range(2):
-            tokens = _token_counts(rng, ep, tmax, step)
+            tokens = layer_token_counts(rng, ep, tmax, step)
             xs_bits = [from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16") for T in tokens]
             ref_routing, routers = [], []
             for T in tokens:
@@ -155,7 +136,7 @@ def test_layer_with_fp8_combine_close_to_the_bf16_layer():
     from ep_a2a.reference import from_float32, to_float32
     from ep_a2a.torch_moe import bf16_from_bits, bits_from_bf16, distinct_logits, moe_forward_all_ranks
     dev = _cuda()
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     ep, E, top_k, H, I, tmax = 4, 16, 4, 256, 128, 32
     wseed = int(rng.integers(2 ** 31))
     tokens = [tmax, 5, 0, 17]
@@ -191,7 +172,7 @@ def test_torch_dense_reference_agrees_with_numpy():
     from ep_a2a.reference import from_float32
     from ep_a2a.torch_moe import bf16_from_bits, dense_reference, dense_reference_torch, distinct_logits, random_weights, route_reference
     dev = _cuda()
-    rng, seed = _rng()
+    rng, seed = fresh_rng()
     N, E, top_k, H, I = 50, 8, 3, 128, 64
     w1, w2 = random_weights(rng, E, H, I)
     x = from_float32(rng.standard_normal((N, H)).astype(np.float32), "bfloat16")
