@@ -1,32 +1,23 @@
 # Kernels are compiled ahead of time into one cubin per source and architecture:
 # sm_90 (H100/H200), sm_100 (B200), sm_103 (B300). The package loads the one that matches.
-NVCC      ?= nvcc
+# kernels/build.py holds the rules (pip's builds run the same script through setup.py); it
+# needs only the standard library and rebuilds what is stale. NVCC=/path/to/nvcc picks the
+# compiler (default: $$CUDA_HOME/bin/nvcc, then nvcc on PATH).
+NVCC      ?=
 PYTHON    ?= python3
 ARCHS     ?= 90 100 103
-NVCCFLAGS ?= -O3 -std=c++17 -lineinfo -Xptxas -warn-spills
-CUBIN_DIR := ep_a2a/cubins
-SOURCES   := $(wildcard kernels/*.cu)
-HEADERS   := $(wildcard kernels/*.cuh) kernels/generated/params.cuh
-CUBINS    := $(foreach a,$(ARCHS),$(patsubst kernels/%.cu,$(CUBIN_DIR)/%.sm_$(a).cubin,$(SOURCES)))
 VENV      := .venv
 VPY       := $(VENV)/bin/python
 
-.PHONY: all cubins test gpu-test bench demo clean setup
+.PHONY: all cubins header test gpu-test bench demo clean setup
 
 all: cubins
 
-cubins: $(CUBINS)
+cubins:
+	$(PYTHON) kernels/build.py $(if $(NVCC),--nvcc "$(NVCC)") --archs "$(ARCHS)"
 
-kernels/generated/params.cuh: ep_a2a/layout.py
-	@mkdir -p $(dir $@)
-	$(PYTHON) -m ep_a2a.layout --header > $@.tmp && mv $@.tmp $@
-
-define CUBIN_RULE
-$(CUBIN_DIR)/%.sm_$(1).cubin: kernels/%.cu $(HEADERS)
-	@mkdir -p $(CUBIN_DIR)
-	$(NVCC) -cubin -arch=sm_$(1) $(NVCCFLAGS) -o $$@ $$<
-endef
-$(foreach a,$(ARCHS),$(eval $(call CUBIN_RULE,$(a))))
+header:
+	$(PYTHON) kernels/build.py --header-only
 
 # A fresh machine: a virtual environment with the package and its test extra.
 $(VENV)/.installed: pyproject.toml
@@ -53,4 +44,4 @@ demo: setup cubins
 	$(VPY) -m ep_a2a
 
 clean:
-	rm -rf $(CUBIN_DIR) kernels/generated
+	rm -rf ep_a2a/cubins kernels/generated build *.egg-info

@@ -1,18 +1,41 @@
 """ep_a2a: one-sided expert-parallel all-to-all (MoE dispatch/combine) over NVLink
-symmetric memory, with the FENCE and SENTINEL synchronization protocols (paper: NVLinkOneSided)."""
-__version__ = "0.1.0"
+symmetric memory, with the FENCE and SENTINEL synchronization protocols (paper: NVLinkOneSided).
 
-from .driver.errors import CudaError, EpA2AError, NoDriverError  # noqa: E402
-from .errors import (ActiveRanksMismatchError, PeerAbortedError, PeerError, PeerTimeoutError,  # noqa: E402
-                     RuntimeMaxMismatchError)
-from .group import LocalGroup, ProcessGroup, Rank  # noqa: E402
-from .alltoall import Fp8Partial, MoeAlltoAll, PayloadSpec, StateError  # noqa: E402
-from .bootstrap import MpiBootstrap, TorchDistributedBootstrap, UnixSocketBootstrap  # noqa: E402
-from .driver.tensor import Tensor, as_tensor  # noqa: E402
-from .moe import ExpertIndex, build_index, finalize, gather_rows  # noqa: E402,F401
+The public names load on first use (PEP 562), so that importing a submodule that needs only
+the standard library (`ep_a2a.layout`, which the build runs to generate the kernels' header)
+does not import cuda.bindings or NumPy."""
+from __future__ import annotations
 
-__all__ = ["CudaError", "EpA2AError", "NoDriverError", "PeerError", "PeerTimeoutError", "PeerAbortedError", "RuntimeMaxMismatchError",
-           "ActiveRanksMismatchError",
-           "LocalGroup", "ProcessGroup", "Rank", "MoeAlltoAll", "PayloadSpec", "Fp8Partial", "StateError",
-           "UnixSocketBootstrap", "TorchDistributedBootstrap", "MpiBootstrap", "Tensor", "as_tensor",
-           "ExpertIndex", "build_index", "gather_rows", "finalize"]
+import importlib
+import importlib.util
+
+__version__ = "0.1.0"   # the one version number: pyproject.toml reads it from here
+
+_EXPORTS = {
+    ".driver.errors": ["CudaError", "EpA2AError", "NoDriverError"],
+    ".driver.module": ["DriverTooOldError"],
+    ".errors": ["PeerError", "PeerTimeoutError", "PeerAbortedError", "RuntimeMaxMismatchError",
+                "ActiveRanksMismatchError"],
+    ".group": ["LocalGroup", "ProcessGroup", "Rank"],
+    ".alltoall": ["MoeAlltoAll", "PayloadSpec", "Fp8Partial", "StateError"],
+    ".bootstrap": ["UnixSocketBootstrap", "TorchDistributedBootstrap", "MpiBootstrap"],
+    ".driver.tensor": ["Tensor", "as_tensor"],
+    ".moe": ["ExpertIndex", "build_index", "gather_rows", "finalize"],
+}
+_HOME = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str):
+    module = _HOME.get(name)
+    if module is None:  # a submodule, e.g. ep_a2a.bootstrap.UnixSocketBootstrap
+        if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
+            raise AttributeError(f"module 'ep_a2a' has no attribute {name!r}")
+        return importlib.import_module(f"{__name__}.{name}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
