@@ -19,7 +19,7 @@ _EXPORTS = {
     ".group": ["LocalGroup", "ProcessGroup", "Rank"],
     ".alltoall": ["MoeAlltoAll", "PayloadSpec", "Fp8Partial", "StateError"],
     ".bootstrap": ["UnixSocketBootstrap", "TorchDistributedBootstrap", "MpiBootstrap"],
-    ".driver.tensor": ["Tensor", "as_tensor"],
+    ".interop.tensor": ["Tensor", "as_tensor"],
     ".moe": ["ExpertIndex", "build_index", "gather_rows", "finalize"],
 }
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}

@@ -26,7 +26,7 @@ from .driver.launch import Launch, launch_once, occupancy
 from .driver.memory import DeviceAllocation, has_held, hold_frees, release_held
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
-from .driver.tensor import CUDA, Tensor, as_dtype as lookup_dtype, as_tensor
+from .interop.tensor import CUDA, Tensor, as_dtype as lookup_dtype, as_tensor
 from .driver.vmm import HostMapped
 from .errors import error_from_record
 from .layout import (A2AParams, ErrorRecord, MAX_PAYLOADS, MAX_RANKS, MAX_TOP_K, Q8_BLOCK, TAG_TMAX_BITS,
@@ -146,6 +146,7 @@ class MoeAlltoAll:
 
         self.group, self.ep_size, self.top_k, self.num_experts = group, ep, top_k, num_experts
         self.max_tokens_per_rank, self.payload_specs, self.protocol = max_tokens_per_rank, payloads, protocol
+        self.built_protocol = protocol
         self.combine_hidden_size, self.combine_dtype = combine_hidden_size, cdt
         self.timeout_s, self.first_timeout_s = timeout_s, first_timeout_s
         self.validate_expert_ids, self.pdl, self.threads = validate_expert_ids, pdl, threads
@@ -213,6 +214,20 @@ class MoeAlltoAll:
             return self.protocol
         return "sentinel" if runtime_max_tokens_per_rank <= self.crossover_tokens else "fence"
 
+    def use_protocol(self, protocol: str) -> None:
+        """Switch the protocol of the following steps: "fence", "sentinel" or "auto", among
+        those this all-to-all was built for (one built with "fence" has no SENTINEL workspace).
+        Collective: every rank switches between the same two steps."""
+        built = ("fence", "sentinel", "auto") if self.layout.sentinel else ("fence",)
+        _require(protocol in built, "protocol", f"must be one of {built} for an all-to-all built with "
+                 f"protocol={self.built_protocol!r}, got {protocol!r}")
+        for r in self.ranks:
+            if r.mid_step:
+                raise StateError(f"rank {r.rank}: use_protocol between dispatch and combine")
+        if protocol != "fence" and self.combine_quant:
+            raise ValueError(f"protocol: combine_quant={self.combine_quant!r} needs 'fence', got {protocol!r}")
+        self.protocol = protocol
+
     def set_active_ranks(self, ranks) -> None:
         """Go on without failed ranks: from the next step no kernel waits on a rank outside
         `ranks`, and selections of its experts are dropped (counted by dropped_selections()).
@@ -229,7 +244,7 @@ class MoeAlltoAll:
         _require(set(new) <= set(self.active_ranks), "ranks",
                  f"can only remove ranks (active now: {list(self.active_ranks)}); rebuild to add {sorted(set(new) - set(self.active_ranks))}")
         for r in self.ranks:
-            if r._dispatched_tmax is not None:
+            if r.mid_step:
                 raise StateError(f"rank {r.rank}: set_active_ranks between dispatch and combine")
         self.active_ranks = new
         for r in self.ranks:
@@ -509,6 +524,27 @@ class RankAlltoAll:
         self._repeat_dispatch = _Repeat.of(self, steps_before, early_before, stream, tmax,
                                            [token_selected_experts, *payloads], s, T, proto, launch, views)
         return views
+
+    @property
+    def mid_step(self) -> bool:
+        """This rank has dispatched and not yet combined."""
+        return self._dispatched_tmax is not None
+
+    def abandon_dispatch(self) -> None:
+        """Forget the dispatch awaiting its combine, so that the next call may be a dispatch:
+        for dispatch-only CUDA graphs (the benchmark times dispatch alone). The device state
+        needs nothing: a dispatch never waits for the combine before it."""
+        self._dispatched_tmax = None
+
+    def dispatch_records(self, num_tokens: int) -> Tensor:
+        """The (target rank, slot) record the last dispatch left for combine, for its first
+        `num_tokens` local tokens and every selection: int32 [num_tokens, top_k], packed as
+        layout.record_target / layout.record_slot read them, -1 where the selection has no
+        slot. Valid until the next dispatch."""
+        self._check_open()
+        n = self.a2a.max_tokens_per_rank
+        _require(type(num_tokens) is int and 0 <= num_tokens <= n, "num_tokens", f"must be an int in 0..{n}, got {num_tokens!r}")
+        return self._view(self.a2a.layout.off_records, (num_tokens, self.a2a.top_k), "int32", None)
 
     def _dispatch_again(self, r: "_Repeat", ids) -> tuple:
         """dispatch() with the same tensors, T^, stream and state as the last one: only what

@@ -137,7 +137,7 @@ class Bench:
 
     def _inputs(self, T: int):
         from .check import random_payload, routing
-        from .driver.memory import copy_from_numpy, from_numpy
+        from .interop.arrays import copy_from_numpy, from_numpy
         from .reference import from_float32
         a = self.args
         ids = [routing(a.routing, self.route_rng, T, self.top_k, self.num_experts, self.ep, s, a.alpha)
@@ -208,7 +208,7 @@ class Bench:
         kernels' block size), over a flag matrix and step counters of this GPU's memory."""
         import ctypes
         from .driver.launch import Launch
-        from .driver.memory import from_numpy
+        from .interop.arrays import from_numpy
         from .driver.module import load
         self._flag_mem = from_numpy(np.zeros(self.ep * self.ep + self.ep + 1, np.uint32), self.dev)
         flags, state = self._flag_mem.ptr, self._flag_mem.ptr + 4 * self.ep * self.ep
@@ -221,7 +221,7 @@ class Bench:
         """µs of two flag rounds over every rank (one per phase, as dispatch and combine
         each hold one), captured and replayed like the protocols: what crossing ranks
         costs before any token moves."""
-        from .driver.memory import to_numpy
+        from .interop.arrays import to_numpy
 
         def body():
             for _ in range(2):
@@ -236,7 +236,7 @@ class Bench:
         """µs of one device-to-device copy of `nbytes` on this process's first GPU."""
         from cuda.bindings import driver as _drv
         from .driver.errors import call
-        from .driver.memory import empty
+        from .interop.arrays import empty
         src, dst = empty((nbytes,), "uint8", self.dev), empty((nbytes,), "uint8", self.dev)
         s0 = self.streams[0]
         return self._time_body(lambda: call(_drv.cuMemcpyDtoDAsync, dst.ptr, src.ptr, nbytes, s0), self.streams[:1])
@@ -246,7 +246,7 @@ class Bench:
         mapped workspace of the next rank on another GPU, i.e. over NVLink."""
         from cuda.bindings import driver as _drv
         from .driver.errors import call
-        from .driver.memory import empty
+        from .interop.arrays import empty
         n = min(nbytes, self.a2a.workspace_bytes_per_rank)
         jobs = []
         for i, r in enumerate(self.group.ranks):

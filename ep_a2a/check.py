@@ -8,7 +8,7 @@ import numpy as np
 
 from . import reference as ref
 from .alltoall import PayloadSpec
-from .driver.memory import copy_from_numpy, empty, from_numpy, to_numpy
+from .interop.arrays import copy_from_numpy, empty, from_numpy, to_numpy
 from .layout import sentinel_kind
 
 # payload formats (besides the int32 expert ids, always sent): name -> specs for a hidden size
@@ -35,7 +35,7 @@ def random_payload(rng, spec: PayloadSpec, T: int) -> np.ndarray:
         return rng.standard_normal(shape).astype(spec.dtype)
     if spec.dtype == "int32":
         return rng.integers(-2**31, 2**31 - 1, shape, dtype=np.int64).astype(np.int32)
-    from .driver.tensor import as_dtype as lookup
+    from .interop.tensor import as_dtype as lookup
     return rng.integers(0, 256, shape + (lookup(spec.dtype).itemsize,), dtype=np.uint8).view(
         _NP_BITS[lookup(spec.dtype).itemsize]).reshape(shape)
 

@@ -33,8 +33,8 @@ import numpy as np
 from cuda.bindings import driver as _drv
 
 from .driver.errors import call
-from .driver.memory import empty
-from .driver.tensor import as_tensor
+from .interop.arrays import empty
+from .interop.tensor import as_tensor
 from .moe import ExpertIndex
 from .moe_layer import (LayerBase, check_layer_output, dense_reference, distinct_logits,  # noqa: F401
                         max_relative_error, payload_specs, random_weights, route_reference, run_phases)

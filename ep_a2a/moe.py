@@ -34,7 +34,7 @@ from .driver.launch import Launch
 from .driver.memory import DeviceAllocation
 from .driver.module import load
 from .driver.stream import stream_handle
-from .driver.tensor import CUDA, Tensor, as_tensor, float32, int32
+from .interop.tensor import CUDA, Tensor, as_tensor, float32, int32
 from .layout import MAX_RANKS, MAX_TOP_K, Q8_BLOCK
 
 MAX_LOCAL_EXPERTS = 1024

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .driver.tensor import as_tensor
+from .interop.tensor import as_tensor
 from .moe import ExpertIndex
 from .moe_layer import (LayerBase, check_layer_output, dense_reference, distinct_logits,  # noqa: F401
                         max_relative_error, payload_specs, random_weights, route_reference, run_phases)

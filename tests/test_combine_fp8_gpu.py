@@ -42,7 +42,7 @@ def test_fp8_combine_input_rules():
     with group, a2a:
         r0, r1 = a2a.ranks
         run_step(a2a, rng, [4, 4], 8)
-        from ep_a2a.driver.memory import from_numpy
+        from ep_a2a.interop.arrays import from_numpy
         # (inputs first: in-process ranks spin on each other, so nothing blocks between launches)
         ins = [(from_numpy(np.zeros((2, 2), np.int32), r.device, "int32"),
                 [_zeros(sp, 2, r.device) for sp in a2a.payload_specs]) for r in a2a.ranks]
@@ -64,7 +64,7 @@ def test_fp8_combine_input_rules():
 
 
 def _zeros(spec, rows, device):
-    from ep_a2a.driver.memory import copy_from_numpy, empty
+    from ep_a2a.interop.arrays import copy_from_numpy, empty
     t = empty((rows,) + tuple(spec.shape), spec.dtype, device)
     copy_from_numpy(t, np.zeros(t.nbytes, np.uint8))
     return t
@@ -118,7 +118,7 @@ def test_fp8_combine_into_an_out_aligned_only_to_its_elements():
     """The reduction's element-wise store path: an `out` 2 bytes past a 16-byte boundary gets
     the model's bytes (bitwise), and the words around it are untouched."""
     from ep_a2a.check import run_step
-    from ep_a2a.driver.memory import copy_from_numpy, empty, to_numpy
+    from ep_a2a.interop.arrays import copy_from_numpy, empty, to_numpy
     rng = np.random.default_rng()
     ep, T, H = 4, 9, 256
     group, a2a = make(ep, top_k=4, hidden=H, combine_quant="fp8", max_tokens=16)

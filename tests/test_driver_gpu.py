@@ -18,7 +18,7 @@ def _fill(dev, t, value, stream):
 
 def test_cubin_launch_and_graph_replay():
     from ep_a2a.driver import get_device
-    from ep_a2a.driver.memory import empty, to_numpy
+    from ep_a2a.interop.arrays import empty, to_numpy
     from ep_a2a.driver.stream import Graph, Stream
     dev = get_device(0)
     s = Stream(dev)
@@ -53,9 +53,9 @@ def test_local_group_peers_pingpong():
     """Two in-process ranks on one GPU: each reaches the other's region through the table."""
     import ep_a2a
     from ep_a2a.driver.launch import launch_once
-    from ep_a2a.driver.memory import to_numpy
+    from ep_a2a.interop.arrays import to_numpy
     from ep_a2a.driver.module import load
-    from ep_a2a.driver.tensor import Tensor
+    from ep_a2a.interop.tensor import Tensor
     from ep_a2a.symmetric import SymmetricWorkspace
     with ep_a2a.LocalGroup([0, 0]) as g, SymmetricWorkspace(g, 1 << 20) as ws:
         dev = g.ranks[0].device
@@ -82,8 +82,8 @@ def _rendezvous_child(rank, world, name, base_dir, q):
     try:
         import ep_a2a
         from ep_a2a.bootstrap import UnixSocketBootstrap
-        from ep_a2a.driver.memory import copy_from_numpy, to_numpy
-        from ep_a2a.driver.tensor import Tensor
+        from ep_a2a.interop.arrays import copy_from_numpy, to_numpy
+        from ep_a2a.interop.tensor import Tensor
         from ep_a2a.symmetric import SymmetricWorkspace
         with UnixSocketBootstrap(rank, world, name=name, base_dir=base_dir, timeout=60) as bs:
             g = ep_a2a.ProcessGroup(bs, 0)

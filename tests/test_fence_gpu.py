@@ -102,7 +102,7 @@ def identity_step(a2a, rng, tokens, T, graph_replays=0):
     from cuda.bindings import driver as d
     from ep_a2a import reference as ref
     from ep_a2a.check import random_payload, routing
-    from ep_a2a.driver.memory import copy_from_numpy, empty, from_numpy, to_numpy
+    from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy, to_numpy
     from ep_a2a.driver.stream import Event, Graph
     ep, k, H = a2a.ep_size, a2a.top_k, a2a.combine_hidden_size
     group = a2a.group
@@ -164,8 +164,8 @@ def _upload_at_end_of_mapping(keep):
     """An uploader that places each input so it ends exactly where its VMM mapping ends:
     a kernel reading past an input then normally faults (the VA after a reservation is
     usually unmapped) instead of silently reading a neighbour."""
-    from ep_a2a.driver.memory import copy_from_numpy
-    from ep_a2a.driver.tensor import Tensor
+    from ep_a2a.interop.arrays import copy_from_numpy
+    from ep_a2a.interop.tensor import Tensor
     from ep_a2a.driver.vmm import DeviceBuffer
 
     def upload(array, device, dtype):
@@ -204,7 +204,7 @@ def test_timeout_names_missing_peer(protocol, phase):
     r = _run_child(f"""
         import numpy as np, ep_a2a
         from ep_a2a.check import payload_formats
-        from ep_a2a.driver.memory import from_numpy
+        from ep_a2a.interop.arrays import from_numpy
         g = ep_a2a.LocalGroup([0, 0, 0])
         a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=4, top_k=2, num_experts=6, payloads=payload_formats(32, 2)["bf16"],
                                combine_hidden_size=32, timeout_s=0.5, first_timeout_s=0.5, protocol="{protocol}")
@@ -228,7 +228,7 @@ def test_runtime_max_mismatch_detected(protocol):
     r = _run_child(f"""
         import numpy as np, ep_a2a
         from ep_a2a.check import payload_formats
-        from ep_a2a.driver.memory import from_numpy
+        from ep_a2a.interop.arrays import from_numpy
         g = ep_a2a.LocalGroup([0, 0])
         a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=8, top_k=2, num_experts=4, payloads=payload_formats(32, 2)["bf16"],
                                combine_hidden_size=32, timeout_s=5, protocol="{protocol}")
@@ -246,7 +246,7 @@ def test_runtime_max_mismatch_detected(protocol):
 
 
 def test_bad_input_rejected_before_launch_and_workspace_intact():
-    from ep_a2a.driver.memory import from_numpy
+    from ep_a2a.interop.arrays import from_numpy
     from ep_a2a.check import routing, random_payload
     rng = np.random.default_rng()
     group, a2a = make(2, hidden=64, top_k=2, max_tokens=8, num_experts=8)

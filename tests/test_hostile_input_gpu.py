@@ -69,7 +69,7 @@ def fresh(env):
 @pytest.fixture(scope="module", params=["fence", "sentinel"])
 def env(request):
     import ep_a2a
-    from ep_a2a.driver.memory import copy_from_numpy, empty
+    from ep_a2a.interop.arrays import copy_from_numpy, empty
     group = ep_a2a.LocalGroup([0] * EP)
     a2a = _build(group, request.param)
     dev = group.ranks[0].device
@@ -85,21 +85,21 @@ def env(request):
 
 def view(env, shape, dtype, strides=None, device=(CUDA, 0), offset=0):
     """A tensor over the scratch bytes with any shape, dtype, strides and claimed device."""
-    from ep_a2a.driver.tensor import Tensor
+    from ep_a2a.interop.tensor import Tensor
     return Tensor(env.scratch.ptr + offset, shape, dtype, strides=strides, device=device, owner=env.scratch)
 
 
 def host_tensor(shape, dtype):
     """A tensor over host (NumPy) memory with the right dtype, even where NumPy has no such dtype."""
-    from ep_a2a.driver.tensor import Tensor, as_dtype
+    from ep_a2a.interop.tensor import Tensor, as_dtype
     arr = np.zeros(int(np.prod(shape)) * as_dtype(dtype).itemsize + 16, np.uint8)
     return Tensor(arr.ctypes.data, shape, dtype, device=(CPU, 0), owner=arr)
 
 
 def snapshot(a2a):
     """Everything a launch would change: every rank's workspace bytes, error record, step count."""
-    from ep_a2a.driver.memory import to_numpy
-    from ep_a2a.driver.tensor import Tensor
+    from ep_a2a.interop.arrays import to_numpy
+    from ep_a2a.interop.tensor import Tensor
     a2a.synchronize()
     ws = [to_numpy(Tensor(a2a.workspace.base(i), (a2a.workspace.size,), "uint8", device=(CUDA, r.device.ordinal)))
           for i, r in enumerate(a2a.ranks)]
@@ -136,7 +136,7 @@ def expect_rejected(env, call, exc, name, finish):
 
 def good_inputs(env, rng, T):
     from ep_a2a.check import random_payload, routing
-    from ep_a2a.driver.memory import from_numpy
+    from ep_a2a.interop.arrays import from_numpy
     ids = from_numpy(routing("uniform", rng, T, TOP_K, E, EP, 0, invalid_fraction=0.1), env.dev, "int32")
     pay = [from_numpy(random_payload(rng, s, T), env.dev, s.dtype) for s in env.a2a.payload_specs]
     return ids, pay
@@ -144,7 +144,7 @@ def good_inputs(env, rng, T):
 
 def finish_dispatch_step(env):
     """Rank 0 dispatched by mistake: the others dispatch nothing at its T^, then all combine."""
-    from ep_a2a.driver.memory import empty
+    from ep_a2a.interop.arrays import empty
     r0 = env.a2a.ranks[0]
     tmax = r0._dispatched_tmax
     for r in env.a2a.ranks[1:]:
@@ -181,7 +181,7 @@ def begin_step(env, rng, tokens, tmax):
     partial results into every rank's combine input: the step waits for its combine."""
     from ep_a2a import reference as ref
     from ep_a2a.check import StepReport, _check_dispatch, random_payload, read_records, routing
-    from ep_a2a.driver.memory import copy_from_numpy, empty, from_numpy
+    from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy
     a2a = env.a2a
     gc.collect()
     ids_h = [routing("uniform", rng, tokens[s], TOP_K, E, EP, s, invalid_fraction=0.1) for s in range(EP)]
@@ -209,7 +209,7 @@ def begin_step(env, rng, tokens, tmax):
 def finish_step(env, stp, skip=()):
     """Combine on every rank not in `skip`, then every output against the reference."""
     from ep_a2a import reference as ref
-    from ep_a2a.driver.memory import to_numpy
+    from ep_a2a.interop.arrays import to_numpy
     from ep_a2a.layout import sentinel_kind
     a2a = env.a2a
     for s, r in enumerate(a2a.ranks):
@@ -231,7 +231,7 @@ def finish_step(env, stp, skip=()):
 # ------------------------------------------------------------------------ strategies
 
 def _other_dtype(right):
-    from ep_a2a.driver.tensor import DTYPES
+    from ep_a2a.interop.tensor import DTYPES
     return st.sampled_from(sorted(n for n in DTYPES if n != right))
 
 
@@ -239,7 +239,7 @@ def _other_dtype(right):
 def bad_strides(draw, shape):
     """Strides (elements) that make `shape` non-contiguous, within the scratch buffer."""
     strides = tuple(draw(st.integers(0, 3 * max(shape) + 2)) for _ in shape)
-    from ep_a2a.driver.tensor import _contiguous_strides
+    from ep_a2a.interop.tensor import _contiguous_strides
     contiguous = _contiguous_strides(shape)
     moving = [i for i, n in enumerate(shape) if n > 1]
     hypothesis.assume(moving and any(strides[i] != contiguous[i] for i in moving))
@@ -264,7 +264,7 @@ def _bad_tensor(draw, env, right_shape, right_dtype, name, probed_elsewhere):
         hypothesis.assume(not t.is_contiguous)  # (a tensor with no elements is always contiguous)
         return t, ValueError, name
     if kind == "numpy_host":
-        from ep_a2a.driver.tensor import as_dtype
+        from ep_a2a.interop.tensor import as_dtype
         np_dt = as_dtype(right_dtype).numpy
         if np_dt is None or np_dt.kind not in "iuf":  # bfloat16 / float8: no NumPy dtype
             return host_tensor(right_shape, right_dtype), ValueError, name
@@ -293,7 +293,7 @@ def _same_tmax(v, tmax) -> bool:
 @given(data=st.data(), seed=st.integers(0, 2 ** 32 - 1))
 def test_hostile_dispatch_rejected_before_launch(env, data, seed):
     fresh(env)
-    from ep_a2a.driver.memory import from_numpy
+    from ep_a2a.interop.arrays import from_numpy
     rng = np.random.default_rng(seed)
     r0, specs = env.a2a.ranks[0], env.a2a.payload_specs
     tmax = data.draw(st.integers(1, MAXT), label="runtime_max")
@@ -421,7 +421,7 @@ def test_hostile_combine_rejected_before_launch(env, data, seed):
 def test_calls_out_of_order_raise_state_error(env, seed, staged):
     fresh(env)
     from ep_a2a import StateError
-    from ep_a2a.driver.memory import from_numpy
+    from ep_a2a.interop.arrays import from_numpy
     rng = np.random.default_rng(seed)
     r0 = env.a2a.ranks[0]
     tmax = int(rng.integers(1, MAXT + 1))
@@ -540,7 +540,7 @@ def test_use_after_close_raises_state_error():
     import ep_a2a
     from ep_a2a import StateError
     from ep_a2a.check import payload_formats, run_step
-    from ep_a2a.driver.memory import from_numpy
+    from ep_a2a.interop.arrays import from_numpy
     rng = np.random.default_rng()
     group = ep_a2a.LocalGroup([0, 0])
     a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=8, top_k=2, num_experts=4,
@@ -591,8 +591,8 @@ def test_misaligned_inputs_rejected_or_delivered_exactly():
     code = f"""
         import numpy as np, ep_a2a
         from ep_a2a.check import payload_formats, run_step
-        from ep_a2a.driver.memory import copy_from_numpy, empty
-        from ep_a2a.driver.tensor import Tensor
+        from ep_a2a.interop.arrays import copy_from_numpy, empty
+        from ep_a2a.interop.tensor import Tensor
         keep = []
         def upload(array, device, dtype):
             a = np.ascontiguousarray(array)

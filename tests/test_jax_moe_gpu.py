@@ -37,7 +37,7 @@ def _bf16(bits, dev):
 @pytest.mark.parametrize("ep,E,top_k,H,I,tmax", CASES)
 def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, gemm):
     import ep_a2a
-    from ep_a2a.driver.memory import copy_from_numpy
+    from ep_a2a.interop.arrays import copy_from_numpy
     from ep_a2a.jax_moe import JaxMoeLayer, moe_forward_all_ranks
     from ep_a2a.moe import local_experts
     from ep_a2a.reference import from_float32

@@ -17,12 +17,12 @@ def _dev():
 
 
 def _poison(t):
-    from ep_a2a.driver.memory import copy_from_numpy
+    from ep_a2a.interop.arrays import copy_from_numpy
     copy_from_numpy(t, np.full(t.nbytes, POISON, np.uint8))
 
 
 def _poison_index(idx):
-    from ep_a2a.driver.tensor import Tensor
+    from ep_a2a.interop.tensor import Tensor
     _poison(Tensor(idx._alloc.ptr, (idx.nbytes,), "uint8", device=(2, idx.device.ordinal)))
 
 
@@ -60,7 +60,7 @@ def _ids(kind, rng, ep, tmax, top_k, num_experts, rank):
 
 
 def _check_index(idx, want, msg):
-    from ep_a2a.driver.memory import to_numpy
+    from ep_a2a.interop.arrays import to_numpy
     total = want.total
     got = {f: to_numpy(getattr(idx, f)) for f in ("counts", "offsets", "rows", "row_weight", "row_of")}
     assert np.array_equal(got["counts"], want.counts), f"{msg}: counts"
@@ -91,7 +91,7 @@ def _nan_rows(a, start, dtype):
 @pytest.mark.parametrize("ep", [1, 3, 8])
 def test_build_index_uploaded(ep, top_k, tmax):
     from ep_a2a import moe_reference as mref
-    from ep_a2a.driver.memory import from_numpy
+    from ep_a2a.interop.arrays import from_numpy
     from ep_a2a.driver.stream import Stream
     from ep_a2a.moe import ExpertIndex, build_index
     rng, seed = fresh_rng()
@@ -131,7 +131,7 @@ def test_build_index_uploaded(ep, top_k, tmax):
 ])
 def test_build_index_uploaded_shapes(ep, num_experts, top_k, tmax):
     from ep_a2a import moe_reference as mref
-    from ep_a2a.driver.memory import from_numpy
+    from ep_a2a.interop.arrays import from_numpy
     from ep_a2a.moe import build_index
     rng, seed = fresh_rng()
     dev = _dev()
@@ -149,7 +149,7 @@ def test_build_index_uploaded_shapes(ep, num_experts, top_k, tmax):
 
 def _check_index_written(idx, want, msg):
     """_check_index without the poison check (a fresh index was never poisoned)."""
-    from ep_a2a.driver.memory import to_numpy
+    from ep_a2a.interop.arrays import to_numpy
     total = want.total
     assert np.array_equal(to_numpy(idx.counts), want.counts), f"{msg}: counts"
     assert np.array_equal(to_numpy(idx.offsets), want.offsets), f"{msg}: offsets"
@@ -163,9 +163,9 @@ def _check_index_written(idx, want, msg):
                                            (8, 8, 4096)])
 def test_gather_and_finalize_uploaded(ep, top_k, tmax):
     from ep_a2a import moe_reference as mref
-    from ep_a2a.driver.memory import copy_from_numpy, empty, from_numpy, to_numpy
+    from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy, to_numpy
     from ep_a2a.driver.stream import Stream
-    from ep_a2a.driver.tensor import Tensor, as_dtype
+    from ep_a2a.interop.tensor import Tensor, as_dtype
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows
     rng, seed = fresh_rng()
     dev = _dev()
@@ -230,7 +230,7 @@ def test_gather_and_finalize_uploaded(ep, top_k, tmax):
 
 
 def test_bad_input_rejected_before_launch():
-    from ep_a2a.driver.memory import empty, from_numpy, to_numpy
+    from ep_a2a.interop.arrays import empty, from_numpy, to_numpy
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows
     dev = _dev()
     rng, seed = fresh_rng()
@@ -342,7 +342,7 @@ def test_dispatch_index_gather_finalize_combine(ep, top_k, tmax, protocol, cdtyp
     from ep_a2a import reference as ref
     from ep_a2a import moe_reference as mref
     from ep_a2a.check import payload_formats, routing
-    from ep_a2a.driver.memory import copy_from_numpy, empty, from_numpy, to_numpy
+    from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy, to_numpy
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows
     rng, seed = fresh_rng()
     H = 384 if fp8 else 128  # (fp8: three 128-value blocks a row, so the block offsets count)
@@ -444,7 +444,7 @@ def test_dispatch_index_gather_finalize_combine(ep, top_k, tmax, protocol, cdtyp
 @pytest.mark.parametrize("ep,top_k,tmax", [(8, 8, 7), (3, 8, 4096)])  # the one-kernel and the three-kernel index
 def test_graph_capture_and_replay(ep, top_k, tmax):
     from ep_a2a import moe_reference as mref
-    from ep_a2a.driver.memory import copy_from_numpy, empty, to_numpy
+    from ep_a2a.interop.arrays import copy_from_numpy, empty, to_numpy
     from ep_a2a.driver.stream import Graph, Stream
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows
     rng, seed = fresh_rng()

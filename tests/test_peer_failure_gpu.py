@@ -28,7 +28,7 @@ def _rank_main(rank, name, base_dir, protocol, scenario, seed, conn):
         import ep_a2a
         from ep_a2a.bootstrap import BootstrapError, UnixSocketBootstrap
         from ep_a2a.check import payload_formats, random_payload, run_step
-        from ep_a2a.driver.memory import copy_from_numpy, from_numpy
+        from ep_a2a.interop.arrays import copy_from_numpy, from_numpy
         from ep_a2a.reference import from_float32
         bs = UnixSocketBootstrap(rank, 2, name=name, base_dir=base_dir, timeout=30)
         g = ep_a2a.ProcessGroup(bs, 0)

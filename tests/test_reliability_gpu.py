@@ -26,7 +26,7 @@ def _make(group, protocol, **kw):
 
 def _inputs(a2a, rank, T, rng, experts=None):
     from ep_a2a.check import random_payload
-    from ep_a2a.driver.memory import from_numpy
+    from ep_a2a.interop.arrays import from_numpy
     dev = next(r.device for r in a2a.ranks if r.rank == rank)
     ids = experts if experts is not None else rng.integers(0, a2a.num_experts, (T, a2a.top_k)).astype(np.int32)
     pays = [from_numpy(random_payload(rng, sp, T), dev, sp.dtype) for sp in a2a.payload_specs]

@@ -12,7 +12,7 @@ import pytest
 
 import ep_a2a.alltoall as A
 from ep_a2a.check import payload_formats
-from ep_a2a.driver.tensor import Tensor, as_dtype
+from ep_a2a.interop.tensor import Tensor, as_dtype
 from ep_a2a.layout import WorkspaceLayout, landing_bytes, sentinel_kind
 
 EP, TMAX, H = 8, 64, 7168

@@ -7,9 +7,9 @@ import weakref
 import numpy as np
 import pytest
 
-from ep_a2a.driver import dlpack as dl
-from ep_a2a.driver import tensor as T
-from ep_a2a.driver.tensor import Tensor, as_tensor, from_numpy
+from ep_a2a.interop import dlpack as dl
+from ep_a2a.interop import tensor as T
+from ep_a2a.interop.tensor import Tensor, as_tensor, from_numpy
 
 rng = np.random.default_rng()
 

@@ -37,6 +37,12 @@ def init() -> None:
         _initialized = True
 
 
+def driver_version() -> int:
+    """cuDriverGetVersion: 1000 * major + 10 * minor of the CUDA version the driver supports."""
+    init()
+    return call(_drv.cuDriverGetVersion)
+
+
 def device_count() -> int:
     """Number of visible GPUs; 0 (not an exception) when there is no driver or no GPU."""
     try:

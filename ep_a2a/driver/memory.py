@@ -1,14 +1,12 @@
-"""Plain device allocations as Tensors, and host <-> device copies (demo, tests, benchmark)."""
+"""Plain device allocations and raw copies (the Tensor-shaped helpers are in interop/arrays.py)."""
 from __future__ import annotations
 
 import threading
 
-import numpy as np
 from cuda.bindings import driver as _drv
 
 from .device import Device
 from .errors import call
-from .tensor import CUDA, Tensor, as_dtype as lookup_dtype
 
 # cuMemFree waits for the whole device. In-process ranks spin on each other between the
 # first and the last rank's launch of a phase, so a free that lands there (a garbage
@@ -76,37 +74,26 @@ class DeviceAllocation:
             pass
 
 
-def empty(shape, dtype, device: Device) -> Tensor:
-    dt = lookup_dtype(dtype)
-    shape = tuple(int(s) for s in shape)
-    alloc = DeviceAllocation(device, int(np.prod(shape, dtype=np.int64)) * dt.itemsize)
-    return Tensor(alloc.ptr, shape, dt, device=(CUDA, device.ordinal), owner=alloc)
+def copy_dtoh(host_ptr: int, src: int, nbytes: int) -> None:
+    """Synchronous device -> host copy of raw bytes (waits for prior work on the context)."""
+    if nbytes:
+        call(_drv.cuMemcpyDtoH, host_ptr, src, nbytes)
 
 
-def from_numpy(array: np.ndarray, device: Device, dtype=None) -> Tensor:
-    """Copy a host array to a new device tensor; `dtype` reinterprets its bytes (bfloat16
-    from uint16 bits, float8 from uint8)."""
-    a = np.ascontiguousarray(array)
-    t = empty(a.shape, dtype or a.dtype, device)
-    assert t.nbytes == a.nbytes, "dtype must have the itemsize of the array"
-    device.make_current()
-    if a.nbytes:
-        call(_drv.cuMemcpyHtoD, t.ptr, a.ctypes.data, a.nbytes)
-    return t
+def copy_htod(dst: int, host_ptr: int, nbytes: int) -> None:
+    if nbytes:
+        call(_drv.cuMemcpyHtoD, dst, host_ptr, nbytes)
 
 
-def copy_from_numpy(dst: Tensor, array: np.ndarray) -> None:
-    a = np.ascontiguousarray(array)
-    if a.nbytes != dst.nbytes:
-        raise ValueError(f"array has {a.nbytes} bytes, tensor {dst.nbytes}")
-    if a.nbytes:
-        call(_drv.cuMemcpyHtoD, dst.ptr, a.ctypes.data, a.nbytes)
+def copy_dtod_async(dst: int, src: int, nbytes: int, stream: int) -> None:
+    """Device -> device (or peer) copy of raw bytes, queued on `stream`."""
+    call(_drv.cuMemcpyDtoDAsync, dst, src, nbytes, stream)
 
 
-def to_numpy(t: Tensor, np_dtype=None) -> np.ndarray:
-    """Copy a contiguous device tensor to the host (bfloat16 comes back as uint16 bits)."""
-    dt = np.dtype(np_dtype) if np_dtype is not None else (t.dtype.numpy or np.dtype(f"u{t.dtype.itemsize}"))
-    out = np.empty(t.shape, dt)
-    if out.nbytes:
-        call(_drv.cuMemcpyDtoH, out.ctypes.data, t.ptr, out.nbytes)
-    return out
+def memset_d8_async(dst: int, value: int, nbytes: int, stream: int) -> None:
+    call(_drv.cuMemsetD8Async, dst, value, nbytes, stream)
+
+
+def pointer_device(ptr: int) -> int:
+    """The ordinal of the GPU that owns device pointer `ptr`."""
+    return call(_drv.cuPointerGetAttribute, _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr)

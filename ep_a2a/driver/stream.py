@@ -13,6 +13,11 @@ def native(handle) -> int:
     return handle if isinstance(handle, int) else int(get_cuda_native_handle(handle))
 
 
+def synchronize_stream(handle: int) -> None:
+    """Wait on the host for everything queued on a raw stream handle."""
+    call(_drv.cuStreamSynchronize, handle)
+
+
 def stream_handle(stream) -> int:
     """A raw CUstream from what callers pass: an int, a CUstream, an object with
     `__cuda_stream__` (CUDA stream protocol), torch.cuda.Stream, cupy Stream, or our Stream."""

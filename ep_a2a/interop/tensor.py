@@ -12,12 +12,11 @@ import operator
 import warnings
 
 import numpy as np
-from cuda.bindings import driver as _drv
 
 from . import dlpack as _dl
-from .device import get_device, init
-from .errors import call
-from .stream import Event, stream_handle
+from ..driver.device import get_device, init
+from ..driver.memory import pointer_device
+from ..driver.stream import Event, stream_handle, synchronize_stream
 
 try:  # optional: gives bfloat16 / float8 a NumPy dtype for to_numpy(); never required
     import ml_dtypes as _ml
@@ -253,7 +252,7 @@ class Tensor:
         if self.device[0] in _ON_GPU:
             _wait(consumer, self.stream, self.device[1])
         else:  # host memory is read by the host: nothing short of completion makes it safe
-            call(_drv.cuStreamSynchronize, self.stream)
+            synchronize_stream(self.stream)
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         if copy:
@@ -296,7 +295,7 @@ class Tensor:
             raise TypeError(f"to_numpy: NumPy has no {self.dtype.name} dtype (install ml_dtypes, or "
                             "view(dtype=uint8/uint16) to get the raw bits)")
         if self.stream is not None:  # the host reads it next
-            call(_drv.cuStreamSynchronize, self.stream)
+            synchronize_stream(self.stream)
         if self.numel == 0:
             return np.empty(self.shape, self.dtype.numpy)
         h = _HostArray()
@@ -366,8 +365,7 @@ def _from_cai(obj, cai: dict, stream, what: str) -> Tensor:
     if producer == 0:
         raise ValueError(f"{what}: __cuda_array_interface__ stream 0 is disallowed by the interface (ambiguous)")
     init()
-    ordinal = call(_drv.cuPointerGetAttribute, _drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-                   ptr) if ptr else 0
+    ordinal = pointer_device(ptr) if ptr else 0
     consumer = _as_stream(stream)
     if consumer not in (None, -1) and producer is not None and consumer != producer:
         _wait(consumer, producer, ordinal)
