@@ -12,12 +12,12 @@ import importlib.util
 __version__ = "0.1.0"   # the one version number: pyproject.toml reads it from here
 
 _EXPORTS = {
-    ".driver.errors": ["CudaError", "EpA2AError", "NoDriverError"],
-    ".driver.module": ["DriverTooOldError"],
-    ".errors": ["PeerError", "PeerTimeoutError", "PeerAbortedError", "RuntimeMaxMismatchError",
-                "ActiveRanksMismatchError"],
+    ".errors": ["CudaError", "EpA2AError", "NoDriverError", "DriverTooOldError", "UnsupportedDeviceError",
+                "StateError", "PeerError", "PeerTimeoutError", "PeerAbortedError", "RuntimeMaxMismatchError",
+                "ActiveRanksMismatchError", "BootstrapError", "BootstrapTimeout", "TopologyError"],
     ".group": ["LocalGroup", "ProcessGroup", "Rank"],
-    ".alltoall": ["MoeAlltoAll", "PayloadSpec", "Fp8Partial", "StateError"],
+    ".alltoall": ["MoeAlltoAll"],
+    ".config": ["PayloadSpec", "Fp8Partial"],
     ".bootstrap": ["UnixSocketBootstrap", "TorchDistributedBootstrap", "MpiBootstrap"],
     ".interop.tensor": ["Tensor", "as_tensor"],
     ".moe": ["ExpertIndex", "build_index", "gather_rows", "finalize"],

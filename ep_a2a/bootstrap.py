@@ -23,7 +23,7 @@ import stat
 import struct
 import time
 
-from .driver.errors import EpA2AError
+from .errors import BootstrapError, BootstrapTimeout
 
 __all__ = ["Bootstrap", "BootstrapError", "BootstrapTimeout", "UnixSocketBootstrap",
            "TorchDistributedBootstrap", "MpiBootstrap"]
@@ -42,18 +42,6 @@ _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HELLO_TIMEOUT = 5.0  # a genuine peer sends its hello right after connect; a silent one must not stall setup
 _PEER_GRACE = 1.0     # peers wait a little longer than rank 0 so that rank 0's diagnosis reaches them
 _SUN_PATH_MAX = 107   # sockaddr_un.sun_path is 108 bytes including the NUL
-
-
-class BootstrapError(EpA2AError):
-    """The group could not be formed or a collective failed; the bootstrap is closed afterwards."""
-
-
-class BootstrapTimeout(BootstrapError):
-    """A wait ran past the timeout; `missing` lists the ranks that did not arrive."""
-
-    def __init__(self, message: str, missing=()):
-        self.missing = sorted(missing)
-        super().__init__(message)
 
 
 class _Rejected(BootstrapError):

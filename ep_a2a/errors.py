@@ -1,8 +1,31 @@
-"""The errors the all-to-all raises besides the driver's."""
+"""Every exception ep_a2a raises: the driver's family (re-exported from driver/errors.py),
+and those of the all-to-all, its peers, the bootstrap and the topology check. Bad arguments
+raise the built-in TypeError / ValueError (validate.py)."""
 from __future__ import annotations
 
-from .driver.errors import EpA2AError
+from .driver.errors import (CudaError, DriverTooOldError, EpA2AError, NoDriverError,  # noqa: F401 (re-exported)
+                            UnsupportedDeviceError)
 from .layout import ERR_PEER_ABORTED, ERR_TIMEOUT, ERR_TMAX_MISMATCH, PHASE_NAMES, TAG_TMAX_BITS
+
+
+class StateError(EpA2AError):
+    """dispatch/combine called out of order, or on a closed all-to-all."""
+
+
+class BootstrapError(EpA2AError):
+    """The group could not be formed or a collective failed; the bootstrap is closed afterwards."""
+
+
+class BootstrapTimeout(BootstrapError):
+    """A wait ran past the timeout; `missing` lists the ranks that did not arrive."""
+
+    def __init__(self, message: str, missing=()):
+        self.missing = sorted(missing)
+        super().__init__(message)
+
+
+class TopologyError(EpA2AError):
+    """The GPUs of a group cannot all reach each other over NVLink, or NVML cannot tell."""
 
 
 class PeerError(EpA2AError):

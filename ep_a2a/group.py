@@ -9,10 +9,12 @@
 from __future__ import annotations
 
 import struct
+import weakref
 
 from . import topology
 from .driver.device import Device, get_device
-from .driver.stream import Stream
+from .driver.memory import has_held, hold_frees, release_held
+from .driver.stream import Stream, is_capturing
 
 
 class Rank:
@@ -90,3 +92,24 @@ class ProcessGroup(Group):
                 theirs = struct.unpack(f"<{len(other) // 8}q", other)
                 raise ValueError(f"{what}: rank {r} has {theirs}, rank {self.ranks[0].rank} has {values}; "
                                  "every rank must construct with the same values")
+
+
+# Several ranks driven by this process spin on each other (on one GPU or several), so no
+# cuMemFree may run between their launches of a phase (driver/memory.py queues frees while
+# any holder exists). The holders are the all-to-alls with several ranks in this process.
+_HOLDING = weakref.WeakSet()
+
+
+def hold_frees_for(a2a) -> weakref.finalize:
+    """Queue this process's frees while `a2a` lives; the returned finalizer (called by
+    close(), or by the garbage collector for an all-to-all dropped unclosed) ends it, once."""
+    hold_frees(True)
+    _HOLDING.add(a2a)
+    return weakref.finalize(a2a, hold_frees, False)
+
+
+def release_frees_if_safe(stream: int) -> None:
+    """Free what is queued once every rank of every holder has launched both phases of its
+    step (no kernel then waits on the host), unless `stream` is being captured."""
+    if has_held() and all(not r.mid_step for a in list(_HOLDING) for r in a.ranks) and not is_capturing(stream):
+        release_held()

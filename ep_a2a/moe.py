@@ -26,25 +26,25 @@ from __future__ import annotations
 
 import ctypes
 import math
-import operator
 
-from .alltoall import Fp8Partial, _require, _vec
+from .config import Fp8Partial, REDUCE_DTYPES
 from .driver.device import Device, get_device
 from .driver.launch import Launch
 from .driver.memory import DeviceAllocation
 from .driver.module import load
 from .driver.stream import stream_handle
-from .interop.tensor import CUDA, Tensor, as_tensor, float32, int32
+from .interop.tensor import CUDA, Tensor, float32, int32
 from .layout import MAX_RANKS, MAX_TOP_K, Q8_BLOCK
+from .schedule import vector_bytes
+from .validate import check_int, cuda_tensor, require
 
 MAX_LOCAL_EXPERTS = 1024
 _TABLE_SHARED_INTS = 10240     # the [local expert][warp] table in shared memory: 40 KiB of the 48 KiB default
 _TILE_ROUNDS = 16              # a warp tile is at most 16 rounds of 32 entries while the table is small
 _MAX_TABLE = 1 << 16           # [local expert][tile] counts the one-block scan reads (multi-kernel path)
 _THREADS = 256                 # gather / finalize blocks
-_FINALIZE_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_scatter", "moe_gather_rows") + tuple(
-    f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in _FINALIZE_DTYPES.values() for o in _FINALIZE_DTYPES.values())
+    f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in REDUCE_DTYPES.values() for o in REDUCE_DTYPES.values())
 
 
 class _IndexArgs(ctypes.Structure):
@@ -85,23 +85,12 @@ def index_plan(n_entries: int, num_local: int) -> tuple:
     return False, warps, tile, tiles
 
 
-def _int(x, name: str, lo: int, hi: int = None) -> int:
-    """x as a Python int in [lo, hi] (hi None: no upper bound), else ValueError naming `name`."""
-    try:
-        v = operator.index(x)
-    except TypeError:
-        v = None
-    if v is None or v < lo or (hi is not None and v > hi):
-        raise ValueError(f"{name}: must be an int in {lo}..{'' if hi is None else hi}, got {x!r}")
-    return v
-
-
 def _check_routing(num_experts, ep_size, rank) -> tuple:
-    ep_size = _int(ep_size, "ep_size", 1, MAX_RANKS)
-    num_experts = _int(num_experts, "num_experts", 1)
-    rank = _int(rank, "rank", 0, ep_size - 1)
+    ep_size = check_int(ep_size, "ep_size", 1, MAX_RANKS)
+    num_experts = check_int(num_experts, "num_experts", 1)
+    rank = check_int(rank, "rank", 0, ep_size - 1)
     n_local = local_experts(num_experts, ep_size, rank)[1]
-    _require(n_local <= MAX_LOCAL_EXPERTS, "num_experts",
+    require(n_local <= MAX_LOCAL_EXPERTS, "num_experts",
              f"rank {rank} would own {n_local} local experts; at most {MAX_LOCAL_EXPERTS} are supported")
     return num_experts, ep_size, rank
 
@@ -123,9 +112,9 @@ class ExpertIndex:
 
     def __init__(self, device, *, num_experts: int, ep_size: int, rank: int, max_tokens_per_rank: int, top_k: int):
         num_experts, ep_size, rank = _check_routing(num_experts, ep_size, rank)
-        top_k = _int(top_k, "top_k", 1, MAX_TOP_K)
-        max_tokens_per_rank = _int(max_tokens_per_rank, "max_tokens_per_rank", 1)
-        _require(ep_size * max_tokens_per_rank * top_k < 2 ** 31, "max_tokens_per_rank",
+        top_k = check_int(top_k, "top_k", 1, MAX_TOP_K)
+        max_tokens_per_rank = check_int(max_tokens_per_rank, "max_tokens_per_rank", 1)
+        require(ep_size * max_tokens_per_rank * top_k < 2 ** 31, "max_tokens_per_rank",
                  "ep_size * max_tokens_per_rank * top_k must stay below 2**31 (int32 rows)")
         self.device = device if isinstance(device, Device) else get_device(int(device))
         self.num_experts, self.ep_size, self.rank, self.top_k = num_experts, ep_size, rank, top_k
@@ -231,23 +220,12 @@ class ExpertIndex:
 
 
 # -- checks ----------------------------------------------------------------------------------------
-def _cuda_tensor(obj, name: str, stream: int, ordinal=None) -> Tensor:
-    if obj is None:
-        raise ValueError(f"{name}: expected a tensor, got None")
-    t = as_tensor(obj, stream=stream)
-    _require(t.device[0] == CUDA and (ordinal is None or t.device[1] == ordinal), name,
-             f"must be on cuda:{'?' if ordinal is None else ordinal}, got device {t.device}")
-    _require(t.is_contiguous, name, f"must be contiguous (row-major), got strides {t.strides} for shape {t.shape}")
-    _require(t.ptr % t.itemsize == 0, name, f"address {t.ptr:#x} is not aligned to {t.dtype.name}")
-    return t
-
-
 def _slot_rows(t: Tensor, name: str, index: ExpertIndex) -> tuple:
     """The per-slot row shape of a [ep_size, T^, ...] (3+ dims) or [ep_size * T^, ...] tensor."""
     tmax = index.runtime_max_tokens_per_rank
     if t.ndim >= 3 and t.shape[:2] == (index.ep_size, tmax):
         return t.shape[2:]
-    _require(t.ndim >= 2 and t.shape[0] == index.slots, name,
+    require(t.ndim >= 2 and t.shape[0] == index.slots, name,
              f"must be [ep_size={index.ep_size}, T^={tmax}, ...] or [{index.slots}, ...] (the index's slots), "
              f"got {list(t.shape)}")
     return t.shape[1:]
@@ -279,32 +257,32 @@ def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: in
     num_experts, ep_size, rank = _check_routing(num_experts, ep_size, rank)
     produced_on = expert_ids.stream if isinstance(expert_ids, Tensor) else None
     s = _stream(stream, 0 if produced_on is None else produced_on)
-    ids = _cuda_tensor(expert_ids, "expert_ids", s)
-    _require(ids.dtype == int32, "expert_ids", f"dtype must be int32, got {ids.dtype.name}")
-    _require(ids.ndim == 3 and ids.shape[0] == ep_size and ids.shape[1] >= 1 and 1 <= ids.shape[2] <= MAX_TOP_K,
+    ids = cuda_tensor(expert_ids, "expert_ids", s)
+    require(ids.dtype == int32, "expert_ids", f"dtype must be int32, got {ids.dtype.name}")
+    require(ids.ndim == 3 and ids.shape[0] == ep_size and ids.shape[1] >= 1 and 1 <= ids.shape[2] <= MAX_TOP_K,
              "expert_ids", f"shape must be [ep_size={ep_size}, T^ >= 1, top_k in 1..{MAX_TOP_K}], got {list(ids.shape)}")
-    w = _cuda_tensor(weights, "weights", s, ids.device[1])
-    _require(w.dtype == float32, "weights", f"dtype must be float32, got {w.dtype.name}")
-    _require(w.shape == ids.shape, "weights", f"shape must equal expert_ids' {list(ids.shape)}, got {list(w.shape)}")
+    w = cuda_tensor(weights, "weights", s, ids.device[1])
+    require(w.dtype == float32, "weights", f"dtype must be float32, got {w.dtype.name}")
+    require(w.shape == ids.shape, "weights", f"shape must equal expert_ids' {list(ids.shape)}, got {list(w.shape)}")
     tmax, top_k = ids.shape[1], ids.shape[2]
     if out is None:
         out = ExpertIndex(ids.device[1], num_experts=num_experts, ep_size=ep_size, rank=rank,
                           max_tokens_per_rank=tmax, top_k=top_k)
     else:
-        _require(isinstance(out, ExpertIndex) and out._alloc is not None, "out", "must be an open ExpertIndex")
-        _require((out.num_experts, out.ep_size, out.rank, out.top_k) == (num_experts, ep_size, rank, top_k), "out",
+        require(isinstance(out, ExpertIndex) and out._alloc is not None, "out", "must be an open ExpertIndex")
+        require((out.num_experts, out.ep_size, out.rank, out.top_k) == (num_experts, ep_size, rank, top_k), "out",
                  f"was made for num_experts={out.num_experts}, ep_size={out.ep_size}, rank={out.rank}, "
                  f"top_k={out.top_k}; this call has {num_experts}, {ep_size}, {rank}, {top_k}")
-        _require(out.device.ordinal == ids.device[1], "out", f"lives on cuda:{out.device.ordinal}, expert_ids on cuda:{ids.device[1]}")
-        _require(tmax <= out.max_tokens_per_rank, "expert_ids",
+        require(out.device.ordinal == ids.device[1], "out", f"lives on cuda:{out.device.ordinal}, expert_ids on cuda:{ids.device[1]}")
+        require(tmax <= out.max_tokens_per_rank, "expert_ids",
                  f"T^={tmax} exceeds the index's max_tokens_per_rank={out.max_tokens_per_rank}")
     out._build(ids, w, tmax, s)
     return out
 
 
 def _check_built(index, what: str) -> None:
-    _require(isinstance(index, ExpertIndex) and index._alloc is not None, "index", "must be an open ExpertIndex")
-    _require(index.runtime_max_tokens_per_rank is not None, "index", f"build it with build_index() before {what}")
+    require(isinstance(index, ExpertIndex) and index._alloc is not None, "index", "must be an open ExpertIndex")
+    require(index.runtime_max_tokens_per_rank is not None, "index", f"build it with build_index() before {what}")
 
 
 def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
@@ -317,15 +295,15 @@ def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
     _check_built(index, "gather_rows")
     s = _stream(stream, index.stream)
     dev = index.device.ordinal
-    x = _cuda_tensor(src, "src", s, dev)
+    x = cuda_tensor(src, "src", s, dev)
     inner = _slot_rows(x, "src", index)
-    y = _cuda_tensor(out, "out", s, dev)
-    _require(y.dtype == x.dtype, "out", f"dtype must be src's {x.dtype.name}, got {y.dtype.name}")
-    _require(y.ndim == 1 + len(inner) and y.shape[1:] == inner and y.shape[0] >= index.capacity, "out",
+    y = cuda_tensor(out, "out", s, dev)
+    require(y.dtype == x.dtype, "out", f"dtype must be src's {x.dtype.name}, got {y.dtype.name}")
+    require(y.ndim == 1 + len(inner) and y.shape[1:] == inner and y.shape[0] >= index.capacity, "out",
              f"shape must be [rows >= capacity={index.capacity}, {', '.join(map(str, inner))}], got {list(y.shape)}")
     row_bytes = math.prod(inner) * x.itemsize
-    _require(0 < row_bytes < 2 ** 31, "src", f"rows must hold 1..2**31-1 bytes, got {row_bytes}")
-    vec = _vec(row_bytes, x.ptr, y.ptr)
+    require(0 < row_bytes < 2 ** 31, "src", f"rows must hold 1..2**31-1 bytes, got {row_bytes}")
+    vec = vector_bytes(row_bytes, x.ptr, y.ptr)
     group, per_block = _groups(row_bytes // vec)
     grid = max(1, min(-(-index.capacity // per_block), 8 * index.device.sm_count))
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(y.ptr), ctypes.c_uint64(index._base["rows"]),
@@ -353,12 +331,12 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
     dev = index.device.ordinal
     if isinstance(out, Fp8Partial):
         return _finalize_fp8(index, fc2_out, out, s, dev)
-    x = _cuda_tensor(fc2_out, "fc2_out", s, dev)
-    y = _cuda_tensor(out, "out", s, dev)
+    x = cuda_tensor(fc2_out, "fc2_out", s, dev)
+    y = cuda_tensor(out, "out", s, dev)
     for t, name in ((x, "fc2_out"), (y, "out")):
         _check_finalize_dtype(t.dtype.name, name)
     inner = _slot_rows(y, "out", index)
-    _require(len(inner) == 1 and inner[0] >= 1, "out", f"must have one hidden dimension, got shape {list(y.shape)}")
+    require(len(inner) == 1 and inner[0] >= 1, "out", f"must have one hidden dimension, got shape {list(y.shape)}")
     hidden = inner[0]
     _check_fc2_shape(x, hidden, index)
     widest = 16 // max(x.itemsize, y.itemsize)
@@ -369,42 +347,42 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(y.ptr), ctypes.c_uint64(index._base["row_of"]),
             ctypes.c_uint64(index._base["row_weight"]), ctypes.c_int32(index.slots), ctypes.c_int32(index.top_k),
             ctypes.c_int32(hidden), ctypes.c_int32(elems), ctypes.c_int32(group)]
-    name = f"moe_finalize_{_FINALIZE_DTYPES[x.dtype.name]}_{_FINALIZE_DTYPES[y.dtype.name]}"
+    name = f"moe_finalize_{REDUCE_DTYPES[x.dtype.name]}_{REDUCE_DTYPES[y.dtype.name]}"
     index.device.make_current()
     index._launch(name, args, grid, _THREADS, 0, s)
 
 
 def _check_finalize_dtype(dtype: str, name: str) -> None:
-    _require(dtype in _FINALIZE_DTYPES, name, f"dtype must be one of {tuple(_FINALIZE_DTYPES)}, got {dtype}")
+    require(dtype in REDUCE_DTYPES, name, f"dtype must be one of {tuple(REDUCE_DTYPES)}, got {dtype}")
 
 
 def _check_fc2_shape(x: Tensor, hidden: int, index: ExpertIndex) -> None:
-    _require(x.ndim == 2 and x.shape[1] == hidden and x.shape[0] >= index.capacity, "fc2_out",
+    require(x.ndim == 2 and x.shape[1] == hidden and x.shape[0] >= index.capacity, "fc2_out",
              f"shape must be [rows >= capacity={index.capacity}, hidden={hidden}], got {list(x.shape)}")
 
 
 def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int) -> None:
     """finalize into an FP8 combine input: a half-warp per 128-value block of a slot."""
-    x = _cuda_tensor(fc2_out, "fc2_out", s, dev)
-    q, sc = (_cuda_tensor(t, "out", s, dev) for t in (out.values, out.scales))
+    x = cuda_tensor(fc2_out, "fc2_out", s, dev)
+    q, sc = (cuda_tensor(t, "out", s, dev) for t in (out.values, out.scales))
     _check_finalize_dtype(x.dtype.name, "fc2_out")
     _check_finalize_dtype(out.dtype, "out")
-    _require(q.dtype.name == "float8_e4m3fn" and sc.dtype.name == "float32", "out",
+    require(q.dtype.name == "float8_e4m3fn" and sc.dtype.name == "float32", "out",
              f"an Fp8Partial holds float8_e4m3fn values and float32 scales, got {q.dtype.name} and {sc.dtype.name}")
     inner = _slot_rows(q, "out", index)
-    _require(len(inner) == 1 and inner[0] % Q8_BLOCK == 0 and inner[0] > 0, "out",
+    require(len(inner) == 1 and inner[0] % Q8_BLOCK == 0 and inner[0] > 0, "out",
              f"values must have one hidden dimension, a multiple of {Q8_BLOCK}, got shape {list(q.shape)}")
     hidden = inner[0]
-    _require(_slot_rows(sc, "out", index) == (hidden // Q8_BLOCK,), "out",
+    require(_slot_rows(sc, "out", index) == (hidden // Q8_BLOCK,), "out",
              f"scales must be [..., hidden / {Q8_BLOCK} = {hidden // Q8_BLOCK}], got {list(sc.shape)}")
     _check_fc2_shape(x, hidden, index)
-    _require(x.ptr % 16 == 0, "fc2_out", f"must be 16-byte aligned with an FP8 out (16-byte loads), got {x.ptr:#x}")
-    _require(q.ptr % 8 == 0 and sc.ptr % 4 == 0, "out", "values must be 8-byte aligned, scales 4-byte aligned")
+    require(x.ptr % 16 == 0, "fc2_out", f"must be 16-byte aligned with an FP8 out (16-byte loads), got {x.ptr:#x}")
+    require(q.ptr % 8 == 0 and sc.ptr % 4 == 0, "out", "values must be 8-byte aligned, scales 4-byte aligned")
     units = index.slots * (hidden // Q8_BLOCK)  # 128-value blocks: a half-warp each
     grid = max(1, min(-(-units // (_THREADS // 16)), 8 * index.device.sm_count))
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(q.ptr), ctypes.c_uint64(sc.ptr),
             ctypes.c_uint64(index._base["row_of"]), ctypes.c_uint64(index._base["row_weight"]),
             ctypes.c_int32(index.slots), ctypes.c_int32(index.top_k), ctypes.c_int32(hidden)]
-    name = f"moe_finalize_q8_{_FINALIZE_DTYPES[x.dtype.name]}_{_FINALIZE_DTYPES[out.dtype]}"
+    name = f"moe_finalize_q8_{REDUCE_DTYPES[x.dtype.name]}_{REDUCE_DTYPES[out.dtype]}"
     index.device.make_current()
     index._launch(name, args, grid, _THREADS, 0, s)

@@ -4,9 +4,7 @@ from __future__ import annotations
 import ctypes
 import os
 
-from cuda.bindings import driver as _drv
-
-from .driver.errors import call
+from .driver.memory import DeviceAllocation, copy_htod
 from .driver.vmm import Allocation, DeviceBuffer, Mapping, VmmOptions
 
 
@@ -70,11 +68,10 @@ class SymmetricWorkspace:
 
     @staticmethod
     def _upload_table(device, bases):
-        device.make_current()
         arr = (ctypes.c_uint64 * len(bases))(*bases)
-        ptr = call(_drv.cuMemAlloc, ctypes.sizeof(arr))
-        call(_drv.cuMemcpyHtoD, ptr, arr, ctypes.sizeof(arr))
-        return ptr
+        table = DeviceAllocation(device, ctypes.sizeof(arr))
+        copy_htod(table.ptr, ctypes.addressof(arr), ctypes.sizeof(arr))
+        return table
 
     def peers(self, local_index: int = 0) -> list:
         return self._peers[local_index]
@@ -83,12 +80,11 @@ class SymmetricWorkspace:
         return self._own[local_index].ptr
 
     def peer_table(self, local_index: int = 0) -> int:
-        return int(self._tables[local_index])
+        return self._tables[local_index].ptr
 
     def close(self) -> None:
-        for i, t in enumerate(self._tables):
-            self.group.ranks[i].device.make_current()
-            call(_drv.cuMemFree, t)
+        for t in self._tables:
+            t.close()
         self._tables = []
         for m, a in self._imported:
             m.close()

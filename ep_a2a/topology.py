@@ -9,17 +9,13 @@ import itertools
 import re
 import threading
 
-from .driver.errors import EpA2AError
+from .errors import TopologyError
 
 __all__ = ["TopologyError", "check_nvlink", "describe"]
 
 _BUS_ID = re.compile(r"(?:([0-9a-fA-F]{1,8}):)?([0-9a-fA-F]{1,2}):([0-9a-fA-F]{1,2})\.([0-7])")
 _lock = threading.Lock()
 _nvml = None
-
-
-class TopologyError(EpA2AError):
-    """The GPUs of a group cannot all reach each other over NVLink, or NVML cannot tell."""
 
 
 def _bus_key(bus_id: str) -> str:

@@ -5,7 +5,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from ep_a2a import layout, reference as ref
+from ep_a2a import layout
+from ep_a2a.testing import reference as ref
 from ep_a2a.driver import module
 
 
@@ -123,21 +124,21 @@ def test_sentinel_escape_rule():
 
 
 def test_bench_crossover_and_tuning_override(monkeypatch):
-    from ep_a2a.bench import _crossover
-    from ep_a2a import tuning
+    from ep_a2a.tools.bench_report import crossover
+    from ep_a2a import schedule
     rows = [dict(protocol=p, tokens_per_rank=t, round_trip_us=v) for p, t, v in
             [("fence", 1, 10), ("sentinel", 1, 8), ("fence", 2, 11), ("sentinel", 2, 10), ("fence", 4, 12),
              ("sentinel", 4, 13)]]
-    assert _crossover(rows) == 2
-    assert _crossover([r for r in rows if r["protocol"] == "fence"]) is None
+    assert crossover(rows) == 2
+    assert crossover([r for r in rows if r["protocol"] == "fence"]) is None
     monkeypatch.setenv("EP_A2A_SENTINEL_MAX_TOKENS", "64")
-    assert tuning.sentinel_max_tokens() == 64
+    assert schedule.sentinel_max_tokens() == 64
     monkeypatch.delenv("EP_A2A_SENTINEL_MAX_TOKENS")
-    assert tuning.sentinel_max_tokens() == tuning.SENTINEL_MAX_TOKENS_H200
+    assert schedule.sentinel_max_tokens() == schedule.SENTINEL_MAX_TOKENS_H200
 
 
 def test_check_harness_routing_shapes():
-    from ep_a2a.check import routing
+    from ep_a2a.testing.formats import routing
     rng = np.random.default_rng()
     for kind in ("uniform", "zipf", "perfect"):
         ids = routing(kind, rng, 33, 6, 40, 8, source=3)
@@ -201,13 +202,13 @@ def test_e4m3_round_against_the_format_definition():
 
 
 def test_vec_is_the_widest_vector_dividing_size_and_addresses():
-    from ep_a2a.alltoall import _vec
+    from ep_a2a.schedule import vector_bytes
     rng = np.random.default_rng()
     for _ in range(5000):
         n = int(rng.integers(0, 1 << 20)) * int(rng.choice([1, 2, 4, 8, 16, 32]))
         addrs = [int(rng.integers(0, 1 << 40)) * int(rng.choice([1, 2, 4, 8, 16, 256])) for _ in range(int(rng.integers(0, 3)))]
         want = next((w for w in (16, 8, 4, 2) if n % w == 0 and all(a % w == 0 for a in addrs)), 1)
-        assert _vec(n, *addrs) == want, (n, addrs)
+        assert vector_bytes(n, *addrs) == want, (n, addrs)
 
 
 def test_fp8_combine_sections_only_when_asked():
@@ -301,10 +302,16 @@ def test_grid_after_an_early_trigger_returns_to_the_full_share():
     rank's share. Held, it triggers early only when its successor is small too: otherwise
     large steps after it would stay at half the grid (an early trigger used to be an
     absorbing state), and at small batches the early trigger keeps hiding the next launch."""
+    import dataclasses
     from types import SimpleNamespace
-    from ep_a2a.alltoall import RankAlltoAll
-    r = SimpleNamespace(max_grid=66, _prev_early=False, a2a=SimpleNamespace(pdl=True), params=SimpleNamespace())
-    grid = lambda want, succ: RankAlltoAll._grid(r, want, succ)  # noqa: E731
+    from ep_a2a.schedule import Schedule
+    r = SimpleNamespace(params=SimpleNamespace(), early=False,
+                        sch=Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66))
+
+    def grid(want, succ, fills=False):  # the rank's side: it carries the trigger into the next launch
+        g, r.early = r.sch.grid(want, succ, r.early, fills)
+        r.params.trigger_early = int(r.early)
+        return g
     assert grid(1, 1) == 1 and r.params.trigger_early == 1          # small: early
     assert grid(1000, 1000) == 33 and r.params.trigger_early == 0   # held to half, large successor: late
     assert grid(1000, 1000) == 66 and r.params.trigger_early == 0   # whole share again
@@ -313,12 +320,12 @@ def test_grid_after_an_early_trigger_returns_to_the_full_share():
     assert grid(66, 20) == 33 and r.params.trigger_early == 1       # held, small successor: early
     assert grid(20, 66) == 20 and r.params.trigger_early == 1
     # a successor that fills its grid (a quantizing FP8 combine) is never halved for our trigger
-    fills = lambda want, succ: RankAlltoAll._grid(r, want, succ, True)  # noqa: E731
+    fills = lambda want, succ: grid(want, succ, True)  # noqa: E731
     assert grid(1000, 1000) == 33 and fills(1000, 1000) == 66           # (back to the whole share)
     assert fills(16, 128) == 16 and r.params.trigger_early == 0         # unheld, large filling successor: late
     assert grid(128, 16) == 66 and r.params.trigger_early == 0          # so it gets the whole share
     assert fills(16, 8) == 16 and r.params.trigger_early == 1           # a filling successor that fits: early
-    r.a2a.pdl = False
+    r.sch = dataclasses.replace(r.sch, pdl=False)
     assert grid(5, 5) == 5 and r.params.trigger_early == 0
     assert grid(1000, 1000) == 66
 

@@ -1,4 +1,4 @@
-"""The repeat fast path of dispatch/combine (alltoall._Repeat) against the full path, on the
+"""The repeat fast path of dispatch/combine (fastpath.Repeat) against the full path, on the
 CPU: the same varied call sequence (tensor objects reused or replaced, T^, T, streams, outs,
 staged partials, protocol settings with auto switching, active-rank changes, dispatch-only
 steps) must produce byte-identical kernel parameter blocks, grids, streams, functions,
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import ep_a2a.alltoall as A
-from ep_a2a.check import payload_formats
+from ep_a2a import fastpath, validate
+from ep_a2a.testing.formats import payload_formats
 from ep_a2a.interop.tensor import Tensor, as_dtype
 from ep_a2a.layout import WorkspaceLayout, landing_bytes, sentinel_kind
 
@@ -45,7 +46,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(A, "load", lambda name, dev: _Module())
     monkeypatch.setattr(A, "occupancy", lambda f, t: 4)
     monkeypatch.setattr(A, "DeviceAllocation", lambda dev, n: types.SimpleNamespace(ptr=1 << 32))
-    monkeypatch.setattr(A, "call", lambda fn, *args: rec.append(("call", fn.__name__, args)))
+    monkeypatch.setattr(A, "copy_dtod_async", lambda *args: rec.append(("copy", args)))
     return rec
 
 
@@ -97,7 +98,7 @@ def _plan(seed, steps, fp8=False):
 
 
 def _run(plan, fast, rec, monkeypatch, combine_quant=None):
-    monkeypatch.setattr(A, "REPEAT_FAST_PATH", fast)
+    monkeypatch.setattr(fastpath, "REPEAT_FAST_PATH", fast)
     rec.clear()
     a2a, r, specs = _rank(combine_quant)
     pool, hits = {}, {"dispatch": 0, "combine": 0}
@@ -184,10 +185,11 @@ def test_a_dead_reference_never_matches_a_none_argument():
     import gc
 
     class Rank:
-        _prev_early, _prev_step_protocol, _tag_hi, _quantizing_combine = False, "fence", 0, False
-        a2a = types.SimpleNamespace(protocol="fence")
+        @staticmethod
+        def repeat_state():
+            return False, "fence", "fence", 0, False
     t = Tensor(1 << 40, (4, H), "bfloat16", device=(2, 0))
-    r = A._Repeat.of(Rank, 10, False, None, 4, [t, None], 0, 4, "fence", None, None)
+    r = fastpath.Repeat.of(Rank, 10, False, None, 4, [t, None], 0, 4, "fence", None, None)
     assert r is not None and r.matches(Rank, t, (None,), 4, None)
     del t
     gc.collect()
@@ -195,19 +197,19 @@ def test_a_dead_reference_never_matches_a_none_argument():
 
 
 def test_a_dead_checked_input_never_matches_a_none_argument():
-    """The same hole one level down, in _input's cache of checked arguments: the tensor last
+    """The same hole one level down, in the cache of checked arguments: the tensor last
     checked as token_selected_experts is gone and the next dispatch passes None. The check
     must run and name the argument (the GPU hostile-input test, SENTINEL case, caught an
     AttributeError here)."""
     import gc
     import weakref
     t = Tensor(1 << 40, (4, 8), "int32", device=(2, 0))
-    rank = types.SimpleNamespace(_seen={"token_selected_experts": (weakref.ref(t), ())})
-    rank._check_input = lambda *args: A.RankAlltoAll._check_input(rank, *args)
+    inputs = validate.CheckedInputs(0, 64)
+    inputs.seen["token_selected_experts"] = (weakref.ref(t), ())
     del t
     gc.collect()
     with pytest.raises(TypeError, match="token_selected_experts: expected a tensor, got None"):
-        A.RankAlltoAll._input(rank, None, "token_selected_experts", (8,), "int32", None, 0)
+        inputs(None, "token_selected_experts", (8,), "int32", None, 0)
 
 
 def test_fp8_input_made_once_per_t_hat_and_checked_by_geometry(recorder):
@@ -218,12 +220,12 @@ def test_fp8_input_made_once_per_t_hat_and_checked_by_geometry(recorder):
     q = r.combine_input(16, fp8=True)
     assert r.combine_input(16, fp8=True) is q and r.combine_input(8, fp8=True) is not q
     assert (q.values.shape, q.scales.shape, q.dtype) == ((EP, 16, H), (EP, 16, H // 128), "bfloat16")
-    r._check_fp8_partial(q, 16)
+    validate.check_fp8_partial(q, 16, 'fp8', *r._fp8_input(16))
     for bad, why in ((r.combine_input(8, fp8=True), "its values is not that view"),
                      (A.Fp8Partial(q.values, q.scales, "float16"), "dtype must be 'bfloat16'"),
                      (A.Fp8Partial(q.values, None, "bfloat16"), "its scales is not that view")):
         with pytest.raises(ValueError, match=why):
-            r._check_fp8_partial(bad, 16)
+            validate.check_fp8_partial(bad, 16, 'fp8', *r._fp8_input(16))
     q.values.ptr += 128  # a caller moved the cached view: no longer the workspace's
     with pytest.raises(ValueError, match="its values is not that view"):
-        r._check_fp8_partial(q, 16)
+        validate.check_fp8_partial(q, 16, 'fp8', *r._fp8_input(16))

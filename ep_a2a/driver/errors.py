@@ -21,6 +21,14 @@ class NoDriverError(EpA2AError):
     """No usable CUDA driver (libcuda.so.1 missing) or no GPU on this machine."""
 
 
+class UnsupportedDeviceError(EpA2AError):
+    """No cubin was built for this GPU's architecture."""
+
+
+class DriverTooOldError(EpA2AError):
+    """The installed NVIDIA driver cannot load cubins of the toolkit that built ours."""
+
+
 def _error_name(code) -> str:
     try:
         err, name = _drv.cuGetErrorName(code)

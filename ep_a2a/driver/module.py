@@ -10,19 +10,11 @@ from pathlib import Path
 from cuda.bindings import driver as _drv
 
 from .device import Device
-from .errors import EpA2AError, call
+from .errors import DriverTooOldError, UnsupportedDeviceError, call
 
 CUBIN_DIR = Path(__file__).resolve().parent.parent / "cubins"
 _NAME = re.compile(r"^(?P<stem>[A-Za-z0-9_]+)\.sm_(?P<arch>\d+)\.cubin$")
 _REBUILD = "reinstall ep_a2a (pip compiles them with nvcc) or, in a clone, run `make cubins`"
-
-
-class UnsupportedDeviceError(EpA2AError):
-    """No cubin was built for this GPU's architecture."""
-
-
-class DriverTooOldError(EpA2AError):
-    """The installed NVIDIA driver cannot load cubins of the toolkit that built ours."""
 
 
 def _cuda_version(v: int) -> str:

@@ -1,0 +1,107 @@
+"""Launch shapes and protocol choice: pure functions of the sizes, testable without a GPU.
+
+Which protocol a step uses, how many blocks each phase launches, how combine splits a token
+over blocks, and when a launch lets its successor start early (PDL). The all-to-all keeps
+the one bit of history the PDL rule needs (did the previous launch trigger early) and
+passes it in.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# protocol="auto" uses SENTINEL while runtime_max_tokens_per_rank is at most this, FENCE
+# above: the crossover measured by `python -m ep_a2a.bench --protocol auto` (which sweeps
+# both protocols) on one H200 with 8 in-process ranks, deepseek-v3, bf16 (bench/results/).
+# Override per all-to-all with crossover_tokens=, or for the process with the environment
+# variable EP_A2A_SENTINEL_MAX_TOKENS.
+# With 8 ranks sharing one H200, SENTINEL's round trip was slower than FENCE's at every size
+# (16.6 vs 11.1 µs at 1 token per rank, 75 vs 18.5 at 16; measured 2026-11-29,
+# bench/results/NVIDIA_H200-deepseek-v3-bf16-8ranks-fence-sentinel-*.json): on one GPU a
+# system-scope fence is cheap, while SENTINEL's landing copy, per-word checks and resets cost
+# memory traffic that all ranks share. So "auto" means FENCE on this machine; re-measure on
+# NVLink-connected GPUs, where the paper finds SENTINEL faster at small batches.
+SENTINEL_MAX_TOKENS_H200 = 0
+
+
+def sentinel_max_tokens() -> int:
+    v = os.environ.get("EP_A2A_SENTINEL_MAX_TOKENS")
+    return int(v) if v else SENTINEL_MAX_TOKENS_H200
+
+
+def protocol_for(setting: str, runtime_max_tokens_per_rank: int, crossover_tokens: int) -> str:
+    """The protocol of a step with this T^ (the same on every rank: T^ is shared)."""
+    if setting != "auto":
+        return setting
+    return "sentinel" if runtime_max_tokens_per_rank <= crossover_tokens else "fence"
+
+
+def vector_bytes(nbytes: int, *addresses: int) -> int:
+    """The widest vector (16, 8, 4, 2, 1 bytes) that divides the size and every address:
+    the lowest set bit of all of them together, at most 16."""
+    x = nbytes
+    for a in addresses:
+        x |= a
+    return min(16, x & -x) if x else 16
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The fixed sizes of one rank's launches; its methods are the rules."""
+    ep_size: int
+    top_k: int
+    threads: int
+    combine_hidden_size: int
+    combine_bytes: int
+    fp8_combine: bool
+    pdl: bool
+    max_grid: int        # this rank's share of its GPU: every co-resident rank's blocks must fit
+
+    def dispatch_want(self, T: int, tmax: int, proto: str) -> int:
+        """Blocks a dispatch would use: a block per token (FENCE: at least enough to sanitize
+        the received ids in one pass; SENTINEL: one per (source, slot) to receive)."""
+        if proto == "fence":
+            return max(T, -(-self.ep_size * tmax * self.top_k // (self.threads * 8)))
+        return self.ep_size * tmax
+
+    def combine_want(self, T: int, tmax: int, proto: str, vec: int, quantize: bool = True) -> tuple:
+        """(blocks, splits) of a combine of T tokens whose output takes vectors of `vec` bytes.
+
+        Small batches spread each token over `splits` blocks until a thread issues one round
+        of loads (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16
+        bytes). SENTINEL pushes every received slot (a block each); the FP8 quantize pass
+        spreads its 128-value blocks over the whole grid, which this sizes by the slots too
+        (quantize=False: the epilogue quantized, combine_input(T^, fp8=True))."""
+        units = self.combine_hidden_size // 8 if self.fp8_combine else self.combine_bytes // vec
+        splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
+        if proto == "sentinel" and vec != 16:
+            splits = 1
+        slots = proto == "sentinel" or (self.fp8_combine and quantize)
+        return max(T * splits, self.ep_size * tmax if slots else 0), splits
+
+    def grid(self, want: int, successor_want: int, prev_early: bool, successor_fills: bool = False) -> tuple:
+        """(blocks, trigger early) of the next launch, given whether the previous one triggered
+        early: whether it may let its successor launch at once (PDL).
+
+        Every rank sharing the GPU spins on the others, so all their blocks must be resident:
+        a rank's grid is capped at its share of the GPU (max_grid). An early trigger puts the
+        successor's blocks beside ours, so it is allowed only for grids of at most half that
+        share, and a launch that follows an early trigger is itself held to half.
+
+        A launch held to half only for that reason triggers early only when its successor
+        (predicted: the other phase at the same sizes, `successor_want`) would fit in half
+        anyway. Otherwise it triggers late and its successor gets the whole share: an early
+        trigger there would hold the successor to half, and it the next, so one small step
+        would leave every later large step at half the grid.
+
+        A successor that fills its grid with throughput work (successor_fills: a combine that
+        runs its own FP8 quantize pass) gets the same rule even after an unheld launch. On the
+        H200 at 16 tokens (in-process ranks) that combine took 22.6 µs on half the grid, 18.8
+        with no early trigger at all and 19.2 under this rule; a bf16 combine there gains from
+        the early trigger.
+        """
+        half = max(1, self.max_grid // 2)
+        held = prev_early and want > half
+        grid = max(1, min(half if prev_early else self.max_grid, want))
+        early = self.pdl and grid <= half and (not (held or successor_fills) or successor_want <= half)
+        return grid, bool(early)

@@ -1,0 +1,127 @@
+"""The argument rules that the all-to-all and the MoE helpers share, checked before any
+launch. Each rule has one exception type: a missing tensor or a wrong dtype is a TypeError,
+a wrong device, layout, alignment, shape or range a ValueError; the message names the
+argument and the rule."""
+from __future__ import annotations
+
+import operator
+import weakref
+
+import numpy as np
+
+from .interop.tensor import CUDA, Tensor, as_dtype as lookup_dtype, as_tensor
+
+
+def require(ok: bool, arg: str, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"{arg}: {rule}")
+
+
+def check_int(x, name: str, lo: int, hi: int = None) -> int:
+    """x as a Python int in [lo, hi] (hi None: no upper bound), else ValueError naming `name`."""
+    try:
+        v = operator.index(x)
+    except TypeError:
+        v = None
+    if v is None or v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name}: must be an int in {lo}..{'' if hi is None else hi}, got {x!r}")
+    return v
+
+
+def check_runtime_max(tmax, max_tokens_per_rank: int) -> None:
+    if type(tmax) is int and 1 <= tmax <= max_tokens_per_rank:
+        return
+    require(isinstance(tmax, (int, np.integer)) and not isinstance(tmax, bool) and 1 <= tmax <= max_tokens_per_rank,
+            "runtime_max_tokens_per_rank",
+            f"must be an int in 1..max_tokens_per_rank={max_tokens_per_rank}, got {tmax!r}")
+
+
+def cuda_tensor(obj, name: str, stream, ordinal=None, what: str = "") -> Tensor:
+    """`obj` (any DLPack / CUDA-array-interface producer) as a Tensor on a CUDA GPU
+    (cuda:`ordinal` when given), contiguous, aligned to its elements. A framework tensor's
+    producer orders its pending work before `stream` (DLPack's stream argument; 0, the
+    legacy stream, is spelled None there). `what` describes the GPU in the message."""
+    if obj is None:
+        raise TypeError(f"{name}: expected a tensor, got None")
+    try:
+        t = as_tensor(obj, stream=stream or None)
+    except (TypeError, ValueError, BufferError, RuntimeError) as e:  # (RuntimeError: e.g. torch's own refusals)
+        if type(e) not in (TypeError, ValueError, BufferError, RuntimeError):
+            raise  # our own errors (CudaError, ...) and other subclasses keep their type and fields
+        raise type(e)(f"{name}: {e}") from None
+    if t.device[0] != CUDA or (ordinal is not None and t.device[1] != ordinal):
+        raise ValueError(f"{name}: must be on cuda:{'?' if ordinal is None else ordinal}{what}, got device {t.device}")
+    if not t.is_contiguous:
+        raise ValueError(f"{name}: must be contiguous (row-major), got strides {t.strides} for shape {t.shape}")
+    if t.ptr % t.dtype.itemsize:  # kernels read whole elements (a DLPack byte offset can break this)
+        raise ValueError(f"{name}: data pointer 0x{t.ptr:x} is not aligned to its {t.dtype.itemsize}-byte elements")
+    return t
+
+
+def token_tensor(obj, name: str, inner: tuple, dtype: str, rows, stream: int, *, ordinal: int,
+                 max_tokens: int, leading_dims=(1,)) -> Tensor:
+    """A per-token argument of dispatch/combine: cuda_tensor on this rank's GPU, of `dtype`,
+    shaped [*leading, *inner] with len(leading) in leading_dims, and `rows` rows when given."""
+    t = cuda_tensor(obj, name, stream, ordinal, " (this rank's GPU)")
+    want = lookup_dtype(dtype)
+    if t.dtype != want:
+        raise TypeError(f"{name}: dtype must be {want.name}, got {t.dtype.name}")
+    if leading_dims != (1,):
+        if t.ndim - len(inner) not in leading_dims or tuple(t.shape[-len(inner):]) != inner:
+            raise ValueError(f"{name}: last dimension must be {inner}, got shape {t.shape}")
+        return t
+    if t.ndim != 1 + len(inner) or tuple(t.shape[1:]) != inner:
+        raise ValueError(f"{name}: shape must be [tokens, {', '.join(map(str, inner))}], got {list(t.shape)}")
+    if rows is not None and t.shape[0] != rows:
+        raise ValueError(f"{name}: has {t.shape[0]} rows but token_selected_experts has {rows}")
+    require(t.shape[0] <= max_tokens, name, f"{t.shape[0]} tokens exceed max_tokens_per_rank={max_tokens}")
+    return t
+
+
+class CheckedInputs:
+    """token_tensor with a memory: engines pass the same tensors step after step, and an
+    ep_a2a Tensor already checked under this argument name, with the same geometry, is not
+    checked again (~1 µs each). A weak reference: holding the tensor would move its
+    cuMemFree into a later dispatch, where it would block the host between two in-process
+    ranks' launches (deadlock)."""
+
+    def __init__(self, ordinal: int, max_tokens: int):
+        self.ordinal, self.max_tokens = ordinal, max_tokens
+        self.seen = {}  # argument name -> (weak ref, geometry) of the last tensor checked
+
+    def __call__(self, obj, name: str, inner: tuple, dtype: str, rows, stream: int, leading_dims=(1,)) -> Tensor:
+        seen = self.seen.get(name)  # (a dead reference reads None: None itself never matches)
+        if seen is not None and obj is not None and seen[0]() is obj and seen[1] == (
+                obj.ptr, obj.shape, obj.strides, obj.dtype, obj.device, rows, inner, dtype):
+            return obj
+        t = token_tensor(obj, name, inner, dtype, rows, stream, ordinal=self.ordinal, max_tokens=self.max_tokens,
+                         leading_dims=leading_dims)
+        if type(obj) is Tensor:
+            self.seen[name] = (weakref.ref(obj), (obj.ptr, obj.shape, obj.strides, obj.dtype, obj.device, rows,
+                                                  inner, dtype))
+        return t
+
+
+def expert_id_error(host_ids, num_experts: int):
+    """The ValueError for the first id of a host copy of token_selected_experts outside
+    0..num_experts-1 and -1, or None when all are valid."""
+    bad = (host_ids < -1) | (host_ids >= num_experts)
+    if not bad.any():
+        return None
+    i, k = map(int, np.argwhere(bad)[0])
+    return ValueError(f"token_selected_experts: ids must be in 0..num_experts-1={num_experts - 1} "
+                      f"or -1 (no expert); token {i}, selection {k} is {int(host_ids[i, k])}")
+
+
+def check_fp8_partial(partial, tmax: int, combine_quant, want, geometry) -> None:
+    """An Fp8Partial is only ever this rank's own workspace views for this T^ (the kernel
+    reads the section in place; there is nothing to stage from elsewhere): `want` is that
+    rank's combine_input(T^, fp8=True) and `geometry` the (ptr, shape, dtype) its views had
+    when they were made (a caller may change a Tensor's fields)."""
+    require(combine_quant == "fp8", "partial",
+            f"an Fp8Partial needs combine_quant='fp8' (this all-to-all has {combine_quant!r})")
+    for got, geo, name in zip(partial[:2], geometry, ("values", "scales")):
+        if type(got) is not Tensor or (got.ptr, got.shape, got.dtype.name) != geo:
+            require(False, "partial", f"an Fp8Partial must be this rank's combine_input({tmax}, fp8=True); its "
+                    f"{name} is not that view")
+    require(partial.dtype == want.dtype, "partial", f"dtype must be {want.dtype!r}, got {partial.dtype!r}")
