@@ -9,8 +9,8 @@ import numpy as np
 
 
 def _reference_demo(ep: int, tokens: int, hidden: int, top_k: int, experts: int, rng) -> None:
-    from . import reference as ref
-    from .check import routing
+    from .testing import reference as ref
+    from .testing.formats import routing
     ids = [routing("uniform", rng, tokens, top_k, experts, ep, s) for s in range(ep)]
     x = [[rng.standard_normal((tokens, hidden)).astype(np.float32)] for _ in range(ep)]
     received, records = ref.dispatch(ids, x, ep, experts, tokens)
@@ -41,7 +41,8 @@ def main(argv=None) -> int:
         _reference_demo(args.ranks or 4, args.tokens, 256, args.top_k, args.experts, rng)
         return 0
     import ep_a2a
-    from .check import payload_formats, run_step
+    from .testing.formats import payload_formats
+    from .testing.harness import run_step
     devices = list(range(n)) if args.ranks is None and n > 1 else [0] * (args.ranks or 4)
     if args.ranks and n > 1:
         devices = [i % n for i in range(args.ranks)]

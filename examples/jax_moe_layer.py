@@ -15,10 +15,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import ep_a2a  # noqa: E402
-from ep_a2a.jax_moe import (JaxMoeLayer, check_layer_output, dense_reference, max_relative_error,  # noqa: E402
-                            moe_forward_all_ranks, payload_specs, random_weights)
+from ep_a2a.layers.jax import JaxMoeLayer, moe_forward_all_ranks, payload_specs  # noqa: E402
 from ep_a2a.moe import local_experts  # noqa: E402
-from ep_a2a.reference import from_float32  # noqa: E402
+from ep_a2a.testing.layer_oracle import check_layer_output, dense_reference, max_relative_error, random_weights  # noqa: E402
+from ep_a2a.testing.reference import from_float32  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--ranks", type=int, default=4)

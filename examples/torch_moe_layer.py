@@ -12,10 +12,10 @@ import numpy as np
 import torch
 
 import ep_a2a
+from ep_a2a.layers.torch import TorchMoeLayer, bf16_from_bits, bits_from_bf16, moe_forward_all_ranks, payload_specs
 from ep_a2a.moe import local_experts
-from ep_a2a.reference import from_float32, to_float32
-from ep_a2a.torch_moe import (TorchMoeLayer, bf16_from_bits, bits_from_bf16, check_layer_output, dense_reference,
-                              max_relative_error, moe_forward_all_ranks, payload_specs, random_weights)
+from ep_a2a.testing.layer_oracle import check_layer_output, dense_reference, max_relative_error, random_weights
+from ep_a2a.testing.reference import from_float32, to_float32
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--ranks", type=int, default=4)

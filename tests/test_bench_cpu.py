@@ -9,7 +9,7 @@ import uuid
 import numpy as np
 import pytest
 
-from ep_a2a import bench, bench_procs
+from ep_a2a.tools import bench, bench_cli, bench_procs, bench_report
 from ep_a2a.bootstrap import UnixSocketBootstrap
 from ep_a2a.driver import device
 from ep_a2a.layout import MAX_RANKS
@@ -37,19 +37,19 @@ from ep_a2a.layout import MAX_RANKS
 ])
 def test_bad_arguments_exit_with_a_message(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
-        bench.parse_args(argv)
+        bench_cli.parse_args(argv)
     assert e.value.code == 2
     assert words in capsys.readouterr().err
 
 
 def test_defaults_per_mode():
-    a = bench.parse_args([])
+    a = bench_cli.parse_args([])
     assert (a.mode, a.ranks, a.device, a.procs) == ("inproc", 8, 0, None)
     assert a.tokens == [2 ** i for i in range(13)] and a.protocol == "fence,sentinel,auto"
-    p = bench.parse_args(["--mode", "procs", "--procs", "3", "--tokens", "1,8", "--protocol", "fence"])
+    p = bench_cli.parse_args(["--mode", "procs", "--procs", "3", "--tokens", "1,8", "--protocol", "fence"])
     assert (p.mode, p.procs, p.ranks, p.device) == ("procs", 3, None, None)  # placement decides the GPUs
     assert p.tokens == [1, 8] and p.protocol == "fence"
-    c = bench.parse_args(["--profile", "custom", "--hidden", "64", "--top-k", "2", "--experts", "8", "--ranks", "2"])
+    c = bench_cli.parse_args(["--profile", "custom", "--hidden", "64", "--top-k", "2", "--experts", "8", "--ranks", "2"])
     assert (c.hidden, c.top_k, c.experts, c.ranks) == (64, 2, 8, 2)
 
 
@@ -78,7 +78,7 @@ def test_placement_refuses(procs, gpus, words):
 @pytest.mark.parametrize("mode", [["--mode", "inproc"], ["--mode", "procs", "--procs", "2"]])
 def test_main_without_gpu_says_so(mode, tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert bench.main(mode + ["--tokens", "1", "--out", str(out)]) == 1
+    assert bench_cli.main(mode + ["--tokens", "1", "--out", str(out)]) == 1
     assert "no CUDA GPU" in capsys.readouterr().err
     assert not out.exists()
 
@@ -111,12 +111,12 @@ def test_gather_over_a_real_bootstrap_gives_every_rank_every_row(tmp_path):
 
     def rank(r):
         with UnixSocketBootstrap(r, n, name=name, base_dir=tmp_path, timeout=10) as b:
-            return bench.gather(b, list(rows[r]))
+            return bench_report.gather(b, list(rows[r]))
     got = _in_threads(n, rank)
     for g in got:
         np.testing.assert_array_equal(g, rows)  # bit-exact, NaN included, in rank order
     # without a bootstrap (one process holds every rank) the values come back as one row
-    np.testing.assert_array_equal(bench.gather(None, rows[0]), rows[:1])
+    np.testing.assert_array_equal(bench_report.gather(None, rows[0]), rows[:1])
 
 
 def test_gather_refuses_ranks_passing_different_counts(tmp_path):
@@ -125,7 +125,7 @@ def test_gather_refuses_ranks_passing_different_counts(tmp_path):
     def rank(r):
         with UnixSocketBootstrap(r, n, name=name, base_dir=tmp_path, timeout=10) as b:
             with pytest.raises(ValueError, match=r"ranks passed \[3, 4\] values"):
-                bench.gather(b, [1.0] * (3 + r))
+                bench_report.gather(b, [1.0] * (3 + r))
     _in_threads(n, rank)
 
 
@@ -174,7 +174,7 @@ def test_table_prints_every_mode(mode, procs, gpus, shared, peer, capsys):
                rows=[_row(1, 20.0, 12.0, peer), _row(8, 30.0, None, peer)], measured_sentinel_max_tokens=None,
                host_overhead=[dict(tokens_per_rank=1, host_us_per_rank_step=9.0, two_bare_launches_us=5.0,
                                    python_us_per_rank_step=4.0)])
-    bench._table(res)
+    bench_report.table(res)
     out = capsys.readouterr().out
     assert ("in-process ranks" in out) == (mode == "inproc")
     assert (f"{procs} rank processes on {gpus} GPU(s)" in out) == (mode == "procs")

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from ep_a2a import bench
+from ep_a2a.tools import bench_cli
 from ep_a2a.driver import device
 
 MEASURED = ("round_trip_us", "floor_round_trip_us", "copy_floor_tbps", "round_trip_tbps")
@@ -35,7 +35,7 @@ def _common(res, rows_want):
 @pytest.mark.gpu
 def test_procs_mode_two_rank_processes(tmp_path):
     out = tmp_path / "procs.json"
-    rc = bench.main(["--mode", "procs", "--procs", "2", "--tokens", "1,8", "--rounds", "2", "--replays", "3",
+    rc = bench_cli.main(["--mode", "procs", "--procs", "2", "--tokens", "1,8", "--rounds", "2", "--replays", "3",
                      "--protocol", "fence", "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
@@ -54,7 +54,7 @@ def test_procs_mode_two_rank_processes(tmp_path):
 @pytest.mark.gpu
 def test_inproc_mode_smoke(tmp_path):
     out = tmp_path / "inproc.json"
-    rc = bench.main(["--ranks", "2", "--tokens", "1,4", "--rounds", "2", "--replays", "3",
+    rc = bench_cli.main(["--ranks", "2", "--tokens", "1,4", "--rounds", "2", "--replays", "3",
                      "--protocol", "fence,sentinel", "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())

@@ -27,7 +27,7 @@ def test_fp8_combine_of_an_input_the_epilogue_quantized(cdtype, ep, top_k):
     rng = np.random.default_rng()
     group, a2a = make(ep, top_k=top_k, hidden=384, cdtype=cdtype, combine_quant="fp8", max_tokens=64)
     with group, a2a:
-        from ep_a2a.check import run_step
+        from ep_a2a.testing.harness import run_step
         for T, pre in ((1, True), (7, False), (64, True), (33, True), (64, False), (5, True)):
             rep = run_step(a2a, rng, [T] * ep, max(T, 8), exact=False, route="zipf", prequantize=pre)
             assert not rep.mismatches, (T, pre, rep.mismatches[:3])
@@ -36,7 +36,7 @@ def test_fp8_combine_of_an_input_the_epilogue_quantized(cdtype, ep, top_k):
 def test_fp8_combine_input_rules():
     """An Fp8Partial is only this rank's own views for this T^; a plain all-to-all has none."""
     from ep_a2a.alltoall import Fp8Partial
-    from ep_a2a.check import run_step
+    from ep_a2a.testing.harness import run_step
     rng = np.random.default_rng()
     group, a2a = make(2, top_k=2, hidden=256, combine_quant="fp8", max_tokens=16)
     with group, a2a:
@@ -81,8 +81,8 @@ def test_fp8_combine_graph_replay_and_large_batch():
 def test_fp8_combine_error_within_bound_of_the_exact_combine():
     """The stated bound, on the GPU's own output: every combined value is within the sum, over
     its partial results, of their 128-block amax / 16, plus the output's bf16 rounding."""
-    from ep_a2a.check import run_step
-    from ep_a2a import reference as ref
+    from ep_a2a.testing.harness import run_step
+    from ep_a2a.testing import reference as ref
     seed = int(np.random.default_rng().integers(2 ** 31))
     group, a2a = make(4, top_k=4, hidden=256, combine_quant="fp8", max_tokens=32)
     with group, a2a:
@@ -117,7 +117,7 @@ def test_fp8_combine_argument_rules():
 def test_fp8_combine_into_an_out_aligned_only_to_its_elements():
     """The reduction's element-wise store path: an `out` 2 bytes past a 16-byte boundary gets
     the model's bytes (bitwise), and the words around it are untouched."""
-    from ep_a2a.check import run_step
+    from ep_a2a.testing.harness import run_step
     from ep_a2a.interop.arrays import copy_from_numpy, empty, to_numpy
     rng = np.random.default_rng()
     ep, T, H = 4, 9, 256

@@ -100,7 +100,8 @@ def _rendezvous_child(rank, world, name, base_dir, q):
             got = to_numpy(Tensor(ws.base(0) + prv * 4096, (4096,), "uint8", device=(2, 0)))
             ok = np.array_equal(got, pats[prv])
             # a few FENCE steps with real peers in other processes
-            from ep_a2a.check import payload_formats, run_step
+            from ep_a2a.testing.formats import payload_formats
+            from ep_a2a.testing.harness import run_step
             a2a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=16, top_k=4, num_experts=4 * world,
                                      payloads=payload_formats(96, 4)["mxfp8"], combine_hidden_size=96, timeout_s=60)
             step_rng = np.random.default_rng(99)  # same draws in every process

@@ -14,7 +14,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def make(ep, *, fmt="bf16", hidden=256, top_k=8, num_experts=None, max_tokens=128, cdtype="bfloat16", **kw):
     import ep_a2a
-    from ep_a2a.check import payload_formats
+    from ep_a2a.testing.formats import payload_formats
     group = ep_a2a.LocalGroup([0] * ep)
     a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max_tokens, top_k=top_k,
                              num_experts=num_experts or max(ep * 4, top_k),
@@ -24,7 +24,7 @@ def make(ep, *, fmt="bf16", hidden=256, top_k=8, num_experts=None, max_tokens=12
 
 
 def run(a2a, rng, tokens, tmax, **kw):
-    from ep_a2a.check import run_step
+    from ep_a2a.testing.harness import run_step
     rep = run_step(a2a, rng, tokens, tmax, **kw)
     assert not rep.mismatches, rep.mismatches[:5]
     if kw.get("verify", True):
@@ -100,8 +100,8 @@ def identity_step(a2a, rng, tokens, T, graph_replays=0):
     as one graph over every rank's stream and checks that replays equal eager.
     Returns the eager outputs (host copies)."""
     from cuda.bindings import driver as d
-    from ep_a2a import reference as ref
-    from ep_a2a.check import random_payload, routing
+    from ep_a2a.testing import reference as ref
+    from ep_a2a.testing.formats import random_payload, routing
     from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy, to_numpy
     from ep_a2a.driver.stream import Event, Graph
     ep, k, H = a2a.ep_size, a2a.top_k, a2a.combine_hidden_size
@@ -203,7 +203,7 @@ def test_timeout_names_missing_peer(protocol, phase):
     # a trap poisons the context: run it in a child process
     r = _run_child(f"""
         import numpy as np, ep_a2a
-        from ep_a2a.check import payload_formats
+        from ep_a2a.testing.formats import payload_formats
         from ep_a2a.interop.arrays import from_numpy
         g = ep_a2a.LocalGroup([0, 0, 0])
         a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=4, top_k=2, num_experts=6, payloads=payload_formats(32, 2)["bf16"],
@@ -227,7 +227,7 @@ def test_timeout_names_missing_peer(protocol, phase):
 def test_runtime_max_mismatch_detected(protocol):
     r = _run_child(f"""
         import numpy as np, ep_a2a
-        from ep_a2a.check import payload_formats
+        from ep_a2a.testing.formats import payload_formats
         from ep_a2a.interop.arrays import from_numpy
         g = ep_a2a.LocalGroup([0, 0])
         a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=8, top_k=2, num_experts=4, payloads=payload_formats(32, 2)["bf16"],
@@ -247,7 +247,7 @@ def test_runtime_max_mismatch_detected(protocol):
 
 def test_bad_input_rejected_before_launch_and_workspace_intact():
     from ep_a2a.interop.arrays import from_numpy
-    from ep_a2a.check import routing, random_payload
+    from ep_a2a.testing.formats import routing, random_payload
     rng = np.random.default_rng()
     group, a2a = make(2, hidden=64, top_k=2, max_tokens=8, num_experts=8)
     with group, a2a:

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
 from ep_a2a import PayloadSpec  # noqa: E402
-from ep_a2a.check import routing  # noqa: E402
+from ep_a2a.testing.formats import routing  # noqa: E402
 from ep_a2a.interop.tensor import DTYPES, as_dtype, as_tensor  # noqa: E402
 
 CPU_SETTINGS = settings(max_examples=200, deadline=None, database=None)

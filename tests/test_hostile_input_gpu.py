@@ -50,7 +50,7 @@ def _build(group, protocol):
     # losing the CUDA context; fresh() then rebuilds, so one failure cannot cascade into the
     # examples after it (hypothesis would report those as flaky and hide the first one)
     import ep_a2a
-    from ep_a2a.check import payload_formats
+    from ep_a2a.testing.formats import payload_formats
     return ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=MAXT, top_k=TOP_K, num_experts=E,
                               payloads=payload_formats(H, TOP_K)[FMT], combine_hidden_size=H, combine_dtype=CDT,
                               protocol=protocol, timeout_s=2.0, first_timeout_s=2.0, on_timeout="abort")
@@ -135,7 +135,7 @@ def expect_rejected(env, call, exc, name, finish):
 
 
 def good_inputs(env, rng, T):
-    from ep_a2a.check import random_payload, routing
+    from ep_a2a.testing.formats import random_payload, routing
     from ep_a2a.interop.arrays import from_numpy
     ids = from_numpy(routing("uniform", rng, T, TOP_K, E, EP, 0, invalid_fraction=0.1), env.dev, "int32")
     pay = [from_numpy(random_payload(rng, s, T), env.dev, s.dtype) for s in env.a2a.payload_specs]
@@ -157,7 +157,7 @@ def finish_dispatch_step(env):
 
 def valid_step(env, rng):
     """The next valid step: every byte against the reference."""
-    from ep_a2a.check import run_step
+    from ep_a2a.testing.harness import run_step
     gc.collect()  # no cuMemFree of an old input between two ranks' launches (they spin on each other)
     tmax = int(rng.integers(1, MAXT + 1))
     tokens = [int(t) for t in rng.integers(0, tmax + 1, EP)]
@@ -179,8 +179,9 @@ class Step:
 def begin_step(env, rng, tokens, tmax):
     """Dispatch on every rank (checked against the reference), then write the stand-in MoE's
     partial results into every rank's combine input: the step waits for its combine."""
-    from ep_a2a import reference as ref
-    from ep_a2a.check import StepReport, _check_dispatch, random_payload, read_records, routing
+    from ep_a2a.testing import reference as ref
+    from ep_a2a.testing.formats import random_payload, routing
+    from ep_a2a.testing.harness import StepReport, check_dispatch, read_records
     from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy
     a2a = env.a2a
     gc.collect()
@@ -199,7 +200,7 @@ def begin_step(env, rng, tokens, tmax):
     want_pay = [[ref.sentinel_escape(x, k) for x, k in zip(pay_h[s], a2a.kinds[1:])] for s in range(EP)] \
         if sentinel else pay_h
     rep = StepReport(list(tokens), tmax)
-    _check_dispatch(a2a, rep, ids_h, want_pay, dict(enumerate(records)), views, sentinel)
+    check_dispatch(a2a, rep, ids_h, want_pay, dict(enumerate(records)), views, sentinel)
     assert not rep.mismatches, rep.mismatches[:3]
     for s, r in enumerate(a2a.ranks):
         copy_from_numpy(r.combine_input(tmax), partial_h[s])
@@ -208,7 +209,7 @@ def begin_step(env, rng, tokens, tmax):
 
 def finish_step(env, stp, skip=()):
     """Combine on every rank not in `skip`, then every output against the reference."""
-    from ep_a2a import reference as ref
+    from ep_a2a.testing import reference as ref
     from ep_a2a.interop.arrays import to_numpy
     from ep_a2a.layout import sentinel_kind
     a2a = env.a2a
@@ -354,7 +355,7 @@ def test_hostile_dispatch_rejected_before_launch(env, data, seed):
 
 
 def routing_host(rng, T):
-    from ep_a2a.check import routing
+    from ep_a2a.testing.formats import routing
     return routing("uniform", rng, T, TOP_K, E, EP)
 
 
@@ -493,7 +494,8 @@ def test_numpy_integer_runtime_max_is_accepted():
     """_check_tmax accepts NumPy integers: they must work like ints, end to end (own all-to-all:
     a failure here must not leave the module's ranks mid-step)."""
     import ep_a2a
-    from ep_a2a.check import payload_formats, run_step
+    from ep_a2a.testing.formats import payload_formats
+    from ep_a2a.testing.harness import run_step
     rng = np.random.default_rng()
     with ep_a2a.LocalGroup([0] * EP) as group, ep_a2a.MoeAlltoAll(
             group, max_tokens_per_rank=MAXT, top_k=TOP_K, num_experts=E, payloads=payload_formats(H, TOP_K)[FMT],
@@ -539,7 +541,8 @@ def test_hostile_constructor_arguments(data):
 def test_use_after_close_raises_state_error():
     import ep_a2a
     from ep_a2a import StateError
-    from ep_a2a.check import payload_formats, run_step
+    from ep_a2a.testing.formats import payload_formats
+    from ep_a2a.testing.harness import run_step
     from ep_a2a.interop.arrays import from_numpy
     rng = np.random.default_rng()
     group = ep_a2a.LocalGroup([0, 0])
@@ -568,7 +571,7 @@ def test_combine_input_after_close_raises_state_error():
     """combine_input hands out a view into the workspace: after close() that memory is gone."""
     import ep_a2a
     from ep_a2a import StateError
-    from ep_a2a.check import payload_formats
+    from ep_a2a.testing.formats import payload_formats
     group = ep_a2a.LocalGroup([0, 0])
     a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=8, top_k=2, num_experts=4,
                              payloads=payload_formats(16, 2)["bf16"], combine_hidden_size=16)
@@ -590,7 +593,8 @@ def test_misaligned_inputs_rejected_or_delivered_exactly():
     seed = int(np.random.default_rng().integers(2 ** 31))
     code = f"""
         import numpy as np, ep_a2a
-        from ep_a2a.check import payload_formats, run_step
+        from ep_a2a.testing.formats import payload_formats
+        from ep_a2a.testing.harness import run_step
         from ep_a2a.interop.arrays import copy_from_numpy, empty
         from ep_a2a.interop.tensor import Tensor
         keep = []

@@ -1,5 +1,5 @@
-"""The JAX MoE layer (ep_a2a/jax_moe.py) on in-process ranks of one GPU, against the same dense
-float64 NumPy reference and bf16 tolerances as the PyTorch layer (ep_a2a/torch_moe.py)."""
+"""The JAX MoE layer (ep_a2a/layers/jax.py) on in-process ranks of one GPU, against the same dense
+float64 NumPy reference and bf16 tolerances as the PyTorch layer (ep_a2a/layers/torch.py)."""
 import os
 
 # JAX takes 75% of the GPU at its first use unless told otherwise; ep_a2a's workspaces and the
@@ -38,11 +38,12 @@ def _bf16(bits, dev):
 def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, gemm):
     import ep_a2a
     from ep_a2a.interop.arrays import copy_from_numpy
-    from ep_a2a.jax_moe import JaxMoeLayer, moe_forward_all_ranks
+    from ep_a2a.layers.jax import JaxMoeLayer, moe_forward_all_ranks
     from ep_a2a.moe import local_experts
-    from ep_a2a.reference import from_float32
-    from ep_a2a.moe_layer import (check_layer_output, dense_reference, distinct_logits, payload_specs,
-                                  random_weights, route_reference)
+    from ep_a2a.testing.reference import from_float32
+    from ep_a2a.layers.base import payload_specs
+    from ep_a2a.testing.layer_oracle import (check_layer_output, dense_reference, distinct_logits, random_weights,
+                                             route_reference)
     dev = _gpu()
     if gemm == "ragged" and not hasattr(jax.lax, "ragged_dot"):
         pytest.skip(f"jax {jax.__version__} has no lax.ragged_dot")

@@ -1,4 +1,4 @@
-"""CPU suite of the MoE compute pieces: properties of the NumPy reference (moe_reference.py),
+"""CPU suite of the MoE compute pieces: properties of the NumPy reference (testing/moe_reference.py),
 the launch plan of the index and argument checks that run before any device is touched."""
 import ctypes
 import os
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from common import fresh_rng
 
-from ep_a2a import moe, moe_reference as mref, reference as ref
+from ep_a2a import moe
+from ep_a2a.testing import moe_reference as mref, reference as ref
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -200,7 +201,7 @@ def test_phase_gate_makes_every_stream_wait_for_every_rank_of_its_gpu(monkeypatc
     """Replay the gate's records and waits: afterwards each stream's next work depends on
     the work every rank of the same GPU had issued, and nothing ties different GPUs."""
     import types
-    from ep_a2a import moe_layer
+    from ep_a2a.layers import base as moe_layer
     from ep_a2a.driver import stream as S
     deps = {}  # stream -> set of (stream, position) its next work waits for
     pos = {}   # stream -> number of items issued

@@ -1,5 +1,5 @@
 """MoE compute pieces on one GPU (build_index, gather_rows, finalize), bitwise against the NumPy
-reference (moe_reference.py), on uploaded arrays and on what a real dispatch left in the
+reference (testing/moe_reference.py), on uploaded arrays and on what a real dispatch left in the
 rank-major workspace; then dispatch -> index -> gather -> stand-in expert -> finalize into the
 combine input -> combine, checked against a per-token reference; and a CUDA graph replay."""
 import numpy as np
@@ -37,11 +37,11 @@ JUNK = np.array([-1, -2, 2**31 - 1, -2**31], np.int64)
 
 def _ids(kind, rng, ep, tmax, top_k, num_experts, rank):
     """int32 [ep, T^, top_k] expert ids as dispatch leaves them, for `rank`'s point of view:
-    uniform: distinct experts per token (check.routing); replacement: drawn with replacement
+    uniform: distinct experts per token (testing.formats.routing); replacement: drawn with replacement
     (repeated experts); local_heavy: mostly `rank`'s experts (several local experts per token);
     none_here: no expert of `rank`. 5% of the entries are -1 or out of range."""
-    from ep_a2a import reference as ref
-    from ep_a2a.check import routing
+    from ep_a2a.testing import reference as ref
+    from ep_a2a.testing.formats import routing
     shape = (ep, tmax, top_k)
     owner = ref.expert_owner(num_experts, ep)
     if kind == "uniform":
@@ -75,7 +75,7 @@ def _check_index(idx, want, msg):
 
 def _float_rows(rng, shape, dtype):
     """Random normals in `dtype` (bf16 as uint16 bits)."""
-    from ep_a2a import reference as ref
+    from ep_a2a.testing import reference as ref
     return ref.from_float32(rng.standard_normal(shape).astype(np.float32), dtype)
 
 
@@ -90,7 +90,7 @@ def _nan_rows(a, start, dtype):
 @pytest.mark.parametrize("top_k", [1, 8, 22])
 @pytest.mark.parametrize("ep", [1, 3, 8])
 def test_build_index_uploaded(ep, top_k, tmax):
-    from ep_a2a import moe_reference as mref
+    from ep_a2a.testing import moe_reference as mref
     from ep_a2a.interop.arrays import from_numpy
     from ep_a2a.driver.stream import Stream
     from ep_a2a.moe import ExpertIndex, build_index
@@ -130,7 +130,7 @@ def test_build_index_uploaded(ep, top_k, tmax):
     (8, 3, 2, 16),                                             # ranks 3..7 own no expert
 ])
 def test_build_index_uploaded_shapes(ep, num_experts, top_k, tmax):
-    from ep_a2a import moe_reference as mref
+    from ep_a2a.testing import moe_reference as mref
     from ep_a2a.interop.arrays import from_numpy
     from ep_a2a.moe import build_index
     rng, seed = fresh_rng()
@@ -162,7 +162,7 @@ def _check_index_written(idx, want, msg):
 @pytest.mark.parametrize("ep,top_k,tmax", [(1, 1, 1), (3, 8, 7), (8, 8, 128), (8, 22, 128), (3, 22, 4096),
                                            (8, 8, 4096)])
 def test_gather_and_finalize_uploaded(ep, top_k, tmax):
-    from ep_a2a import moe_reference as mref
+    from ep_a2a.testing import moe_reference as mref
     from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy, to_numpy
     from ep_a2a.driver.stream import Stream
     from ep_a2a.interop.tensor import Tensor, as_dtype
@@ -293,7 +293,7 @@ def test_bad_input_rejected_before_launch():
 # -- on a real dispatch, end to end -------------------------------------------------------------
 def _stand_in(x_bits, experts):
     """The stand-in expert: bf16(x * (1 + (e % 7) / 4)) per row, e its global expert id."""
-    from ep_a2a import reference as ref
+    from ep_a2a.testing import reference as ref
     scale = (1 + (np.asarray(experts) % 7) * 0.25).astype(np.float32)[:, None]
     return ref.from_float32(ref.to_float32(x_bits, "bfloat16") * scale, "bfloat16")
 
@@ -303,7 +303,7 @@ def _want_combined(ids, w, x, num_experts, ep, cdtype, fp8=False):
     of their first selection (combine's tree order), the target's finalize result (sum over
     ascending k of the selections it owns of weight * stand-in, in fp32, rounded to cdtype;
     fp8: then through e4m3 with per-128 scales, reference.q8_roundtrip)."""
-    from ep_a2a import reference as ref
+    from ep_a2a.testing import reference as ref
     owner = ref.expert_owner(num_experts, ep)
     T, top_k = ids.shape
     H = x.shape[1]
@@ -339,9 +339,9 @@ def _want_combined(ids, w, x, num_experts, ep, cdtype, fp8=False):
 ])
 def test_dispatch_index_gather_finalize_combine(ep, top_k, tmax, protocol, cdtype, fp8):
     import ep_a2a
-    from ep_a2a import reference as ref
-    from ep_a2a import moe_reference as mref
-    from ep_a2a.check import payload_formats, routing
+    from ep_a2a.testing import reference as ref
+    from ep_a2a.testing import moe_reference as mref
+    from ep_a2a.testing.formats import payload_formats, routing
     from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy, to_numpy
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows
     rng, seed = fresh_rng()
@@ -443,7 +443,7 @@ def test_dispatch_index_gather_finalize_combine(ep, top_k, tmax, protocol, cdtyp
 # -- CUDA graph ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("ep,top_k,tmax", [(8, 8, 7), (3, 8, 4096)])  # the one-kernel and the three-kernel index
 def test_graph_capture_and_replay(ep, top_k, tmax):
-    from ep_a2a import moe_reference as mref
+    from ep_a2a.testing import moe_reference as mref
     from ep_a2a.interop.arrays import copy_from_numpy, empty, to_numpy
     from ep_a2a.driver.stream import Graph, Stream
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows

@@ -27,9 +27,10 @@ def _rank_main(rank, name, base_dir, protocol, scenario, seed, conn):
     try:
         import ep_a2a
         from ep_a2a.bootstrap import BootstrapError, UnixSocketBootstrap
-        from ep_a2a.check import payload_formats, random_payload, run_step
+        from ep_a2a.testing.formats import payload_formats, random_payload
+        from ep_a2a.testing.harness import run_step
         from ep_a2a.interop.arrays import copy_from_numpy, from_numpy
-        from ep_a2a.reference import from_float32
+        from ep_a2a.testing.reference import from_float32
         bs = UnixSocketBootstrap(rank, 2, name=name, base_dir=base_dir, timeout=30)
         g = ep_a2a.ProcessGroup(bs, 0)
         kw = dict(max_tokens_per_rank=8, top_k=2, num_experts=4, payloads=payload_formats(64, 2)["bf16"],

@@ -17,7 +17,7 @@ TIMEOUT_S = 0.5
 
 def _make(group, protocol, **kw):
     import ep_a2a
-    from ep_a2a.check import payload_formats
+    from ep_a2a.testing.formats import payload_formats
     kw.setdefault("on_timeout", "abort")
     return ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=16, top_k=4, num_experts=4 * group.ep_size,
                               payloads=payload_formats(96, 4)["mxfp8"], combine_hidden_size=96, protocol=protocol,
@@ -25,7 +25,7 @@ def _make(group, protocol, **kw):
 
 
 def _inputs(a2a, rank, T, rng, experts=None):
-    from ep_a2a.check import random_payload
+    from ep_a2a.testing.formats import random_payload
     from ep_a2a.interop.arrays import from_numpy
     dev = next(r.device for r in a2a.ranks if r.rank == rank)
     ids = experts if experts is not None else rng.integers(0, a2a.num_experts, (T, a2a.top_k)).astype(np.int32)
@@ -75,7 +75,8 @@ def _killed_peer_child(rank, name, base_dir, protocol, q):
     try:
         import ep_a2a
         from ep_a2a.bootstrap import UnixSocketBootstrap
-        from ep_a2a.check import payload_formats, run_step
+        from ep_a2a.testing.formats import payload_formats
+        from ep_a2a.testing.harness import run_step
         rng = np.random.default_rng(7)  # same draws in both processes
         bs = UnixSocketBootstrap(rank, 2, name=name, base_dir=base_dir, timeout=60)
         g = ep_a2a.ProcessGroup(bs, 0)
@@ -142,7 +143,7 @@ def test_abort_mode_with_a_killed_peer_process(protocol, tmp_path):
 @pytest.mark.parametrize("protocol", ["fence", "sentinel", "auto"])
 def test_active_ranks_go_on_without_a_failed_rank(protocol):
     import ep_a2a
-    from ep_a2a.reference import dropped_selections
+    from ep_a2a.testing.reference import dropped_selections
     rng = np.random.default_rng()
     with ep_a2a.LocalGroup([0] * 4) as g, _make(g, protocol, on_timeout="trap", crossover_tokens=8) as a:
         run(a, rng, [5, 0, 9, 16], 16)

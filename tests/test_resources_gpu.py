@@ -34,7 +34,7 @@ def _state(dev):
 
 def _make(group, hidden, protocol):
     import ep_a2a
-    from ep_a2a.check import payload_formats
+    from ep_a2a.testing.formats import payload_formats
     return ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=32, top_k=4, num_experts=4 * group.ep_size + 1,
                               payloads=payload_formats(hidden, 4)["mxfp8"], combine_hidden_size=hidden,
                               protocol=protocol, crossover_tokens=8, timeout_s=20.0)
@@ -42,7 +42,7 @@ def _make(group, hidden, protocol):
 
 def _local_cycle(ranks, seed, i, step):
     import ep_a2a
-    from ep_a2a.check import run_step
+    from ep_a2a.testing.harness import run_step
     rng = np.random.default_rng([seed, i])
     with ep_a2a.LocalGroup([0] * ranks) as group:
         a2a = _make(group, int(rng.choice([8, 200, 1024])), ("fence", "sentinel", "auto")[i % 3])
@@ -77,7 +77,7 @@ def _process_cycles_child(rank, name, base_dir, seed, cycles, q):
     try:
         import ep_a2a
         from ep_a2a.bootstrap import UnixSocketBootstrap
-        from ep_a2a.check import run_step
+        from ep_a2a.testing.harness import run_step
         from ep_a2a.driver import get_device
         dev = get_device(0)
         bad = []

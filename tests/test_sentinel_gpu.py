@@ -21,7 +21,7 @@ def test_sizes_and_top_k(ep, top_k):
 def _adversarial(rng, spec, T):
     """Random data with a third of its 32-bit words set to sentinel-like patterns: all-ones
     (0xFFFF bf16 halves, 0xFF fp8 bytes, -1 int32, 0xFFFFFFFF fp32) and the id sentinel."""
-    from ep_a2a.check import random_payload
+    from ep_a2a.testing.formats import random_payload
     x = random_payload(rng, spec, T)
     raw = np.ascontiguousarray(x).view(np.uint8).reshape(T, spec.bytes_per_token).copy()
     n = raw.shape[1] // 4 * 4

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from ep_a2a import stress
+from ep_a2a.tools import stress
 
 
 @pytest.mark.gpu
@@ -50,7 +50,7 @@ def test_stress_rejects_bad_arguments(argv):
 
 def test_logical_bytes_follow_the_paper():
     """bytes = tokens * min(ep, top_k) * activation bytes (hidden + scales; ids and weights left out)."""
-    from ep_a2a.check import payload_formats
+    from ep_a2a.testing.formats import payload_formats
     d, c = stress.logical_bytes([3, 0, 5, 1], 4, 8, payload_formats(7168, 8)["mxfp8"], 7168, 2)
     assert d == 9 * 4 * (7168 + 224) and c == 9 * 4 * 7168 * 2
     d, c = stress.logical_bytes([2], 16, 6, payload_formats(100, 6)["nvfp4"], 100, 4)

@@ -1,6 +1,6 @@
-"""The PyTorch MoE layer (ep_a2a/torch_moe.py) on in-process ranks of one GPU, against the dense
+"""The PyTorch MoE layer (ep_a2a/layers/torch.py) on in-process ranks of one GPU, against the dense
 float64 reference of the same layer over every token and expert (NumPy), within the bf16
-tolerances stated in torch_moe (TOKEN_REL_L2, ELEMENT_ULPS, TOTAL_REL_L2: six bf16 roundings
+tolerances stated in testing.layer_oracle (TOKEN_REL_L2, ELEMENT_ULPS, TOTAL_REL_L2: six bf16 roundings
 on the path, 2-3x margin over a simulation of them). Fresh random inputs every run; the seed
 is in every failure message."""
 import numpy as np
@@ -29,7 +29,8 @@ def _cuda():
 def _build(ep, E, top_k, H, I, tmax, protocol, gemm, rng, dev, combine_quant=None):
     import ep_a2a
     from ep_a2a.moe import local_experts
-    from ep_a2a.torch_moe import TorchMoeLayer, bf16_from_bits, payload_specs, random_weights
+    from ep_a2a.layers.torch import TorchMoeLayer, bf16_from_bits, payload_specs
+    from ep_a2a.testing.layer_oracle import random_weights
     w1_bits, w2_bits = random_weights(rng, E, H, I)
     group = ep_a2a.LocalGroup([0] * ep)
     a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E,
@@ -52,8 +53,9 @@ def _poison(layers):
 
 
 def _run_and_check(layers, weights_bits, xs_bits, routers, ref_routing, dev, msg):
-    from ep_a2a.reference import to_float32
-    from ep_a2a.torch_moe import bf16_from_bits, bits_from_bf16, check_layer_output, dense_reference, moe_forward_all_ranks
+    from ep_a2a.testing.reference import to_float32
+    from ep_a2a.layers.torch import bf16_from_bits, bits_from_bf16, moe_forward_all_ranks
+    from ep_a2a.testing.layer_oracle import check_layer_output, dense_reference
     ep = len(layers)
     xs = [bf16_from_bits(x, dev) for x in xs_bits]
     _poison(layers)
@@ -74,8 +76,8 @@ def _run_and_check(layers, weights_bits, xs_bits, routers, ref_routing, dev, msg
 @pytest.mark.parametrize("protocol", ["fence", "sentinel"])
 @pytest.mark.parametrize("ep,E,top_k,H,I,tmax", CASES)
 def test_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol):
-    from ep_a2a.reference import from_float32
-    from ep_a2a.torch_moe import distinct_logits, route_reference
+    from ep_a2a.testing.reference import from_float32
+    from ep_a2a.testing.layer_oracle import distinct_logits, route_reference
     dev = _cuda()
     rng, seed = fresh_rng()
     group, a2a, layers, wbits = _build(ep, E, top_k, H, I, tmax, protocol, "auto", rng, dev)
@@ -102,7 +104,7 @@ def test_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol):
 def test_given_routing_with_repeats_and_empty_selections(gemm):
     """Routing handed in as (ids, weights): repeated experts in a token, -1 (no expert),
     unnormalized weights; the per-expert loop and the grouped GEMM."""
-    from ep_a2a.reference import from_float32
+    from ep_a2a.testing.reference import from_float32
     dev = _cuda()
     rng, seed = fresh_rng()
     ep, E, top_k, H, I, tmax = 4, 12, 4, 256, 128, 32
@@ -133,8 +135,9 @@ def test_layer_with_fp8_combine_close_to_the_bf16_layer():
     with the bf16 combine and one with FP8: every token within 2**-3 relative L2 of the bf16
     output (e4m3 keeps 3 mantissa bits: about 2**-5 on normal data), and not all equal (the
     FP8 path ran)."""
-    from ep_a2a.reference import from_float32, to_float32
-    from ep_a2a.torch_moe import bf16_from_bits, bits_from_bf16, distinct_logits, moe_forward_all_ranks
+    from ep_a2a.testing.reference import from_float32, to_float32
+    from ep_a2a.layers.torch import bf16_from_bits, bits_from_bf16, moe_forward_all_ranks
+    from ep_a2a.testing.layer_oracle import distinct_logits
     dev = _cuda()
     rng, seed = fresh_rng()
     ep, E, top_k, H, I, tmax = 4, 16, 4, 256, 128, 32
@@ -169,8 +172,9 @@ def test_layer_with_fp8_combine_close_to_the_bf16_layer():
 
 
 def test_torch_dense_reference_agrees_with_numpy():
-    from ep_a2a.reference import from_float32
-    from ep_a2a.torch_moe import bf16_from_bits, dense_reference, dense_reference_torch, distinct_logits, random_weights, route_reference
+    from ep_a2a.testing.reference import from_float32
+    from ep_a2a.layers.torch import bf16_from_bits, dense_reference_torch
+    from ep_a2a.testing.layer_oracle import dense_reference, distinct_logits, random_weights, route_reference
     dev = _cuda()
     rng, seed = fresh_rng()
     N, E, top_k, H, I = 50, 8, 3, 128, 64
@@ -185,7 +189,7 @@ def test_torch_dense_reference_agrees_with_numpy():
 
 def test_grouped_gemm_used_on_hopper():
     """torch's grouped GEMM is expected on sm_90+; this says why when the layer falls back."""
-    from ep_a2a.torch_moe import grouped_mm_support
+    from ep_a2a.layers.torch import grouped_mm_support
     dev = _cuda()
     if torch.cuda.get_device_capability(dev) < (9, 0):
         pytest.skip("grouped_mm's bf16 kernels need sm_90+")

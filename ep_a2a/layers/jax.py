@@ -1,4 +1,4 @@
-"""The MoE layer of torch_moe.py in JAX (eager), on the rank-major all-to-all.
+"""The MoE layer of layers/torch.py in JAX (eager), on the rank-major all-to-all.
 
     router (jnp) -> dispatch -> build_index -> gather_rows -> FC1 / SiLU(gate) * up / FC2 (jnp)
     -> finalize (into the combine input) -> combine
@@ -22,7 +22,7 @@ Two ways to run the experts (gemm=):
     with cuMemcpyDtoDAsync.
   "auto": "ragged" where jax.lax.ragged_dot exists.
 
-In-process ranks: the same phases as torch_moe.moe_forward_all_ranks (route, dispatch every
+In-process ranks: the same phases as layers.torch.moe_forward_all_ranks (route, dispatch every
 rank, compute, combine every rank), for the same reason. JAX preallocates most of the GPU by
 default: set XLA_PYTHON_CLIENT_PREALLOCATE=false (or XLA_PYTHON_CLIENT_MEM_FRACTION) before
 importing jax when ep_a2a's workspaces share the GPU. jax is imported inside functions only.
@@ -30,14 +30,13 @@ importing jax when ep_a2a's workspaces share the GPU. jax is imported inside fun
 from __future__ import annotations
 
 import numpy as np
-from cuda.bindings import driver as _drv
 
-from .driver.errors import call
-from .interop.arrays import empty
-from .interop.tensor import as_tensor
-from .moe import ExpertIndex
-from .moe_layer import (LayerBase, check_layer_output, dense_reference, distinct_logits,  # noqa: F401
-                        max_relative_error, payload_specs, random_weights, route_reference, run_phases)
+from ..driver.memory import copy_dtod_async, copy_dtoh
+from ..driver.stream import synchronize_stream
+from ..interop.arrays import empty
+from ..interop.tensor import as_tensor
+from ..moe import ExpertIndex
+from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
 GEMMS = ("auto", "ragged", "loop")
 _JIT = {}
@@ -90,7 +89,7 @@ class JaxMoeLayer(LayerBase):
     def __init__(self, a2a_rank, w_gate_up, w_down, *, renormalize: bool = True, gemm: str = "auto"):
         import jax
         import jax.numpy as jnp
-        super().__init__(a2a_rank, "jax_moe", renormalize, gemm, GEMMS)
+        super().__init__(a2a_rank, "layers.jax", renormalize, gemm, GEMMS)
         a = a2a_rank.a2a
         self.gemm = ("ragged" if hasattr(jax.lax, "ragged_dot") else "loop") if gemm == "auto" else gemm
         L, H = self.num_local, self.hidden
@@ -167,9 +166,9 @@ class JaxMoeLayer(LayerBase):
             self._keep += [xj, counts, y]
             fc2 = y  # finalize's as_tensor makes our stream wait for it
         else:
-            call(_drv.cuStreamSynchronize, s)  # all ranks have dispatched: this returns
+            synchronize_stream(s)  # all ranks have dispatched: this returns
             bounds = np.empty(self.num_local + 1, np.int32)
-            call(_drv.cuMemcpyDtoH, bounds.ctypes.data, idx.offsets.ptr, bounds.nbytes)
+            copy_dtoh(bounds.ctypes.data, idx.offsets.ptr, bounds.nbytes)
             row_bytes = H * self._xg.itemsize
             for e in range(self.num_local):
                 a, b = int(bounds[e]), int(bounds[e + 1])
@@ -178,7 +177,7 @@ class JaxMoeLayer(LayerBase):
                 xe = jax.dlpack.from_dlpack(self._xg.view(a * row_bytes, (b - a, H)))
                 ye = _JIT["ffn"](xe, self._w1_e[e], self._w2_e[e])
                 src = as_tensor(ye, stream=s)  # our stream waits for JAX's result
-                call(_drv.cuMemcpyDtoDAsync, self._y.ptr + a * row_bytes, src.ptr, (b - a) * row_bytes, s)
+                copy_dtod_async(self._y.ptr + a * row_bytes, src.ptr, (b - a) * row_bytes, s)
                 self._keep += [xe, ye, src]
             fc2 = self._y
         self.finalize_partials(idx, fc2)
@@ -194,7 +193,7 @@ class JaxMoeLayer(LayerBase):
         import jax
         import jax.numpy as jnp
         T = self._step["T"]
-        call(_drv.cuStreamSynchronize, self.s)
+        synchronize_stream(self.s)
         self._step = None
         self._keep = []  # every launch of this step that read them has finished
         if T == 0:
@@ -224,7 +223,7 @@ class JaxMoeLayer(LayerBase):
 
 
 def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int = None):
-    """One step of every in-process rank (phases as torch_moe.moe_forward_all_ranks): returns a
+    """One step of every in-process rank (phases as layers.torch.moe_forward_all_ranks): returns a
     new bf16 jax array [T_r, hidden] per rank. Blocks the host until the step is done."""
     run_phases(layers, xs, routers, runtime_max_tokens_per_rank)
     return [layer.result() for layer in layers]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .layout import Q8_BLOCK
+from ..layout import Q8_BLOCK
 
 
 def expert_owner(num_experts: int, ep_size: int) -> np.ndarray:
@@ -205,7 +205,7 @@ def sentinel_escape(x: np.ndarray, kind: int) -> np.ndarray:
     """What SENTINEL delivers for payload rows `x` [rows, ...] of a given layout.KIND_*:
     every 32-bit word (row bytes zero-padded to whole words) equal to 0xFFFFFFFF becomes the
     kind's NaN word; KIND_RAW16 payloads arrive unchanged."""
-    from .layout import KIND_F16, KIND_F32, KIND_RAW16
+    from ..layout import KIND_F16, KIND_F32, KIND_RAW16
     if kind == KIND_RAW16 or x.shape[0] == 0:
         return x
     rows = np.ascontiguousarray(x).view(np.uint8).reshape(x.shape[0], -1)

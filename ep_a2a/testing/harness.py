@@ -1,77 +1,16 @@
 """Run dispatch -> stand-in MoE -> combine on real ranks and check every byte against the
-NumPy reference. Used by the demo, the tests and the soak tool (one harness, one oracle)."""
+NumPy reference. Used by the demo, the tests and the soak tool (one harness, one oracle).
+The inputs come from formats.py; only the public API of ep_a2a is used."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..interop.arrays import copy_from_numpy, empty, from_numpy, to_numpy
+from ..layout import record_slot, record_target, sentinel_kind
 from . import reference as ref
-from .alltoall import PayloadSpec
-from .interop.arrays import copy_from_numpy, empty, from_numpy, to_numpy
-from .layout import sentinel_kind
-
-# payload formats (besides the int32 expert ids, always sent): name -> specs for a hidden size
-def payload_formats(hidden: int, top_k: int) -> dict:
-    w = PayloadSpec("weights", (top_k,), "float32")
-    return {
-        "bf16": [PayloadSpec("hidden", (hidden,), "bfloat16"), w],
-        "mxfp8": [PayloadSpec("hidden", (hidden,), "float8_e4m3fn"), PayloadSpec("scales", (-(-hidden // 32),), "uint8"), w],
-        "nvfp4": [PayloadSpec("hidden", (-(-hidden // 2),), "uint8"), PayloadSpec("scales", (-(-hidden // 16),), "float8_e4m3fn"), w],
-        "opaque": [PayloadSpec("blob", (hidden,), "uint8"), PayloadSpec("odd", (3,), "uint8"), w],
-    }
-
-
-_NP_BITS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-def random_payload(rng, spec: PayloadSpec, T: int) -> np.ndarray:
-    """Random data of spec's dtype, as raw bits where numpy has no such dtype. Never zeros."""
-    shape = (T,) + tuple(spec.shape)
-    if spec.dtype == "bfloat16":
-        x = rng.standard_normal(shape).astype(np.float32)
-        return ref.from_float32(x, "bfloat16")
-    if spec.dtype in ("float32", "float16"):
-        return rng.standard_normal(shape).astype(spec.dtype)
-    if spec.dtype == "int32":
-        return rng.integers(-2**31, 2**31 - 1, shape, dtype=np.int64).astype(np.int32)
-    from .interop.tensor import as_dtype as lookup
-    return rng.integers(0, 256, shape + (lookup(spec.dtype).itemsize,), dtype=np.uint8).view(
-        _NP_BITS[lookup(spec.dtype).itemsize]).reshape(shape)
-
-
-def routing(kind: str, rng, T: int, top_k: int, num_experts: int, ep_size: int, source: int = 0,
-            alpha: float = 1.2, invalid_fraction: float = 0.0) -> np.ndarray:
-    """int32 [T, top_k] expert ids: 'uniform', 'zipf' (popularity ~ 1/rank^alpha, distinct
-    experts per token) or 'perfect' (the paper's: the k selections of a token go to
-    consecutive ranks, spread evenly over their experts)."""
-    if T == 0:
-        return np.zeros((0, top_k), np.int32)
-    if kind == "perfect":
-        owner = ref.expert_owner(num_experts, ep_size)
-        first = np.searchsorted(owner, np.arange(ep_size))
-        per = np.bincount(owner, minlength=ep_size)
-        i = np.arange(T)[:, None]
-        k = np.arange(top_k)[None, :]
-        r = (i + source + k) % ep_size
-        nper = np.maximum(per[r], 1)
-        e = first[r] + ((i // ep_size + k // ep_size) % nper)
-        ids = e.astype(np.int32)
-    else:
-        k = min(top_k, num_experts)
-        if kind == "uniform":
-            logits = np.zeros(num_experts)
-        elif kind == "zipf":
-            logits = -alpha * np.log1p(rng.permutation(num_experts))
-        else:
-            raise ValueError(f"routing: unknown kind {kind!r}")
-        g = logits[None, :] - np.log(-np.log(rng.random((T, num_experts))))  # Gumbel top-k
-        ids = np.argsort(-g, axis=1)[:, :k].astype(np.int32)
-        if k < top_k:
-            ids = np.concatenate([ids, np.full((T, top_k - k), -1, np.int32)], axis=1)
-    if invalid_fraction:
-        ids = np.where(rng.random(ids.shape) < invalid_fraction, -1, ids).astype(np.int32)
-    return ids
+from .formats import random_payload, routing
 
 
 @dataclass
@@ -89,9 +28,8 @@ class StepReport:
 
 def read_records(rank_a2a, T: int) -> np.ndarray:
     """The (target, slot) records dispatch left on the device for combine: int [T, top_k, 2]."""
-    a = rank_a2a.a2a
-    raw = to_numpy(rank_a2a._view(a.layout.off_records, (T, a.top_k), "int32", None))
-    out = np.stack([np.where(raw >= 0, raw & 0xFF, -1), np.where(raw >= 0, raw >> 8, -1)], axis=-1)
+    raw = to_numpy(rank_a2a.dispatch_records(int(T)))
+    out = np.stack([np.where(raw >= 0, record_target(raw), -1), np.where(raw >= 0, record_slot(raw), -1)], axis=-1)
     return out.astype(np.int64)
 
 
@@ -145,7 +83,7 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
         # what the protocol delivers: SENTINEL rewrites sentinel-colliding NaN words (layout.py)
         want_pay = [[ref.sentinel_escape(x, k) for x, k in zip(pay_h[s], a2a.kinds[1:])] for s in range(ep)] \
             if sentinel else pay_h
-        _check_dispatch(a2a, rep, ids_h, want_pay, records, views, sentinel)
+        check_dispatch(a2a, rep, ids_h, want_pay, records, views, sentinel)
     if prequantize:
         for s, r in local.items():
             q = r.combine_input(runtime_max, fp8=True)
@@ -176,7 +114,7 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     return rep
 
 
-def _rows(*arrays) -> np.ndarray:
+def rows_of(*arrays) -> np.ndarray:
     """Each row of the arrays (same first dimension) as one byte string, for set comparison."""
     n = arrays[0].shape[0]
     flat = np.concatenate([np.ascontiguousarray(a).view(np.uint8).reshape(n, a[0].nbytes if n else a.itemsize * int(np.prod(a.shape[1:])))
@@ -184,7 +122,7 @@ def _rows(*arrays) -> np.ndarray:
     return np.ascontiguousarray(flat).view(np.dtype((np.void, flat.shape[1]))).ravel()
 
 
-def _check_dispatch(a2a, rep, ids_h, pay_h, records, views, sentinel: bool) -> None:
+def check_dispatch(a2a, rep, ids_h, pay_h, records, views, sentinel: bool) -> None:
     """For every (source, local target) region: the occupied slots hold exactly the
     reference's tokens (as a set for FENCE, whose slot order is nondeterministic; slot i =
     token i for SENTINEL), bitwise in every payload; every other slot carries expert id -1.
@@ -203,8 +141,8 @@ def _check_dispatch(a2a, rep, ids_h, pay_h, records, views, sentinel: bool) -> N
             n = int(r["counts"][s])
             tok = np.asarray(r["tokens"][s], np.int64)
             slots = np.arange(n) if fence else tok
-            want = _rows(r["expert_ids"][s, :n], *[p[s, :n] for p in r["payloads"]])
-            got = _rows(got_ids[s, slots], *[p[s, slots] for p in got_pay])
+            want = rows_of(r["expert_ids"][s, :n], *[p[s, :n] for p in r["payloads"]])
+            got = rows_of(got_ids[s, slots], *[p[s, slots] for p in got_pay])
             same = np.array_equal(np.sort(got), np.sort(want)) if fence else np.array_equal(got, want)
             if not same:
                 rep.mismatches.append(f"region {s}->{t}: the {n} received tokens differ from the reference")

@@ -25,21 +25,22 @@ The grouped path computes the gated activation over all index.capacity rows (it 
 know the total on the host): rows past the total hold garbage that nothing reads.
 
 Ranks in one process (ep_a2a.LocalGroup): moe_forward_all_ranks() runs a step in phases
-(moe_layer.run_phases says why); the layer's buffers are allocated at construction and the
+(layers/base.run_phases says why); the layer's buffers are allocated at construction and the
 dispatch and combine phases make no torch call at all. A rank alone in its process
 (ProcessGroup) may simply call forward().
 
-torch is imported inside functions only: `import ep_a2a` never needs it.
+torch is imported inside functions only: `import ep_a2a` never needs it. (This module is
+ep_a2a.layers.torch; `import torch` in it is an absolute import and finds PyTorch itself.)
+The NumPy oracle of the layer (dense_reference, check_layer_output, ...) is
+ep_a2a.testing.layer_oracle.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from .interop.tensor import as_tensor
-from .moe import ExpertIndex
-from .moe_layer import (LayerBase, check_layer_output, dense_reference, distinct_logits,  # noqa: F401
-                        max_relative_error, payload_specs, random_weights, route_reference, run_phases)
-from .reference import from_float32, to_float32  # noqa: F401
+from ..interop.tensor import as_tensor
+from ..moe import ExpertIndex
+from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
 GEMMS = ("auto", "grouped", "loop")
 
@@ -92,7 +93,7 @@ class TorchMoeLayer(LayerBase):
 
     def __init__(self, a2a_rank, w_gate_up, w_down, *, renormalize: bool = True, gemm: str = "auto"):
         import torch
-        super().__init__(a2a_rank, "torch_moe", renormalize, gemm, GEMMS)
+        super().__init__(a2a_rank, "layers.torch", renormalize, gemm, GEMMS)
         a = a2a_rank.a2a
         self.device = torch.device("cuda", a2a_rank.device.ordinal)
         L, H = self.num_local, self.hidden

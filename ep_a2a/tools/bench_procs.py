@@ -2,7 +2,7 @@
 
 The parent only places the ranks on GPUs, starts them and waits. Each rank process forms
 a ProcessGroup over a UnixSocketBootstrap whose socket lives in a private temporary
-directory, then runs the same measurements as the in-process mode (`bench.sweep`); rank 0
+directory, then runs the same measurements as the in-process mode (`tools.bench.sweep`); rank 0
 writes the report. Ranks start with the "spawn" method: a forked child would inherit the
 parent's CUDA driver state, which CUDA does not support.
 """
@@ -25,7 +25,7 @@ FIRST_TIMEOUT_S = 180.0  # the first steps (peers may still be loading their mod
 
 def placement(procs, gpu_count: int) -> list:
     """The GPU ordinal of each rank: one rank per GPU, or `procs` ranks round-robin over them."""
-    from .layout import MAX_RANKS
+    from ..layout import MAX_RANKS
     if gpu_count < 1:
         raise ValueError("no visible GPU to place ranks on")
     n = gpu_count if procs is None else int(procs)
@@ -39,7 +39,7 @@ def placement(procs, gpu_count: int) -> list:
 
 def run(args) -> int:
     """Start one process per rank, wait for all; 0 when every rank succeeded."""
-    from .driver import device
+    from ..driver import device
     try:
         devices = placement(args.procs, device.device_count())
     except ValueError as e:
@@ -107,14 +107,14 @@ def _rank_main(rank: int, devices: list, name: str, base_dir: str, args, seed: i
 
 
 def _rank(rank: int, devices: list, name: str, base_dir: str, args, seed: int) -> None:
+    from .. import ProcessGroup, UnixSocketBootstrap
     from . import bench
-    from .bootstrap import UnixSocketBootstrap
-    from .group import ProcessGroup
+    from .bench_report import report
     with UnixSocketBootstrap(rank, len(devices), name=name, base_dir=base_dir, timeout=BOOTSTRAP_TIMEOUT_S) as bs:
         with ProcessGroup(bs, devices[rank]) as group:
             b = bench.Bench(args, group, seed, timeout_s=TIMEOUT_S, first_timeout_s=FIRST_TIMEOUT_S)
             result = bench.sweep(b)
             if rank == 0:
-                bench.report(result, args)
+                report(result, args)
             bs.barrier()  # every rank's work is done before anyone unmaps its workspace
             b.close()

@@ -1,0 +1,281 @@
+"""python -m ep_a2a.bench_layer: the PyTorch MoE layer (ep_a2a/layers/torch.py) on in-process ranks
+of one GPU, as the paper's Table 4 (layer time and its dispatch / compute / combine stages),
+against the layer a PyTorch user would write without ep_a2a on the same ranks and streams.
+
+Baseline ("all-gather"): every rank routes its tokens, copies every rank's tokens, ids and
+weights into one batch (torch.cat: the all-gather), runs its local experts over the tokens that
+selected them (nonzero + index_select, FC1, SiLU(gate) * up, FC2, weighted index_add_ in fp32),
+then sums the rows of its own tokens over every rank's output (the reduce-scatter) into bf16.
+Ranks wait for each other where the collectives would (events between the rank streams).
+
+Method: eager PyTorch, no CUDA graphs: every step launches every rank's work from Python (ours
+through moe_forward_all_ranks' phases). CUDA events on a timer stream that forks to every rank
+stream and joins them back. Per token count, --iters steps after --warmup, median of each:
+  layer: events only at the start and the end of the step;
+  stages: the same step with a join of every rank stream (and a fork after it) at each stage
+    boundary, an event at each join: dispatch (router + dispatch; baseline: router +
+    all-gather), compute, combine (baseline: reduce-scatter). Joins stop a stage from
+    overlapping the next, so the stages add up to a little more than the layer.
+  host: wall time to issue one step (eager launches from Python bound small batches).
+Routing: random logits through the router (uniform over experts). The GPU is named; the
+result goes to bench/results/ as JSON (device, date, commit, config).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+from ..layers.base import phase_gate, run_phases
+from .bench_report import commit
+
+PROFILES = {
+    "small": dict(hidden=2048, intermediate=1024, experts=64, top_k=8),
+    "deepseek-v3-like": dict(hidden=7168, intermediate=2048, experts=256, top_k=8),
+}
+
+
+def _fork(torch, ts, streams):
+    ev = torch.cuda.Event()
+    ev.record(ts)
+    for s in streams:
+        s.wait_event(ev)
+
+
+def _join(torch, ts, streams):
+    for s in streams:
+        ev = torch.cuda.Event()
+        ev.record(s)
+        ts.wait_event(ev)
+
+
+class Baseline:
+    """The all-gather / local experts / reduce-scatter layer, one instance for all ranks."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def route(self, layer, logits):
+        import torch
+        top, ids = torch.topk(logits, layer.top_k, dim=-1)
+        return ids, torch.softmax(top, dim=-1)
+
+    def step(self, xs, logits, between=None):
+        """One step; `between(stage)` is called after the dispatch-like and compute stages."""
+        import torch
+        import torch.nn.functional as F
+        layers = self.layers
+        routes = []
+        for layer, lg in zip(layers, logits):
+            with torch.cuda.stream(layer.stream):
+                routes.append(self.route(layer, lg))
+        phase_gate(layers)  # the all-gather needs every rank's tokens and routing
+        gathered = []
+        for layer in layers:
+            with torch.cuda.stream(layer.stream):
+                gathered.append((torch.cat(xs), torch.cat([r[0] for r in routes]), torch.cat([r[1] for r in routes])))
+        if between:
+            between("dispatch")
+        outs = []
+        for layer, (x_all, ids_all, w_all) in zip(layers, gathered):
+            with torch.cuda.stream(layer.stream):
+                out = torch.zeros(x_all.shape[0], x_all.shape[1], dtype=torch.float32, device=x_all.device)
+                I = layer.inter
+                for e in range(layer.num_local):
+                    tok, k = (ids_all == layer.first_expert + e).nonzero(as_tuple=True)  # host sync
+                    if tok.numel() == 0:
+                        continue
+                    h = x_all.index_select(0, tok) @ layer.w_gate_up[e].t()
+                    y = (F.silu(h[:, :I]) * h[:, I:]) @ layer.w_down[e].t()
+                    out.index_add_(0, tok, y.float() * w_all[tok, k].unsqueeze(1))
+                outs.append(out)
+        if between:
+            between("compute")
+        phase_gate(layers)  # the reduce-scatter needs every rank's partial sums
+        results, start = [], 0
+        for layer, x in zip(layers, xs):
+            T = x.shape[0]
+            with torch.cuda.stream(layer.stream):
+                acc = outs[0][start:start + T].clone()
+                for o in outs[1:]:
+                    acc += o[start:start + T]
+                results.append(acc.to(torch.bfloat16))
+            start += T
+        return results
+
+
+def _measure(torch, run, streams, iters: int, warmup: int) -> dict:
+    """Median µs of the whole step, of each stage (with joins), and host µs to issue a step."""
+    ts = torch.cuda.Stream()
+    for _ in range(warmup):
+        _fork(torch, ts, streams)
+        run(None)
+        _join(torch, ts, streams)
+    torch.cuda.synchronize()
+    layer, host, stages = [], [], {"dispatch": [], "compute": [], "combine": []}
+    for _ in range(iters):
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(ts)
+        _fork(torch, ts, streams)
+        t0 = time.perf_counter()
+        run(None)
+        host.append((time.perf_counter() - t0) * 1e6)
+        _join(torch, ts, streams)
+        e1.record(ts)
+        e1.synchronize()
+        layer.append(e0.elapsed_time(e1) * 1e3)
+    for _ in range(iters):
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        marks = iter(evs[1:3])
+
+        def between(stage):
+            _join(torch, ts, streams)
+            next(marks).record(ts)
+            _fork(torch, ts, streams)
+
+        evs[0].record(ts)
+        _fork(torch, ts, streams)
+        run(between)
+        _join(torch, ts, streams)
+        evs[3].record(ts)
+        evs[3].synchronize()
+        for name, (a, b) in zip(stages, zip(evs, evs[1:])):
+            stages[name].append(a.elapsed_time(b) * 1e3)
+    return dict(layer_us=float(np.median(layer)), host_issue_us=float(np.median(host)),
+                **{f"{k}_us": float(np.median(v)) for k, v in stages.items()},
+                staged_layer_us=float(np.median([sum(x) for x in zip(*stages.values())])))
+
+
+def run(args) -> dict:
+    import torch
+    import ep_a2a
+    from ..layers.torch import TorchMoeLayer, moe_forward_all_ranks, payload_specs
+    from ..moe import local_experts
+    from ..testing.layer_oracle import max_relative_error
+    p = dict(PROFILES[args.profile])
+    for k in ("hidden", "intermediate", "experts", "top_k"):
+        if getattr(args, k) is not None:
+            p[k] = getattr(args, k)
+    H, I, E, top_k, ep = p["hidden"], p["intermediate"], p["experts"], p["top_k"], args.ranks
+    dev = torch.device("cuda", args.device)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    print(f"seed {seed}; {torch.cuda.get_device_name(dev)}; {ep} ranks; hidden {H}, intermediate {I}, "
+          f"{E} experts, top_k {top_k}", file=sys.stderr)
+    w1 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).to(torch.bfloat16)
+    rows = []
+    protocol = "fence" if args.combine_quant else args.protocol  # (FP8 combine is FENCE only)
+    with ep_a2a.LocalGroup([args.device] * ep) as group:
+        a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(args.tokens), top_k=top_k, num_experts=E,
+                                 payloads=payload_specs(H, top_k), combine_hidden_size=H,
+                                 protocol=protocol, combine_quant=args.combine_quant, validate_expert_ids=False,
+                                 on_timeout="abort")  # a stuck wait reports who was missing, the run ends cleanly
+        layers = []
+        try:
+            for r in a2a.ranks:
+                first, n = local_experts(E, ep, r.rank)
+                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm))
+            streams = [layer.stream for layer in layers]
+            base = Baseline(layers)
+            for T in args.tokens:
+                xs = [torch.randn(T, H, device=dev).to(torch.bfloat16) for _ in range(ep)]
+                logits = [torch.randn(T, E, device=dev) for _ in range(ep)]
+                torch.cuda.synchronize()
+                ours = [o.clone() for o in moe_forward_all_ranks(layers, xs, logits)]  # (clones wait for the combines)
+                theirs = base.step(xs, logits)
+                torch.cuda.synchronize()
+                diff = max(max_relative_error(a.float().cpu().numpy(), b.float().cpu().numpy()) for a, b in zip(ours, theirs))
+                if diff > 0.05:
+                    print(f"WARNING: T={T}: ours and the baseline differ by {diff:.3g} (relative to the largest output)",
+                          file=sys.stderr)
+                row = dict(tokens_per_rank=T, max_rel_diff_vs_baseline=diff,
+                           ours=_measure(torch, lambda b: run_phases(layers, xs, logits, T, between=b), streams,
+                                         args.iters, args.warmup),
+                           baseline=_measure(torch, lambda b: base.step(xs, logits, b), streams, args.iters, args.warmup))
+                row["speedup"] = row["baseline"]["layer_us"] / row["ours"]["layer_us"]
+                rows.append(row)
+                o, b = row["ours"], row["baseline"]
+                print(f"T={T:5d}  ours {o['layer_us']:9.1f} µs ({o['dispatch_us']:.1f} / {o['compute_us']:.1f} / "
+                      f"{o['combine_us']:.1f}; host {o['host_issue_us']:.0f})   baseline {b['layer_us']:9.1f} µs "
+                      f"({b['dispatch_us']:.1f} / {b['compute_us']:.1f} / {b['combine_us']:.1f}; host "
+                      f"{b['host_issue_us']:.0f})   x{row['speedup']:.2f}", file=sys.stderr, flush=True)
+                torch.cuda.empty_cache()
+            gemm = f"{layers[0].gemm} ({layers[0].gemm_reason})"
+        finally:
+            for layer in layers:
+                layer.close()
+            a2a.close()
+    props = torch.cuda.get_device_properties(dev)
+    return dict(device=props.name, compute_capability=list(torch.cuda.get_device_capability(dev)),
+                sm_count=props.multi_processor_count, torch=torch.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit(),
+                config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
+                            device=args.device, tokens=args.tokens, iters=args.iters,
+                            protocol=protocol, combine_quant=args.combine_quant,
+                            warmup=args.warmup, seed=seed, gemm=gemm, routing="random logits, softmax top-k renormalized",
+                            dtype="bf16 weights and activations, fp32 accumulation"),
+                method=__doc__, rows=rows)
+
+
+def _tokens(s: str) -> list:
+    vals = [int(v) for v in s.split(",") if v.strip()]
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"--tokens: a comma-separated list of ints >= 1, got {s!r}")
+    return vals
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m ep_a2a.bench_layer", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int, default=8, help="in-process ranks on --device (default 8)")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--tokens", type=_tokens, default=[1, 16, 128, 1024], help="tokens per rank, comma-separated")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="small")
+    ap.add_argument("--hidden", type=int)
+    ap.add_argument("--intermediate", type=int)
+    ap.add_argument("--experts", type=int)
+    ap.add_argument("--top-k", dest="top_k", type=int)
+    ap.add_argument("--protocol", choices=("fence", "sentinel", "auto"), default="auto")
+    ap.add_argument("--gemm", choices=("auto", "grouped", "loop"), default="auto")
+    ap.add_argument("--combine-quant", choices=("fp8",), default=None,
+                    help="FP8 combine (FENCE): finalize writes e4m3 partials, combine pulls those")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--out", help="JSON path (default bench/results/<GPU>-moe-layer-<profile>-<ranks>ranks-<date>.json)")
+    args = ap.parse_args(argv)
+    if args.ranks < 1 or args.iters < 1 or args.warmup < 0:
+        ap.error("--ranks and --iters must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from ..driver import device
+    if not device.available():
+        print("no CUDA GPU here: nothing to benchmark", file=sys.stderr)
+        return 1
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("the layer benchmark needs PyTorch", file=sys.stderr)
+        return 1
+    res = run(args)
+    path = args.out or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "results",
+        f"{res['device'].replace(' ', '_')}-moe-layer-{args.profile}-{args.ranks}ranks-{res['date'][:10]}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""The benchmark's results: the commit measured, the cross-process reduction of the rank
+processes' numbers, the crossover between the protocols, and the JSON / table / plot report
+(python -m ep_a2a.bench; bench.py measures)."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+QUANT_NAMES = {"fp8": ", FP8 combine", "fp8-epilogue": ", FP8 combine of epilogue-quantized partials"}
+
+
+def commit() -> str:
+    """The short commit id of the code measured: $EP_A2A_COMMIT, else git's HEAD, else "unknown"."""
+    if os.environ.get("EP_A2A_COMMIT"):  # the GPU machine gets a copy of the tree without .git
+        return os.environ["EP_A2A_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def gather(bootstrap, values) -> np.ndarray:
+    """float64 [processes, len(values)]: every process's `values` in rank order (one row
+    without a bootstrap). Raw float64 bytes over the bootstrap, never pickle."""
+    mine = np.asarray(values, np.float64).reshape(-1)
+    if bootstrap is None:
+        return mine[None]
+    parts = [np.frombuffer(b, np.float64) for b in bootstrap.allgather(mine.tobytes())]
+    if any(p.shape != mine.shape for p in parts):
+        raise ValueError(f"gather: ranks passed {[p.size for p in parts]} values; all must pass {mine.size}")
+    return np.stack(parts)
+
+
+def report(result: dict, args) -> str:
+    """Write the JSON (and plot), print the table; returns the JSON path."""
+    unit = "ranks" if result["mode"] == "inproc" else "procs"
+    out = args.out or os.path.join("bench", "results", f"{result['device'].replace(' ', '_')}-{args.profile}-"
+                                   f"{args.format}-{result['ep_size']}{unit}-{datetime.date.today().isoformat()}.json")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    table(result)
+    if args.plot:
+        plot(result, args.plot)
+    print(f"wrote {out}", flush=True)
+    return out
+
+
+def crossover(rows):
+    """Largest T at which SENTINEL's round trip beats FENCE's (None unless both were swept)."""
+    by = {(r["protocol"], r["tokens_per_rank"]): r["round_trip_us"] for r in rows}
+    Ts = sorted({t for p, t in by if p == "sentinel" and ("fence", t) in by})
+    best = None
+    for t in Ts:
+        if by[("sentinel", t)] < by[("fence", t)]:
+            best = t
+        else:
+            break
+    return best
+
+
+def setup(res) -> str:
+    """How the ranks were laid out, in words (the table and plot headers)."""
+    if res.get("mode", "inproc") == "inproc":
+        return f"{res['config']['ranks']} in-process ranks"
+    return f"{res['procs']} rank processes on {res['gpus']} GPU(s)"
+
+
+def table(res) -> None:
+    print(f"{res['device']}, {setup(res)}, {res['config']['profile']}, "
+          f"{res['config']['format']}{QUANT_NAMES.get(res['config'].get('combine_quant'), '')}, "
+          f"{res['config']['routing']} routing, commit {res['commit']}")
+    if res.get("shared_gpu"):
+        print(f"shared_gpu: {res['procs']} processes time-slice {res['gpus']} GPU(s): cross-process waits cost "
+              "milliseconds, so these times test the path and are NOT performance")
+    print(f"{'proto':>8} {'T':>5} {'rt µs':>8} {'floor':>7} {'x':>5} {'barrier':>7} {'disp µs':>8} {'floor':>7} {'comb µs':>8} "
+          f"{'disp TB/s':>9} {'copy TB/s':>9} {'%copy':>6} {'peer TB/s':>9}")
+    def f(v, spec):
+        return format(v, spec) if v is not None else format("-", ">" + spec.split(".")[0].lstrip("<>^"))
+    for r in res["rows"]:
+        pct = None if r.get("dispatch_over_copy_bw") is None else 100 * r["dispatch_over_copy_bw"]
+        print(f"{r['protocol']:>8} {r['tokens_per_rank']:>5} {r['round_trip_us']:>8.1f} {r['floor_round_trip_us']:>7.1f} "
+              f"{r['round_trip_over_floor']:>5.2f} {f(r.get('barrier_floor_round_trip_us'), '>7.1f')} {f(r['dispatch_us'], '>8.1f')} {f(r.get('floor_dispatch_us'), '>7.1f')} "
+              f"{f(r['combine_us'], '>8.1f')} {f(r.get('dispatch_tbps'), '>9.2f')} {r['copy_floor_tbps']:>9.2f} "
+              f"{f(pct, '>5.0f')}% {f(r.get('peer_copy_floor_tbps'), '>9.2f')}")
+    if res.get("peer_copy_floor_reason"):
+        print(f"peer copy floor: none ({res['peer_copy_floor_reason']})")
+    print(f"measured crossover: SENTINEL faster up to {res['measured_sentinel_max_tokens']} tokens per rank")
+    for h in res["host_overhead"]:
+        print(f"host overhead, T={h['tokens_per_rank']}: {h['host_us_per_rank_step']:.1f} µs per rank per "
+              f"eager dispatch+combine = Python {h['python_us_per_rank_step']:.1f} + launches "
+              f"(two bare launches: {h['two_bare_launches_us']:.1f} µs)")
+
+
+def plot(res, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for proto in dict.fromkeys(r["protocol"] for r in res["rows"]):
+        rows = [r for r in res["rows"] if r["protocol"] == proto]
+        T = [r["tokens_per_rank"] for r in rows]
+        ax.plot(T, [r["round_trip_us"] for r in rows], marker="o", label=f"{proto} round trip")
+    rows = [r for r in res["rows"] if r["protocol"] == res["rows"][0]["protocol"]]
+    ax.plot([r["tokens_per_rank"] for r in rows], [r["floor_round_trip_us"] for r in rows], linestyle="--",
+            label="empty-kernel floor")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens per rank")
+    ax.set_ylabel("µs")
+    ax.set_title(f"{res['device']}: {setup(res)}, {res['config']['profile']}"
+                 + (" (shared GPU: not performance)" if res.get("shared_gpu") else ""))
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

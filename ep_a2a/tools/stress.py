@@ -1,0 +1,231 @@
+"""python -m ep_a2a.stress: a soak of dispatch/combine on in-process ranks sharing one GPU.
+
+Every step draws, from a per-step seed, a random configuration: one of the all-to-alls built
+up front (one per payload format and combine dtype, each with its own hidden size, top_k and
+expert count), the protocol (fence, sentinel, or auto around a crossover inside the token
+range, so auto switches step to step), runtime_max_tokens_per_rank, the token count of each
+rank (zeros included), the routing (uniform, zipf, perfect; a fraction of the selections
+-1), exact or random-normal partial results, zero-copy or staged combine, and for the FP8
+combine whether combine quantizes or the stand-in epilogue wrote the FP8 input itself.
+Every step runs the real dispatch and combine on random data; the checked steps also
+compare every byte with the NumPy reference (ep_a2a/testing/harness.py, the harness the tests use).
+
+Bytes moved are logical, as in the paper's Appendix B: per step,
+  dispatch: sum of tokens * min(ep_size, top_k) * activation bytes per token (hidden states
+            and their scales; expert ids and router weights left out),
+  combine:  sum of tokens * min(ep_size, top_k) * hidden * combine dtype size.
+Exit status: 0 all good, 1 a mismatch or an error, 2 no GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+
+import numpy as np
+
+FORMATS = ("bf16", "mxfp8", "nvfp4", "opaque")
+COMBINE_DTYPES = ("bfloat16", "float16", "float32")
+ROUTES = ("uniform", "zipf", "perfect")
+MODES = ("fence", "sentinel", "auto")
+HIDDEN = (7, 96, 200, 512, 1024)   # 7 and 200: byte counts that are not multiples of 16
+TOP_K = (1, 2, 4, 6, 8)
+PROGRESS_S = 30.0
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(prog="python -m ep_a2a.stress", description=__doc__.split("\n")[0])
+    dur = ap.add_mutually_exclusive_group()
+    dur.add_argument("--minutes", type=float, default=None, help="run this long (default 3)")
+    dur.add_argument("--steps", type=int, default=None, help="run this many steps instead")
+    ap.add_argument("--check-every", type=int, default=None,
+                    help="check every k-th step against the reference (default: every one of the first 50, then 10)")
+    ap.add_argument("--ranks", type=int, default=4, help="in-process ranks on --device")
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens_per_rank of every all-to-all")
+    ap.add_argument("--seed", type=int, default=None, help="default: drawn at random (and printed)")
+    ap.add_argument("--json", default=None, help="write the summary here")
+    args = ap.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        ap.error("--steps must be >= 1")
+    if args.minutes is not None and not args.minutes > 0:
+        ap.error("--minutes must be > 0")
+    if args.check_every is not None and args.check_every < 1:
+        ap.error("--check-every must be >= 1")
+    if args.ranks < 1 or args.max_tokens < 1:
+        ap.error("--ranks and --max-tokens must be >= 1")
+    if args.minutes is None and args.steps is None:
+        args.minutes = 3.0
+    if args.seed is None:
+        args.seed = int(np.random.default_rng().integers(2 ** 31))
+    return args
+
+
+def _build(group, args, rng, built: dict) -> dict:
+    """One all-to-all per (format, combine dtype), shapes drawn from `rng`, protocol "auto" so
+    that both protocols' kernels and workspace exist; the step picks the protocol. Filled into
+    `built` as they are made, so the caller closes those made before a failure."""
+    import ep_a2a
+    from ..testing.formats import payload_formats
+    ep = group.ep_size
+    for fmt in FORMATS:
+        for cdt in COMBINE_DTYPES:
+            hidden, top_k = int(rng.choice(HIDDEN)), int(rng.choice(TOP_K))
+            experts = int(rng.integers(max(top_k, ep), 8 * ep + 3))
+            crossover = int(rng.integers(1, args.max_tokens)) if args.max_tokens > 1 else 1
+            a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=args.max_tokens, top_k=top_k, num_experts=experts,
+                                     payloads=payload_formats(hidden, top_k)[fmt], combine_hidden_size=hidden,
+                                     combine_dtype=cdt, protocol="auto", crossover_tokens=crossover, timeout_s=20.0)
+            built[fmt, cdt] = a2a
+    for cdt in COMBINE_DTYPES:  # FP8 combine (FENCE only; hidden a multiple of 128)
+        hidden, top_k = int(rng.choice([128, 256, 384])), int(rng.choice(TOP_K))
+        experts = int(rng.integers(max(top_k, ep), 8 * ep + 3))
+        built["bf16+fp8-combine", cdt] = ep_a2a.MoeAlltoAll(
+            group, max_tokens_per_rank=args.max_tokens, top_k=top_k, num_experts=experts,
+            payloads=payload_formats(hidden, top_k)["bf16"], combine_hidden_size=hidden, combine_dtype=cdt,
+            protocol="fence", combine_quant="fp8", timeout_s=20.0)
+    return built
+
+
+def logical_bytes(tokens, ep_size: int, top_k: int, payload_specs, hidden: int, combine_itemsize: int) -> tuple:
+    """(dispatch, combine) logical bytes of one step (see the module docstring)."""
+    fan = min(ep_size, top_k) * int(sum(tokens))
+    act = sum(s.bytes_per_token for s in payload_specs if s.name != "weights")
+    return fan * act, fan * hidden * combine_itemsize
+
+
+def _draw_step(rng, a2as, max_tokens: int, ep: int) -> dict:
+    key = list(a2as)[int(rng.integers(len(a2as)))]
+    u = rng.random()
+    tmax = 1 if u < 0.1 else max_tokens if u < 0.2 else int(rng.integers(1, max_tokens + 1))
+    tokens = rng.integers(0, tmax + 1, ep)
+    tokens[rng.random(ep) < 0.15] = 0       # idle ranks
+    tokens[rng.random(ep) < 0.15] = tmax    # full ranks
+    return dict(key=key, mode=str(rng.choice(MODES)), tmax=tmax, tokens=[int(t) for t in tokens],
+                route=str(rng.choice(ROUTES)), invalid=float(rng.choice([0.0, 0.0, 0.05, 0.3])),
+                alpha=float(rng.uniform(0.6, 2.0)), exact=bool(rng.random() < 0.6),
+                zero_copy=bool(rng.random() < 0.7), prequantize=bool(rng.random() < 0.5))
+
+
+def _checked(step: int, every) -> bool:
+    if every is not None:
+        return step % every == 0
+    return step < 50 or step % 10 == 0
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    from ..driver import device
+    if not device.available():
+        print("no CUDA GPU on this machine (no driver or no device): nothing to soak", file=sys.stderr)
+        return 2
+    import ep_a2a
+    from ..testing.harness import run_step
+
+    seed = args.seed
+    print(f"ep_a2a.stress: seed {seed} ({args.ranks} ranks on cuda:{args.device}, "
+          f"{f'{args.steps} steps' if args.steps else f'{args.minutes:g} min'})", flush=True)
+    t0 = time.monotonic()
+    fig = dict(steps=0, steps_checked=0, dispatch_bytes=0, combine_bytes=0, bytes_moved=0, bytes_checked=0,
+               mismatches=0, errors=0, protocols={}, formats={}, first_failures=[])
+    group = ep_a2a.LocalGroup([args.device] * args.ranks)
+    a2as = {}
+    try:
+        _build(group, args, np.random.default_rng([seed, 1 << 40]), a2as)
+        setup_s = time.monotonic() - t0
+        start = next_report = time.monotonic()
+        next_report += PROGRESS_S
+        deadline = None if args.steps else start + 60.0 * args.minutes
+        step = 0
+        while (step < args.steps) if args.steps else (time.monotonic() < deadline):
+            rng = np.random.default_rng([seed, step])  # one step reproduces from (seed, step)
+            d = _draw_step(rng, a2as, args.max_tokens, args.ranks)
+            a2a = a2as[d["key"]]
+            # an "auto" all-to-all runs either protocol's kernels; FP8 combine is FENCE only
+            a2a.use_protocol("fence" if a2a.combine_quant else d["mode"])
+            proto = a2a.protocol_for(d["tmax"])
+            verify = _checked(step, args.check_every)
+            # FP8 combine: half the steps an epilogue wrote the FP8 input itself
+            prequantize = d["prequantize"] and a2a.combine_quant == "fp8"
+            try:
+                rep = run_step(a2a, rng, d["tokens"], d["tmax"], route=d["route"], exact=d["exact"],
+                               zero_copy=d["zero_copy"], verify=verify, alpha=d["alpha"],
+                               invalid_fraction=d["invalid"], prequantize=prequantize)
+            except Exception as e:  # the ranks may be mid-step (or the context lost): stop here
+                fig["errors"] += 1
+                fig["first_failures"].append(f"step {step} ({d}): {type(e).__name__}: {e}")
+                print(f"ERROR at step {step} (seed {seed}, {d}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                break
+            db, cb = logical_bytes(d["tokens"], a2a.ep_size, a2a.top_k, a2a.payload_specs, a2a.combine_hidden_size,
+                                   a2a.combine_dtype.itemsize)
+            fig["steps"] += 1
+            fig["dispatch_bytes"] += db
+            fig["combine_bytes"] += cb
+            fig["protocols"][proto] = fig["protocols"].get(proto, 0) + 1
+            name = "/".join(d["key"]) + ("/epilogue-fp8" if prequantize else "")
+            fig["formats"][name] = fig["formats"].get(name, 0) + 1
+            if verify:
+                fig["steps_checked"] += 1
+                fig["bytes_checked"] += rep.dispatch_bytes_checked
+                if rep.combine_rows_checked != sum(d["tokens"]):
+                    rep.mismatches.append(f"combine checked {rep.combine_rows_checked} rows of {sum(d['tokens'])}")
+            if rep.mismatches:
+                fig["mismatches"] += len(rep.mismatches)
+                if len(fig["first_failures"]) < 20:
+                    fig["first_failures"].append(f"step {step} ({d}): {rep.mismatches[:3]}")
+                print(f"MISMATCH at step {step} (seed {seed}, {d}): {rep.mismatches[:3]}", file=sys.stderr, flush=True)
+            step += 1
+            now = time.monotonic()
+            if now >= next_report:
+                next_report = now + PROGRESS_S
+                print(f"[{now - start:6.0f} s] {fig['steps']} steps ({fig['steps_checked']} checked), "
+                      f"{(fig['dispatch_bytes'] + fig['combine_bytes']) / 1e9:.2f} GB moved, "
+                      f"{fig['mismatches']} mismatches, {fig['errors']} errors, protocols {fig['protocols']}", flush=True)
+        wall = time.monotonic() - start
+    finally:
+        for a in a2as.values():
+            try:
+                a.close()
+            except Exception as e:  # after a kernel trap the context is gone; report, do not mask
+                print(f"close failed: {type(e).__name__}: {e}", file=sys.stderr)
+        try:
+            group.close()
+        except Exception as e:
+            print(f"group close failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    fig["bytes_moved"] = fig["dispatch_bytes"] + fig["combine_bytes"]
+    fig.update(wall_s=round(wall, 3), setup_s=round(setup_s, 3))
+    print(f"steps run      {fig['steps']}\n"
+          f"steps checked  {fig['steps_checked']} ({fig['bytes_checked'] / 1e6:.1f} MB of dispatched bytes compared)\n"
+          f"bytes moved    {fig['bytes_moved'] / 1e9:.3f} GB logical (dispatch {fig['dispatch_bytes'] / 1e9:.3f}, "
+          f"combine {fig['combine_bytes'] / 1e9:.3f})\n"
+          f"protocols      {fig['protocols']}\n"
+          f"mismatches     {fig['mismatches']}\n"
+          f"errors         {fig['errors']}\n"
+          f"wall time      {wall:.1f} s (+{setup_s:.1f} s setup)\n"
+          f"seed           {seed}", flush=True)
+    if args.json:
+        _write_json(args, fig)
+    ok = fig["mismatches"] == 0 and fig["errors"] == 0
+    print("OK" if ok else f"FAILED (reproduce with --seed {seed})", flush=True)
+    return 0 if ok else 1
+
+
+def _write_json(args, fig) -> None:
+    import os
+    from ..driver.device import driver_version, get_device
+    from .bench_report import commit
+    dev = get_device(args.device)
+    result = dict(tool="ep_a2a.stress", device=dev.name, compute_capability=list(dev.compute_capability),
+                  driver=driver_version(), commit=commit(),
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(), args=vars(args), **fig)
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
