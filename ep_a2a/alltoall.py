@@ -19,6 +19,7 @@ import numpy as np
 from . import fastpath, schedule
 from .config import Fp8Partial, Options, PayloadSpec, REDUCE_DTYPES  # noqa: F401 (PayloadSpec: re-exported)
 from .driver.errors import CudaError
+from .driver.lifetime import Owned
 from .driver.launch import Launch, launch_once, occupancy
 from .driver.memory import DeviceAllocation, copy_dtod_async, copy_dtoh, memset_d8_async, release_held
 from .driver.module import load
@@ -32,7 +33,7 @@ from .symmetric import SymmetricWorkspace
 from .validate import CheckedInputs, check_fp8_partial, check_runtime_max, expert_id_error, require
 
 
-class MoeAlltoAll:
+class MoeAlltoAll(Owned):
     """Dispatch/combine for every rank of `group` that lives in this process (built collectively).
 
     Args:
@@ -95,6 +96,7 @@ class MoeAlltoAll:
                                             q8_hidden=o.combine_hidden_size if o.combine_quant else 0)
         self.workspace = SymmetricWorkspace(group, self.layout.size)
         self.ranks = []
+        self._opened()  # from here a failure closes what was made
         # several ranks driven by this process spin on each other: no cuMemFree between
         # their launches (group.hold_frees_for)
         self._unhold = hold_frees_for(self) if group.is_local and len(group.ranks) > 1 else None
@@ -185,7 +187,9 @@ class MoeAlltoAll:
     def workspace_bytes_per_rank(self) -> int:
         return self.workspace.size
 
-    def close(self) -> None:
+    _kind = "alltoalls"
+
+    def _release(self) -> None:
         try:
             for r in self.ranks:
                 r.close()
@@ -196,12 +200,6 @@ class MoeAlltoAll:
         finally:
             if getattr(self, "_unhold", None) is not None:
                 self._unhold()  # hold_frees(False), once
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class RankAlltoAll:

@@ -23,6 +23,7 @@ import stat
 import struct
 import time
 
+from .driver.lifetime import Owned
 from .errors import BootstrapError, BootstrapTimeout
 
 __all__ = ["Bootstrap", "BootstrapError", "BootstrapTimeout", "UnixSocketBootstrap",
@@ -48,7 +49,7 @@ class _Rejected(BootstrapError):
     """A connection that is not a member of this group (rank 0 drops it and keeps waiting)."""
 
 
-class Bootstrap(abc.ABC):
+class Bootstrap(Owned, abc.ABC):
     """Rendezvous of `world_size` processes: collectives over small byte strings and fds.
 
     Every method is collective: all ranks call it in the same order. Not thread-safe.
@@ -81,16 +82,12 @@ class Bootstrap(abc.ABC):
     def barrier(self) -> None:
         self.allgather(b"")
 
-    def close(self) -> None:
+    _kind = "bootstraps"
+
+    def _release(self) -> None:
         if self._fd_bootstrap is not None:
             self._fd_bootstrap.close()
             self._fd_bootstrap = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
@@ -209,8 +206,6 @@ def _peer_cred(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
 
 
-# ---------------------------------------------------------------------------------------------
-
 
 class UnixSocketBootstrap(Bootstrap):
     """Processes on one node meet at an AF_UNIX socket of rank 0 (star topology through rank 0).
@@ -235,7 +230,7 @@ class UnixSocketBootstrap(Bootstrap):
         self._peers: dict[int, socket.socket] = {}  # rank 0: rank -> connection
         self._sock: socket.socket | None = None      # ranks > 0: connection to rank 0
         self._listener: socket.socket | None = None
-        self._closed = False
+        self._opened()
         if world_size == 1:
             return
         try:
@@ -524,11 +519,9 @@ class UnixSocketBootstrap(Bootstrap):
             except FileNotFoundError:
                 pass
 
-    def close(self) -> None:
-        """Close the connections and remove the socket file if rank 0 still has it. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _release(self) -> None:
+        """Close the connections and remove the socket file if rank 0 still has it."""
+        super()._release()
         self._unlink()
         for conn in self._peers.values():
             conn.close()
@@ -537,8 +530,6 @@ class UnixSocketBootstrap(Bootstrap):
             self._sock.close()
             self._sock = None
 
-
-# ---------------------------------------------------------------------------------------------
 
 
 class TorchDistributedBootstrap(Bootstrap):
@@ -559,6 +550,7 @@ class TorchDistributedBootstrap(Bootstrap):
         self.timeout = float(timeout)
         backend = str(dist.get_backend(group))
         self._device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._opened()
 
     def allgather(self, data: bytes) -> list[bytes]:
         import numpy as np
@@ -590,6 +582,7 @@ class MpiBootstrap(Bootstrap):
         self._MPI, self._comm = MPI, comm
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
         self.timeout = float(timeout)
+        self._opened()
 
     def allgather(self, data: bytes) -> list[bytes]:
         import numpy as np

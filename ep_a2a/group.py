@@ -13,6 +13,7 @@ import weakref
 
 from . import topology
 from .driver.device import Device, get_device
+from .driver.lifetime import Owned
 from .driver.memory import has_held, hold_frees, release_held
 from .driver.stream import Stream, is_capturing
 
@@ -34,7 +35,8 @@ class Rank:
         return f"Rank({self.rank}/{self.ep_size}, cuda:{self.device.ordinal})"
 
 
-class Group:
+class Group(Owned):
+    _kind = "groups"
     ranks: list        # the ranks that live in this process
     ep_size: int
     bootstrap = None   # None for LocalGroup
@@ -43,15 +45,9 @@ class Group:
     def is_local(self) -> bool:
         return self.bootstrap is None
 
-    def close(self) -> None:
+    def _release(self) -> None:
         for r in self.ranks:
             r.stream.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class LocalGroup(Group):
@@ -66,6 +62,7 @@ class LocalGroup(Group):
         self.ranks = [Rank(i, self.ep_size, d) for i, d in enumerate(devs)]
         for r in self.ranks:
             r.ranks_on_device = devices.count(r.device.ordinal)
+        self._opened()
 
     @property
     def devices(self):
@@ -83,6 +80,7 @@ class ProcessGroup(Group):
         self.ranks = [Rank(bootstrap.rank, self.ep_size, dev)]
         self.ranks[0].ranks_on_device = ids.count(dev.pci_bus_id)
         self.pci_bus_ids = ids
+        self._opened()
 
     def agree(self, values: tuple, what: str) -> None:
         """Raise unless every rank passed the same integers (construction arguments)."""

@@ -30,6 +30,7 @@ import math
 from .config import Fp8Partial, REDUCE_DTYPES
 from .driver.device import Device, get_device
 from .driver.launch import Launch
+from .driver.lifetime import Owned
 from .driver.memory import DeviceAllocation
 from .driver.module import load
 from .driver.stream import stream_handle
@@ -95,7 +96,7 @@ def _check_routing(num_experts, ep_size, rank) -> tuple:
     return num_experts, ep_size, rank
 
 
-class ExpertIndex:
+class ExpertIndex(Owned):
     """The local experts' rows of one rank for one dispatch, as device tensors (ep_a2a Tensors:
     DLPack / CUDA Array Interface, so PyTorch, JAX and CuPy take them without copies).
 
@@ -129,6 +130,7 @@ class ExpertIndex:
         for name, n in sizes.items():
             offsets[name], end = end, end + -(-4 * n // 256) * 256
         self._alloc = DeviceAllocation(self.device, end)  # contents are undefined until the first build
+        self._opened()
         self._base = {k: self._alloc.ptr + o for k, o in offsets.items()}
         self.nbytes = end
         self.counts = self._tensor("counts", (L,), int32)
@@ -207,16 +209,11 @@ class ExpertIndex:
         for t in (self.counts, self.offsets, self.rows, self.row_weight, self.row_of):
             t.stream = stream or 1  # DLPack consumers on other streams wait for this build (1: legacy stream)
 
-    def close(self) -> None:
-        if self._alloc is not None:
-            self._alloc.close()
-            self._alloc = None
+    _kind = "indexes"
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+    def _release(self) -> None:
+        alloc, self._alloc = self._alloc, None
+        alloc.close()
 
 
 # -- checks ----------------------------------------------------------------------------------------

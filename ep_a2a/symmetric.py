@@ -4,11 +4,12 @@ from __future__ import annotations
 import ctypes
 import os
 
+from .driver.lifetime import Owned
 from .driver.memory import DeviceAllocation, copy_htod
 from .driver.vmm import Allocation, DeviceBuffer, Mapping, VmmOptions
 
 
-class SymmetricWorkspace:
+class SymmetricWorkspace(Owned):
     """`nbytes` of device memory per rank of `group`, mapped into every rank.
 
     `peers(r)[q]` is the address at which local rank `r` reaches rank `q`'s region;
@@ -19,7 +20,10 @@ class SymmetricWorkspace:
     rank imports and maps the others'.
     """
 
+    _kind = "workspaces"
+
     def __init__(self, group, nbytes: int):
+        self._opened()  # (first: a constructor that fails halfway closes what it made)
         self.group, self._own, self._imported, self._tables = group, [], [], []
         self._peers: list = []
         try:
@@ -82,7 +86,7 @@ class SymmetricWorkspace:
     def peer_table(self, local_index: int = 0) -> int:
         return self._tables[local_index].ptr
 
-    def close(self) -> None:
+    def _release(self) -> None:
         for t in self._tables:
             t.close()
         self._tables = []
@@ -93,9 +97,3 @@ class SymmetricWorkspace:
         for b in self._own:
             b.close()
         self._own = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

@@ -5,6 +5,7 @@ from cuda.bindings import driver as _drv
 from cuda.bindings.utils import get_cuda_native_handle
 
 from .device import Device
+from .lifetime import Owned
 from .errors import call
 
 
@@ -39,14 +40,16 @@ def stream_handle(stream) -> int:
                     "(pass an int handle, a CUstream, or an object with __cuda_stream__)")
 
 
-class Stream:
+class Stream(Owned):
     """A non-blocking stream of ours on one device."""
+    _kind = "streams"
 
     def __init__(self, device: Device):
         device.make_current()
         self.device = device
         self._s = call(_drv.cuStreamCreate, _drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
         self.handle = native(self._s)
+        self._opened()
 
     def __cuda_stream__(self):
         return (0, self.handle)
@@ -54,18 +57,20 @@ class Stream:
     def synchronize(self) -> None:
         call(_drv.cuStreamSynchronize, self.handle)
 
-    def close(self) -> None:
-        if self._s is not None:
-            self.device.make_current()
-            call(_drv.cuStreamDestroy, self._s)
-            self._s = None
+    def _release(self) -> None:
+        self.device.make_current()
+        s, self._s = self._s, None
+        call(_drv.cuStreamDestroy, s)
 
 
-class Event:
+class Event(Owned):
+    _kind = "events"
+
     def __init__(self, device: Device, timing: bool = False):
         device.make_current()
         flags = _drv.CUevent_flags.CU_EVENT_DEFAULT if timing else _drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self._e = call(_drv.cuEventCreate, flags)
+        self._opened()
 
     def record(self, stream: int) -> "Event":
         call(_drv.cuEventRecord, self._e, stream)
@@ -81,17 +86,18 @@ class Event:
     def elapsed_ms(self, end: "Event") -> float:
         return call(_drv.cuEventElapsedTime, self._e, end._e)
 
-    def close(self) -> None:
-        if self._e is not None:
-            call(_drv.cuEventDestroy, self._e)
-            self._e = None
+    def _release(self) -> None:
+        e, self._e = self._e, None
+        call(_drv.cuEventDestroy, e)
 
 
-class Graph:
+class Graph(Owned):
     """A CUDA graph captured from one stream (other streams join through events)."""
+    _kind = "graphs"
 
     def __init__(self, exec_handle, graph_handle):
         self._exec, self._graph = exec_handle, graph_handle
+        self._opened()
 
     @staticmethod
     def begin(stream: int) -> None:
@@ -106,11 +112,10 @@ class Graph:
     def launch(self, stream: int) -> None:
         call(_drv.cuGraphLaunch, self._exec, stream)
 
-    def close(self) -> None:
-        if self._exec is not None:
-            call(_drv.cuGraphExecDestroy, self._exec)
-            call(_drv.cuGraphDestroy, self._graph)
-            self._exec = self._graph = None
+    def _release(self) -> None:
+        ex, g, self._exec, self._graph = self._exec, self._graph, None, None
+        call(_drv.cuGraphExecDestroy, ex)
+        call(_drv.cuGraphDestroy, g)
 
 
 def is_capturing(stream: int) -> bool:

@@ -10,14 +10,12 @@ import ctypes
 import dataclasses
 import math
 import os
-import sys
-import threading
-import warnings
 from typing import Sequence, Union
 
 import numpy as np
 from cuda.bindings import driver as _drv
 
+from . import lifetime
 from .device import Device, get_device
 from .errors import CudaError, call
 
@@ -41,19 +39,12 @@ class VmmOptions:
     access_devices: tuple = ()
 
 
-_live = {"allocations": 0, "mappings": 0}
-_live_lock = threading.Lock()
-
-
-def _count(kind: str, delta: int) -> None:
-    with _live_lock:
-        _live[kind] += delta
+_KINDS = ("allocations", "mappings")
 
 
 def live_counts() -> dict:
     """Allocations and mappings created and not yet closed in this process (for leak tests)."""
-    with _live_lock:
-        return dict(_live)
+    return lifetime.live_counts(*_KINDS)
 
 
 def round_up(n: int, g: int) -> int:
@@ -92,55 +83,16 @@ def granularity(device: DeviceLike, handle_types: int = POSIX_FD) -> int:
                 _drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
 
 
-class _Resource:
-    """close() once (idempotent, also when the release call raises), context manager, and a
-    __del__ that warns and frees what the user forgot, unless the interpreter is shutting down
-    (the driver module may already be gone then; the OS reclaims everything at exit)."""
-    _kind = None  # key in live_counts(), or None for composites that are not counted themselves
-    _closed = True
-
-    def _opened(self) -> None:
-        self._closed = False
-        if self._kind:
-            _count(self._kind, +1)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._kind:
-            _count(self._kind, -1)
-        self._release()
-
-    def _release(self) -> None:
-        raise NotImplementedError
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+class _Resource(lifetime.Owned):
+    """An Owned VMM object: also freed (with a ResourceWarning) when collected unclosed,
+    unless the interpreter is shutting down (the driver module may already be gone then;
+    the OS reclaims everything at exit)."""
+    _close_on_collect = True
 
     def __repr__(self) -> str:
         where = f" at {self.ptr:#x}" if hasattr(self, "ptr") else ""
         size = getattr(self, "size", getattr(self, "nbytes", "?"))
         return f"{type(self).__name__}({size} B{where} on {getattr(self, 'device', '?')}, {'closed' if self._closed else 'open'})"
-
-    def __del__(self):
-        try:
-            if self._closed or sys.is_finalizing():
-                return
-            try:  # free even where warnings are turned into errors
-                warnings.warn(f"{self!r} was garbage-collected without close(); freeing it now",
-                              ResourceWarning, stacklevel=2)
-            finally:
-                self.close()
-        except Exception:  # never raise from __del__ (the driver may be unusable by now)
-            pass
 
 
 class Allocation(_Resource):
