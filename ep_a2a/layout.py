@@ -2,7 +2,12 @@
 
 Python computes every offset here; the kernels read them from `A2AParams`, whose C
 declaration (kernels/generated/params.cuh) is generated from the ctypes structures below
-by `python -m ep_a2a.layout --header`, so the two sides cannot drift apart.
+by `python -m ep_a2a.layout --header`, so the two sides cannot drift apart. The same header
+carries the MoE index kernels' argument block (MoeIndexArgs) and the packing of the slot
+records dispatch leaves for combine (record_target / record_slot).
+
+Standard library only: kernels/build.py runs this file with a bare python3 before any
+dependency is installed.
 
 A rank's workspace is one VMM allocation, mapped into every rank of the group. Its
 sections (each 256-byte aligned; offsets identical on every rank):
@@ -74,7 +79,27 @@ ERR_TIMEOUT, ERR_TMAX_MISMATCH, ERR_PEER_ABORTED = 1, 2, 3
 # probability 255/256; a missed one ends as a timeout on the rank that waits for too many.
 TAG_TMAX_BITS = 23
 Q8_BLOCK = 128  # FP8 combine: values per fp32 scale
-PHASE_NAMES = {1: "dispatch", 2: "combine", 3: "sentinel-dispatch", 4: "sentinel-combine"}
+# the kernel phase an error record names (the kernels use the EP_PHASE_* constants)
+PHASE_DISPATCH, PHASE_COMBINE, PHASE_SENTINEL_DISPATCH, PHASE_SENTINEL_COMBINE = 1, 2, 3, 4
+PHASE_NAMES = {PHASE_DISPATCH: "dispatch", PHASE_COMBINE: "combine",
+               PHASE_SENTINEL_DISPATCH: "sentinel-dispatch", PHASE_SENTINEL_COMBINE: "sentinel-combine"}
+
+# Dispatch's record of one selection, for combine: -1 (no slot: an invalid expert, or a
+# second expert of a rank the token already reaches) or slot << RECORD_TARGET_BITS | target.
+RECORD_TARGET_BITS = 8
+RECORD_TARGET_MASK = (1 << RECORD_TARGET_BITS) - 1
+assert MAX_RANKS <= RECORD_TARGET_MASK + 1, "a target rank must fit its record bits"
+
+
+def record_target(rec):
+    """Target rank of a record (int or NumPy integer array; only & is applied, so -1 is not
+    mapped: callers keep records < 0 apart)."""
+    return rec & RECORD_TARGET_MASK
+
+
+def record_slot(rec):
+    """Slot of a record on its target rank (int or NumPy integer array; only >> is applied)."""
+    return rec >> RECORD_TARGET_BITS
 
 
 class PayloadDesc(ctypes.Structure):
@@ -146,6 +171,29 @@ class ErrorRecord(ctypes.Structure):
         ("expected", ctypes.c_uint32),
         ("pad", ctypes.c_uint32),
     ]
+
+
+class MoeIndexArgs(ctypes.Structure):
+    """Argument block of the MoE index kernels (kernels/moe_compute.cu): device pointers as
+    u64 here, typed in C (_c_types_)."""
+    _fields_ = [
+        ("expert_ids", ctypes.c_uint64),    # [slots, top_k]: the dispatched expert ids
+        ("weights", ctypes.c_uint64),       # [slots, top_k]: the dispatched router weights
+        ("counts", ctypes.c_uint64),        # [num_local]: rows of each local expert
+        ("offsets", ctypes.c_uint64),       # [num_local + 1]: first row of each local expert; last = total rows
+        ("rows", ctypes.c_uint64),          # [slots * top_k]: the slot permuted row p comes from
+        ("row_weight", ctypes.c_uint64),    # [slots * top_k]: the router weight of permuted row p
+        ("row_of", ctypes.c_uint64),        # [slots, top_k]: permuted row of (slot, k), -1 if not a local expert
+        ("tile_counts", ctypes.c_uint64),   # [num_local, num_tiles]: the table of the multi-kernel path
+        ("n_entries", ctypes.c_int32),      # slots * top_k
+        ("top_k", ctypes.c_int32),
+        ("first_expert", ctypes.c_int32),   # this rank's local experts are [first_expert, first_expert + num_local)
+        ("num_local", ctypes.c_int32),
+        ("tile_entries", ctypes.c_int32),   # entries of one warp tile (a multiple of 32)
+        ("num_tiles", ctypes.c_int32),      # warp tiles of the multi-kernel path (gridDim.x * warps per block)
+    ]
+    _c_types_ = {"expert_ids": "const int*", "weights": "const float*", "counts": "int*", "offsets": "int*",
+                 "rows": "int*", "row_weight": "float*", "row_of": "int*", "tile_counts": "int*"}
 
 
 def align(n: int, a: int = ALIGN) -> int:
@@ -247,8 +295,12 @@ _CTYPES_TO_C = {ctypes.c_uint64: "unsigned long long", ctypes.c_uint32: "unsigne
 
 def _c_struct(st) -> str:
     lines = [f"struct {st.__name__} {{"]
+    c_types = getattr(st, "_c_types_", {})
     for name, typ in st._fields_:
-        if hasattr(typ, "_length_"):
+        if name in c_types:     # a typed device pointer, the same 8 bytes as its u64
+            assert ctypes.sizeof(typ) == 8, name
+            lines.append(f"  {c_types[name]} {name};")
+        elif hasattr(typ, "_length_"):
             base, n = typ._type_, typ._length_
             cname = _CTYPES_TO_C.get(base, base.__name__)
             lines.append(f"  {cname} {name}[{n}];")
@@ -264,11 +316,14 @@ def c_header() -> str:
               "MAX_RANKS": MAX_RANKS, "MAX_PAYLOADS": MAX_PAYLOADS, "MAX_TOP_K": MAX_TOP_K,
               "SENTINEL_WORD": f"0x{SENTINEL_WORD:08X}u", "SENTINEL_IDS": f"0x{SENTINEL_IDS:08X}u",
               "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_TMAX_MISMATCH": ERR_TMAX_MISMATCH,
-              "ERR_PEER_ABORTED": ERR_PEER_ABORTED, "TAG_TMAX_BITS": TAG_TMAX_BITS, "Q8_BLOCK": Q8_BLOCK}
+              "ERR_PEER_ABORTED": ERR_PEER_ABORTED, "TAG_TMAX_BITS": TAG_TMAX_BITS, "Q8_BLOCK": Q8_BLOCK,
+              "PHASE_DISPATCH": PHASE_DISPATCH, "PHASE_COMBINE": PHASE_COMBINE,
+              "PHASE_SENTINEL_DISPATCH": PHASE_SENTINEL_DISPATCH, "PHASE_SENTINEL_COMBINE": PHASE_SENTINEL_COMBINE,
+              "RECORD_TARGET_BITS": RECORD_TARGET_BITS, "RECORD_TARGET_MASK": f"0x{RECORD_TARGET_MASK:X}"}
     parts = ["// Generated by `python -m ep_a2a.layout --header` from ep_a2a/layout.py. Do not edit.",
              "#pragma once"]
     parts += [f"#define EP_{k} {v}" for k, v in consts.items()]
-    parts += [_c_struct(s) for s in (PayloadDesc, A2AParams, ErrorRecord)]
+    parts += [_c_struct(s) for s in (PayloadDesc, A2AParams, ErrorRecord, MoeIndexArgs)]
     return "\n".join(parts) + "\n"
 
 

@@ -35,7 +35,7 @@ from .driver.memory import DeviceAllocation
 from .driver.module import load
 from .driver.stream import stream_handle
 from .interop.tensor import CUDA, Tensor, float32, int32
-from .layout import MAX_RANKS, MAX_TOP_K, Q8_BLOCK
+from .layout import MAX_RANKS, MAX_TOP_K, Q8_BLOCK, MoeIndexArgs
 from .schedule import vector_bytes
 from .validate import check_int, cuda_tensor, require
 
@@ -46,18 +46,6 @@ _MAX_TABLE = 1 << 16           # [local expert][tile] counts the one-block scan 
 _THREADS = 256                 # gather / finalize blocks
 _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_scatter", "moe_gather_rows") + tuple(
     f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in REDUCE_DTYPES.values() for o in REDUCE_DTYPES.values())
-
-
-class _IndexArgs(ctypes.Structure):
-    """MoeIndexArgs of kernels/moe_compute.cu, field for field."""
-    _fields_ = [("expert_ids", ctypes.c_uint64), ("weights", ctypes.c_uint64), ("counts", ctypes.c_uint64),
-                ("offsets", ctypes.c_uint64), ("rows", ctypes.c_uint64), ("row_weight", ctypes.c_uint64),
-                ("row_of", ctypes.c_uint64), ("tile_counts", ctypes.c_uint64),
-                ("n_entries", ctypes.c_int32), ("top_k", ctypes.c_int32), ("first_expert", ctypes.c_int32),
-                ("num_local", ctypes.c_int32), ("tile_entries", ctypes.c_int32), ("num_tiles", ctypes.c_int32)]
-
-
-assert ctypes.sizeof(_IndexArgs) == 88, "kernels/moe_compute.cu static_asserts the same size"
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
@@ -143,7 +131,7 @@ class ExpertIndex(Owned):
         self._views = {}
         self.runtime_max_tokens_per_rank, self.stream = None, None
         self.rows, self.row_weight, self.row_of = self._views_for(max_tokens_per_rank)
-        a = self._args = _IndexArgs()
+        a = self._args = MoeIndexArgs()
         for f in ("counts", "offsets", "rows", "row_weight", "row_of", "tile_counts"):
             setattr(a, f, self._base[f])
         a.top_k, a.first_expert, a.num_local = top_k, self.first_local_expert, L

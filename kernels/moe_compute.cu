@@ -18,24 +18,8 @@
 // large ones run them as count, scan and scatter kernels.
 #include "combine_q8.cuh"
 
-// Mirrored field for field by ep_a2a/moe.py (_IndexArgs).
-struct MoeIndexArgs {
-  const int* expert_ids;  // [slots, top_k]: the dispatched expert ids
-  const float* weights;   // [slots, top_k]: the dispatched router weights
-  int* counts;            // [num_local]: rows of each local expert
-  int* offsets;           // [num_local + 1]: first row of each local expert; last = total rows
-  int* rows;              // [slots * top_k]: the slot permuted row p comes from
-  float* row_weight;      // [slots * top_k]: the router weight of permuted row p
-  int* row_of;            // [slots, top_k]: permuted row of (slot, k), -1 if not a local expert
-  int* tile_counts;       // [num_local, num_tiles]: the table of the multi-kernel path
-  int n_entries;          // slots * top_k
-  int top_k;
-  int first_expert;       // this rank's local experts are [first_expert, first_expert + num_local)
-  int num_local;
-  int tile_entries;       // entries of one warp tile (a multiple of 32)
-  int num_tiles;          // warp tiles of the multi-kernel path (gridDim.x * warps per block)
-};
-static_assert(sizeof(MoeIndexArgs) == 88, "ep_a2a/moe.py's _IndexArgs mirrors this struct");
+// MoeIndexArgs, the index kernels' argument block, is generated from ep_a2a/layout.py into
+// generated/params.cuh (its fields are documented there, in layout.py).
 
 // Local expert of flat entry j, or -1: past the tile, an invalid id (-1 or out of range) or
 // another rank's expert. One unsigned compare covers all of them.
