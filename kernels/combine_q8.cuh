@@ -133,20 +133,18 @@ EP_DEVICE void reduce_q8(const char* const* q, const char* const* sc_ptr, int n,
 // (dispatch acquired it in an earlier kernel of this stream; clamped to T^ like there). The
 // blocks of those rows are spread over every half-warp of the grid, so no block idles on
 // a short row list.
-// The last block to finish publishes: its thread 0's acq_rel increment of `done` follows every
-// other block's release increment; bar.sync then orders it before the publishing lanes'
-// fence.acq_rel.sys, so a peer that acquires our flag sees every block's quantized rows.
+// Returns whether this block is the last to finish, which publishes (FinishedBlocks: its
+// thread 0 acquired every other block's increment, and bar.sync orders that before the
+// publishing lanes' fence, so a peer that acquires our flag sees every block's rows).
 template <typename T>
-EP_DEVICE void quantize_partials(const A2AParams& p, char* ws, int tmax, bool& last) {
+EP_DEVICE bool quantize_partials(const A2AParams& p, char* ws, int tmax) {
   __shared__ unsigned s_rows[EP_MAX_RANKS + 1];  // prefix sums of the received slot counts
-  __shared__ int s_last;
   if (threadIdx.x == 0) {
     const uint64_t* flags = reinterpret_cast<const uint64_t*>(ws + p.off_dispatch_flags);
     unsigned acc = 0;
     for (int r = 0; r < p.ep_size; ++r) {
       s_rows[r] = acc;
-      if (rank_active(p, r)) acc += min(static_cast<unsigned>(*reinterpret_cast<const volatile uint64_t*>(flags + r)),
-                                        static_cast<unsigned>(tmax));
+      if (rank_active(p, r)) acc += min(static_cast<unsigned>(ld_volatile(flags + r)), static_cast<unsigned>(tmax));
     }
     s_rows[p.ep_size] = acc;
   }
@@ -184,10 +182,8 @@ EP_DEVICE void quantize_partials(const A2AParams& p, char* ws, int tmax, bool& l
                       scales + (live ? at[k] / EP_Q8_BLOCK : 0));
     }
   }
-  __syncthreads();
-  unsigned* const done = reinterpret_cast<unsigned*>(ws + p.off_done);
-  if (threadIdx.x == 0) s_last = atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
-  __syncthreads();
-  last = s_last;
-  if (last && threadIdx.x == 0) ld_acquire_gpu(done);
+  const FinishedBlocks blocks(p);
+  const bool last = blocks.elect_last();
+  if (last && threadIdx.x == 0) blocks.acquire();
+  return last;
 }

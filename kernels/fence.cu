@@ -2,60 +2,58 @@
 //
 // One thread block per token (grid-stride over tokens: grids are capped so that the
 // kernels of every rank sharing a GPU are co-resident, since they spin on each other).
-#include "moe_common.cuh"
-
-namespace {
-EP_DEVICE char* workspace(const A2AParams& p, int r) { return reinterpret_cast<char*>(p.peer_base[r]); }
-}
+// Names as in Algorithm 1: s this rank, f the step, D the target ranks of a token, cnt[t]
+// the slot counters, done the finished blocks, C[r][s] and F[r][s] the slot count and flag
+// source s leaves on rank r, Wd / Wc the dispatch and combine workspaces.
 #include "combine_q8.cuh"
 
-// Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
-// host sizes grids by the occupancy of every protocol kernel). Without a minimum, ptxas
-// squeezed some kernels to 40 registers with spills to fit 3 blocks of 512.
-extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid_constant__ A2AParams p) {
-  __shared__ int s_target[EP_MAX_TOP_K];
-  __shared__ int s_slot[EP_MAX_TOP_K];
+namespace {
+// F[r][s] of dispatch carries C[r][s] too: f << 32 | C in one 64-bit word, so lines 8-10
+// are one store per peer and line 11's acquire of the flag also delivers the count.
+EP_DEVICE uint64_t dispatch_flag(unsigned f, unsigned count) { return (static_cast<uint64_t>(f) << 32) | count; }
+EP_DEVICE unsigned flag_step(uint64_t v) { return static_cast<unsigned>(v >> 32); }
+EP_DEVICE unsigned flag_count(uint64_t v) { return static_cast<unsigned>(v); }
+
+// cnt[t]. The one-block fast path: a grid of one block (small batches) keeps its slot
+// counters in shared memory and skips the last-block election: the global counter atomics
+// and the election's two dependent gpu-scope round trips sat on the 1-token critical path,
+// and one block's bar.sync alone orders every thread's pushes before the publishing lanes'
+// fence. Warp 0 alone takes the slots and publishes the counts, so it zeroes them itself.
+struct SlotCounters {
+  unsigned* cnt;    // the local section's counters (grids of several blocks), 0 between kernels
+  unsigned* local;  // shared memory, one-block grids
+  bool one_block;
+  EP_DEVICE SlotCounters(const A2AParams& p, unsigned* shared)
+      : cnt(section<unsigned>(p, p.rank, p.off_counters)), local(shared), one_block(gridDim.x == 1) {}
+  EP_DEVICE void zero_local(const A2AParams& p) const {
+    if (one_block && threadIdx.x < 32) {
+      for (int r = threadIdx.x; r < p.ep_size; r += 32) local[r] = 0;
+      __syncwarp();
+    }
+  }
+  EP_DEVICE unsigned take(int t) const { return atomicAdd(one_block ? &local[t] : &cnt[t], 1u); }
+  // By the publishing lanes: C for target t, leaving cnt[t] at 0 for the next step.
+  EP_DEVICE unsigned read_and_reset(int t) const {
+    const unsigned c = one_block ? local[t] : cnt[t];
+    if (!one_block) cnt[t] = 0;
+    return c;
+  }
+};
+
+// Lines 2-6: pick a slot on every distinct target rank, push the token.
+EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt) {
+  __shared__ int s_target[EP_MAX_TOP_K];  // D, in the order of first selection
+  __shared__ int s_slot[EP_MAX_TOP_K];    // j_t
   __shared__ int s_ntargets;
-  __shared__ int s_last;
-  __shared__ unsigned s_count[EP_MAX_RANKS];  // C[s][r]: slots source r filled in our region
-  __shared__ unsigned s_sent[EP_MAX_RANKS];   // one-block grids: slots we took on each target
-
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
-  char* const ws = workspace(p, s);
-  unsigned* const cnt = reinterpret_cast<unsigned*>(ws + p.off_counters);
-  unsigned* const done = reinterpret_cast<unsigned*>(ws + p.off_done);
-  int* const records = reinterpret_cast<int*>(ws + p.off_records);
-
-  // A grid of one block (small batches) keeps its slot counters in shared memory and skips
-  // the last-block election: the global counter atomics and the election's two dependent
-  // gpu-scope round trips sat on the 1-token critical path, and one block's bar.sync alone
-  // orders every thread's pushes before the publishing lanes' fence.
-  // (Warp 0 alone takes the slots and publishes the counts: it zeroes them itself.)
-  const bool single = gridDim.x == 1;
-  if (single && threadIdx.x < 32) {
-    for (int r = threadIdx.x; r < p.ep_size; r += 32) s_sent[r] = 0;
-    __syncwarp();
-  }
-
-  griddep_wait();
-  if (p.trigger_early) griddep_launch_dependents();
-  const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch) + 1;
-  // After a SENTINEL step (protocol="auto"), every target must have finished that step's
-  // combine before we write into its dispatch workspace (see the end of sentinel_combine).
-  // After a FENCE step our own combine already waited for every rank's flag.
-  if (p.wait_prev_combine) {
-    wait_steps(p, p.off_combine_flags, step - 1, 1);
-    __syncthreads();
-  }
-
-  // Algorithm 1, lines 2-6: pick a slot on every distinct target rank, push the token.
+  int* const records = section<int>(p, s, p.off_records);
   for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {
     if (threadIdx.x < 32) {
       const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k);
       const int lane = threadIdx.x;
       int rec = -1;
       if (sel.first) {
-        const int slot = atomicAdd(single ? &s_sent[sel.target] : &cnt[sel.target], 1u);
+        const int slot = cnt.take(sel.target);
         const int j = __popc(sel.firsts & ((1u << lane) - 1));
         s_target[j] = sel.target;
         s_slot[j] = slot;
@@ -74,104 +72,110 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
     }
     __syncthreads();
   }
+}
 
-  // Lines 7-12: the last block to finish publishes for the whole rank.
-  //
-  // Why one system-scope fence by the last block covers every block's remote stores: each
-  // block's stores are ordered before its release increment of `done` (bar.sync, then
-  // atom.release by thread 0); the last block's acquire of `done` synchronizes with every
-  // one of those releases, so all those stores precede, in causality order, the
-  // fence.acq_rel.sys that each publishing lane executes next (cumulativity); a peer that
-  // reads our flag with ld.acquire.sys therefore observes every token we pushed to it.
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = single || atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (s_last && threadIdx.x < 32) {
-    if (!single) ld_acquire_gpu(done);  // every publishing lane acquires, not only thread 0
+// Lines 7-10: the last block to finish publishes for the whole rank (FinishedBlocks says why
+// its one fence covers every block's pushes): our step tag to every peer, then
+// F[r][s] <- f << 32 | C[r][s]. It also moves the step counter, which every block has read.
+EP_DEVICE void publish_counts(const A2AParams& p, const SlotCounters& cnt, unsigned f) {
+  const FinishedBlocks blocks(p);
+  if (blocks.elect_last(cnt.one_block) && threadIdx.x < 32) {
+    if (!cnt.one_block) blocks.acquire();  // every publishing lane acquires, not only thread 0
     for (int r = threadIdx.x; r < p.ep_size; r += 32)
-      if (rank_active(p, r)) reinterpret_cast<unsigned*>(workspace(p, r) + p.off_tmax)[s] = p.step_tag;
-    fence_release_sys();
-    for (int r = threadIdx.x; r < p.ep_size; r += 32) {
-      const unsigned c = single ? s_sent[r] : cnt[r];
-      if (!single) cnt[r] = 0;
-      if (rank_active(p, r))
-        st_relaxed_sys(reinterpret_cast<uint64_t*>(workspace(p, r) + p.off_dispatch_flags) + s,
-                       (static_cast<uint64_t>(step) << 32) | c);
-    }
+      if (rank_active(p, r)) section<unsigned>(p, r, p.off_tmax)[p.rank] = p.step_tag;
+    publish_flags<uint64_t>(p, p.off_dispatch_flags, [&](int r) { return dispatch_flag(f, cnt.read_and_reset(r)); });
     if (threadIdx.x == 0) {
-      if (!single) *done = 0;
-      *reinterpret_cast<unsigned*>(ws + p.off_epoch) = step;  // every block read it already
+      if (!cnt.one_block) blocks.reset();
+      advance_epoch(p, f);
     }
   }
+}
 
-  // Line 11, in every block (the sanitize below is spread over the grid): wait for the
-  // flags of all active source ranks; each carries that source's slot count for our region
-  // (an inactive rank sent nothing: count 0). After a failed wait (abort mode) the count is
-  // the previous step's, bounded by max_tokens_per_rank like every count.
+// Line 11, in every block (the sanitize is spread over the grid): wait for the flags of all
+// active source ranks; C[s][r] into s_count (an inactive rank sent nothing: count 0). After
+// a failed wait (abort mode) the count is the previous step's, bounded by
+// max_tokens_per_rank like every count.
+EP_DEVICE void wait_counts(const A2AParams& p, unsigned f, unsigned* s_count) {
+  const int s = p.rank;
   for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) {
     s_count[r] = 0;
     if (!rank_active(p, r)) continue;
-    const uint64_t* f = reinterpret_cast<const uint64_t*>(ws + p.off_dispatch_flags) + r;
-    Deadline dl;
+    const uint64_t* F = section<const uint64_t>(p, s, p.off_dispatch_flags) + r;
     uint64_t v;
-    while (static_cast<int>(static_cast<unsigned>((v = ld_acquire_sys(f)) >> 32) - step) < 0)
-      if (dl.give_up(p, 1, r, step, unsigned(v >> 32), step)) break;
-    s_count[r] = min(static_cast<unsigned>(v), static_cast<unsigned>(tmax));
-    const unsigned peer_tag = reinterpret_cast<const unsigned*>(ws + p.off_tmax)[r];
-    if (peer_tag != p.step_tag) report_failure(p, EP_ERR_TMAX_MISMATCH, 1, r, step, peer_tag, p.step_tag);
+    wait_until(p, EP_PHASE_DISPATCH, r, f, f, [&](unsigned& seen) {
+      v = ld_acquire_sys(F);
+      seen = flag_step(v);
+      return static_cast<int>(seen - f) >= 0;
+    });
+    s_count[r] = min(flag_count(v), static_cast<unsigned>(p.runtime_max_tokens_per_rank));
+    check_step_tag(p, EP_PHASE_DISPATCH, r, f, section<const unsigned>(p, s, p.off_tmax)[r]);
   }
   __syncthreads();
-  // With large grids the next kernel may launch only now: its blocks then wait on work that
-  // finishes unconditionally, so they never crowd out a peer's kernel we are waiting for.
-  // Small grids (the host sets trigger_early when two kernels of every rank fit on the GPU
-  // together) trigger at the start instead, hiding the next launch entirely.
-  if (!p.trigger_early) griddep_launch_dependents();
+}
 
-  // Lines 13-15: slots past each source's count get invalid expert ids.
-  int* const ids = reinterpret_cast<int*>(ws + p.payloads[0].recv_offset);
-  const size_t region = static_cast<size_t>(tmax) * p.top_k;
+// Lines 13-15: slots past each source's count get invalid expert ids.
+EP_DEVICE void sanitize_expert_ids(const A2AParams& p, const unsigned* s_count) {
+  int* const ids = section<int>(p, p.rank, p.payloads[0].recv_offset);
+  const size_t region = static_cast<size_t>(p.runtime_max_tokens_per_rank) * p.top_k;
   const size_t total = region * p.ep_size;
   for (size_t x = blockIdx.x * blockDim.x + threadIdx.x; x < total; x += gridDim.x * blockDim.x) {
     const int r = static_cast<int>(x / region);
     if (x - r * region >= static_cast<size_t>(s_count[r]) * p.top_k) ids[x] = -1;
   }
 }
+}  // namespace
 
-// Lines 16-23. T: the element type of the partial results (bf16, fp16, fp32); Q8: pull
-// FP8 copies of them (combine_quant; its own kernels, so the plain path keeps its registers).
+// Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
+// host sizes grids by the occupancy of every protocol kernel). Without a minimum, ptxas
+// squeezed some kernels to 40 registers with spills to fit 3 blocks of 512.
+extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid_constant__ A2AParams p) {
+  __shared__ unsigned s_cnt[EP_MAX_RANKS];    // cnt[t] of one-block grids
+  __shared__ unsigned s_count[EP_MAX_RANKS];  // C[s][r]: slots source r filled in our region
+  const SlotCounters cnt(p, s_cnt);
+  cnt.zero_local(p);
+
+  griddep_wait();
+  if (p.trigger_early) griddep_launch_dependents();
+  const unsigned f = read_epoch(p) + 1;
+  wait_sentinel_step_done(p, f);
+
+  push_tokens(p, cnt);        // lines 2-6
+  publish_counts(p, cnt, f);  // lines 7-10
+  wait_counts(p, f, s_count); // line 11
+  // With large grids the next kernel may launch only now: its blocks then wait on work that
+  // finishes unconditionally, so they never crowd out a peer's kernel we are waiting for.
+  // Small grids (the host sets trigger_early when two kernels of every rank fit on the GPU
+  // together) trigger at the start instead, hiding the next launch entirely.
+  if (!p.trigger_early) griddep_launch_dependents();
+  sanitize_expert_ids(p, s_count);  // lines 13-15
+}
+
+namespace {
+// Lines 17-19: F[r][s] <- f. Block 0 publishes at once (our partial results were written by
+// earlier kernels of this stream: MoE compute or the staging copy; FP8 ones by the MoE
+// epilogue when combine_prequantized), or, quantizing here, the last block.
 template <typename T, bool Q8>
-__device__ void fence_combine(const A2AParams& p) {
+EP_DEVICE void publish_partials(const A2AParams& p, unsigned f) {
+  bool publish = blockIdx.x == 0;
+  const bool quantize = Q8 && !p.combine_prequantized;
+  if constexpr (Q8)
+    if (quantize) publish = quantize_partials<T>(p, workspace(p, p.rank), p.runtime_max_tokens_per_rank);
+  if (publish && threadIdx.x < 32) {
+    publish_combine_flag(p, f);  // its release fence orders the partial results first
+    if (quantize && threadIdx.x == 0) FinishedBlocks(p).reset();
+  }
+}
+
+// Lines 22-23: pull p_t = Wc[t][s][j_t] for every t in D and reduce. Work item w: token
+// w / splits, slice w % splits of its vectors (small batches spread a token over several
+// blocks so each thread issues one round of loads).
+template <typename T, bool Q8>
+EP_DEVICE void pull_and_reduce(const A2AParams& p) {
   __shared__ const char* s_src[EP_MAX_TOP_K];
   __shared__ const char* s_scale[EP_MAX_TOP_K];
   __shared__ int s_n;
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
-  char* const ws = workspace(p, s);
-  const int* const records = reinterpret_cast<const int*>(ws + p.off_records);
-
-  griddep_wait();
-  if (p.trigger_early) griddep_launch_dependents();
-  const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch);
-
-  // Who publishes: block 0 at once (our partial results were written by earlier kernels of
-  // this stream: MoE compute or the staging copy; FP8 ones by the MoE epilogue when
-  // combine_prequantized), or, quantizing here, the last block.
-  bool publish = blockIdx.x == 0;
-  const bool quantize = Q8 && !p.combine_prequantized;
-  if constexpr (Q8)
-    if (quantize) quantize_partials<T>(p, ws, tmax, publish);
-  if (publish && threadIdx.x < 32) {
-    // the release fence makes the partial results visible to peers before our flag is
-    fence_release_sys();
-    for (int r = threadIdx.x; r < p.ep_size; r += 32)
-      if (rank_active(p, r)) st_relaxed_sys(reinterpret_cast<unsigned*>(workspace(p, r) + p.off_combine_flags) + s, step);
-    if (quantize && threadIdx.x == 0) *reinterpret_cast<unsigned*>(ws + p.off_done) = 0;
-  }
-  wait_steps(p, p.off_combine_flags, step, 2);
-  __syncthreads();  // the pollers' acquires order the whole block's pulls (bar.sync is cumulative)
-  if (!p.trigger_early) griddep_launch_dependents();
-
-  // Work item w: token w / splits, slice w % splits of its vectors (small batches spread a
-  // token over several blocks so each thread issues one round of loads).
+  const int* const records = section<const int>(p, s, p.off_records);
   const int splits = p.combine_splits;
   const unsigned H = p.combine_bytes / sizeof(T);
   const unsigned nvec = Q8 ? H / Q8_UNIT : p.combine_bytes / p.combine_vec;
@@ -197,6 +201,22 @@ __device__ void fence_combine(const A2AParams& p) {
     }
     __syncthreads();
   }
+}
+}  // namespace
+
+// Lines 16-23. T: the element type of the partial results (bf16, fp16, fp32); Q8: pull
+// FP8 copies of them (combine_quant; its own kernels, so the plain path keeps its registers).
+template <typename T, bool Q8>
+__device__ void fence_combine(const A2AParams& p) {
+  griddep_wait();
+  if (p.trigger_early) griddep_launch_dependents();
+  const unsigned f = read_epoch(p);
+
+  publish_partials<T, Q8>(p, f);                           // lines 17-19
+  wait_steps(p, p.off_combine_flags, f, EP_PHASE_COMBINE);  // line 20
+  __syncthreads();  // line 21: the pollers' acquires order the whole block's pulls (bar.sync is cumulative)
+  if (!p.trigger_early) griddep_launch_dependents();
+  pull_and_reduce<T, Q8>(p);                               // lines 22-23
 }
 
 // 512, 2: as fence_dispatch (the FP8 ones too: their reduction holds 8-byte loads for that).

@@ -5,7 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <type_traits>
-#include "ptx.cuh"
+#include "protocol.cuh"
 
 // Experts are split over ranks in contiguous blocks; the first `experts_remainder` ranks
 // own one more.
@@ -16,10 +16,11 @@ EP_DEVICE int rank_of_expert(const A2AParams& p, int e) {
 }
 
 // One selection's record for combine: -1 (no slot: invalid expert, or a second expert of a
-// rank the token already reaches) or (slot << 8 | target rank).
-EP_DEVICE int pack_record(int slot, int target) { return (slot << 8) | target; }
-EP_DEVICE int record_target(int rec) { return rec & 0xff; }
-EP_DEVICE int record_slot(int rec) { return rec >> 8; }
+// rank the token already reaches) or slot << EP_RECORD_TARGET_BITS | target rank
+// (layout.py: RECORD_TARGET_BITS, record_target, record_slot).
+EP_DEVICE int pack_record(int slot, int target) { return (slot << EP_RECORD_TARGET_BITS) | target; }
+EP_DEVICE int record_target(int rec) { return rec & EP_RECORD_TARGET_MASK; }
+EP_DEVICE int record_slot(int rec) { return rec >> EP_RECORD_TARGET_BITS; }
 
 template <int W> struct VecT;
 template <> struct VecT<16> { using T = uint4; };
@@ -45,7 +46,7 @@ EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token) 
   }
   const unsigned lost = __ballot_sync(0xffffffffu, inactive);
   if (lost && lane == 0)
-    atomicAdd(reinterpret_cast<unsigned*>(reinterpret_cast<char*>(p.peer_base[p.rank]) + p.off_dropped), __popc(lost));
+    atomicAdd(section<unsigned>(p, p.rank, p.off_dropped), __popc(lost));
   const unsigned same = __match_any_sync(0xffffffffu, t);
   const bool first = lane < p.top_k && t >= 0 && (__ffs(same) - 1) == lane;
   return {t, first, __ballot_sync(0xffffffffu, first)};
@@ -165,7 +166,7 @@ EP_DEVICE void with_members(int m, const F& f) {
 
 // The bf16/fp16/fp32 reduction below keeps all 8 members of a group (absent ones predicated
 // off, reading +0): specialized per member count like the FP8 one, it ran 2-13% slower on
-// the H200 (8 in-process ranks, session 4 run 3), its per-member work being one add.
+// the H200 (8 in-process ranks), its per-member work being one add.
 // Vectors [v0, v1) of one token (v counted in units of W bytes).
 template <typename T, int W>
 EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned v0, unsigned v1) {
@@ -235,20 +236,4 @@ EP_DEVICE void collect_sources(const int* records, int top_k, int i, Where where
     if (tgt) tgt[j] = record_target(rec);
   }
   if (lane == 0) *n = __popc(valid);
-}
-
-// Spin until a peer's 32-bit step word reaches `step` (wrap-safe), or fail with a record.
-EP_DEVICE uint32_t wait_step(const A2AParams& p, const uint32_t* flag, uint32_t step, int phase, int peer) {
-  Deadline dl;
-  uint32_t v;
-  while (static_cast<int>((v = ld_acquire_sys(flag)) - step) < 0)
-    if (dl.give_up(p, phase, peer, step, v, step)) break;
-  return v;
-}
-
-// Thread-strided over the active ranks only: an inactive rank is never waited for.
-EP_DEVICE void wait_steps(const A2AParams& p, unsigned off_flags, uint32_t step, int phase) {
-  const unsigned* f = reinterpret_cast<const unsigned*>(reinterpret_cast<char*>(p.peer_base[p.rank]) + off_flags);
-  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x)
-    if (rank_active(p, r)) wait_step(p, f + r, step, phase, r);
 }

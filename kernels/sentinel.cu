@@ -10,16 +10,23 @@
 #include "moe_common.cuh"
 
 namespace {
-EP_DEVICE char* workspace(const A2AParams& p, int r) { return reinterpret_cast<char*>(p.peer_base[r]); }
+// Slot addresses, as in Algorithm 2. L and M are strided by max_tokens_per_rank, never by T^;
+// I has two sets, alternating by step f.
+// I[owner][source][i]: the expert ids of token slot i of `source`, then the sender's step tag.
+EP_DEVICE unsigned* id_slot(const A2AParams& p, int owner, int source, int i, unsigned f) {
+  const int W = p.top_k + 1;
+  const size_t set = static_cast<size_t>(f & 1) * p.ep_size * p.max_tokens_per_rank * W;
+  return section<unsigned>(p, owner, p.off_id_slots) + set + (static_cast<size_t>(source) * p.max_tokens_per_rank + i) * W;
+}
+// L[.][source][i] of payload d: its byte offset in every workspace.
+EP_DEVICE size_t landing_slot(const A2AParams& p, const PayloadDesc& d, int source, int i) {
+  return d.landing_offset + (static_cast<size_t>(source) * p.max_tokens_per_rank + i) * d.landing_bytes;
+}
+// M[owner][i][source]: the partial result of `owner`'s token i computed on `source`.
+EP_DEVICE char* combine_slot(const A2AParams& p, int owner, int i, int source) {
+  return workspace(p, owner) + p.off_combine_slots + (static_cast<size_t>(i) * p.ep_size + source) * p.combine_slot_bytes;
+}
 
-EP_DEVICE uint4 ld_volatile_v4(const void* a) {
-  uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(a) : "memory");
-  return v;
-}
-EP_DEVICE unsigned ld_volatile(const unsigned* a) {
-  unsigned v; asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(a) : "memory"); return v;
-}
 EP_DEVICE bool any_sentinel(uint4 v) {
   return v.x == EP_SENTINEL_WORD || v.y == EP_SENTINEL_WORD || v.z == EP_SENTINEL_WORD || v.w == EP_SENTINEL_WORD;
 }
@@ -54,13 +61,15 @@ EP_DEVICE uint4 load_group(const unsigned char* src, unsigned bytes, unsigned ve
                     load_word(src, bytes, vec, 4 * g + 2), load_word(src, bytes, vec, 4 * g + 3));
 }
 
-// Wait until no word of a 16-byte landing vector equals the sentinel.
-EP_DEVICE uint4 poll_v4(const A2AParams& p, const void* a, int phase, int peer, unsigned step) {
-  uint4 v = ld_volatile_v4(a);
+// Wait until no word of a 16-byte landing or combine vector equals the sentinel.
+EP_DEVICE uint4 poll_v4(const A2AParams& p, const uint4* a, int phase, int peer, unsigned f) {
+  uint4 v = ld_volatile_poll(a);
   if (!any_sentinel(v)) return v;
-  Deadline dl;
-  while (any_sentinel(v = ld_volatile_v4(a)))
-    if (dl.give_up(p, phase, peer, step, v.x, 0)) break;
+  wait_until(p, phase, peer, f, 0, [&](unsigned& seen) {
+    v = ld_volatile_poll(a);
+    seen = v.x;
+    return !any_sentinel(v);
+  });
   return v;
 }
 
@@ -93,7 +102,7 @@ EP_DEVICE void push_landing(const A2AParams& p, const PayloadDesc& d, const unsi
 
 // Wait for a landing slot, copy it into the dispatch workspace slot, reset it.
 EP_DEVICE void receive_landing(const A2AParams& p, const PayloadDesc& d, char* land, unsigned char* out,
-                               int peer, unsigned step) {
+                               int peer, unsigned f) {
   const unsigned words = (d.bytes_per_token + 3) / 4;
   const bool raw = d.sentinel_kind == EP_KIND_RAW16;
   const bool fast = d.vec == 16;
@@ -101,12 +110,12 @@ EP_DEVICE void receive_landing(const A2AParams& p, const PayloadDesc& d, char* l
     uint4 v;
     uint4* l = reinterpret_cast<uint4*>(land) + (raw ? 2 * g : g);
     if (raw) {
-      const uint4 lo = poll_v4(p, l, 3, peer, step), hi = poll_v4(p, l + 1, 3, peer, step);
+      const uint4 lo = poll_v4(p, l, EP_PHASE_SENTINEL_DISPATCH, peer, f), hi = poll_v4(p, l + 1, EP_PHASE_SENTINEL_DISPATCH, peer, f);
       v = make_uint4(lo.x | (lo.y << 16), lo.z | (lo.w << 16), hi.x | (hi.y << 16), hi.z | (hi.w << 16));
       l[0] = sentinel4();
       l[1] = sentinel4();
     } else {
-      v = poll_v4(p, l, 3, peer, step);
+      v = poll_v4(p, l, EP_PHASE_SENTINEL_DISPATCH, peer, f);
       l[0] = sentinel4();
     }
     if (fast) {
@@ -119,150 +128,120 @@ EP_DEVICE void receive_landing(const A2AParams& p, const PayloadDesc& d, char* l
     }
   }
 }
-}  // namespace
-
-// Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
-// host sizes grids by the occupancy of every protocol kernel); as in fence.cu.
-extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __grid_constant__ A2AParams p) {
-  __shared__ int s_target[EP_MAX_TOP_K];
+// Lines 2-4 for token slot i < T^: push token i to L[t][s][i] for every t in D (none when
+// i >= T: no payload row exists to read), and I[r][s][i] <- its expert ids (-1 where r is
+// not in D), then our step tag, for every active r.
+EP_DEVICE void send_slot(const A2AParams& p, int i, unsigned f) {
+  __shared__ int s_target[EP_MAX_TOP_K];  // D
   __shared__ int s_n;
   __shared__ unsigned char s_is_target[EP_MAX_RANKS];
-  __shared__ int s_last;
+  const int s = p.rank, K = p.top_k, W = p.top_k + 1;
+  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) s_is_target[r] = 0;
+  __syncthreads();
+  const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + static_cast<size_t>(i) * K;
+  if (threadIdx.x < 32) {
+    int t = -1;
+    bool first = false;
+    unsigned firsts = 0;
+    if (i < p.local_num_tokens) {
+      const Selection sel = select_targets(p, ids);
+      t = sel.target; first = sel.first; firsts = sel.firsts;
+    }
+    const int lane = threadIdx.x;
+    if (first) {
+      s_target[__popc(firsts & ((1u << lane) - 1))] = t;
+      s_is_target[t] = 1;
+    }
+    if (i < p.local_num_tokens && lane < K) section<int>(p, s, p.off_records)[i * K + lane] = first ? pack_record(i, t) : -1;
+    if (lane == 0) s_n = __popc(firsts);
+  }
+  __syncthreads();
+  const int n = s_n;
+  for (int q = 1; n > 0 && q < p.num_payloads; ++q) {
+    const PayloadDesc& d = p.payloads[q];
+    push_landing(p, d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
+                 s_target, n, landing_slot(p, d, s, i));
+  }
+  for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
+    const int r = x / W, k = x % W;
+    if (!rank_active(p, r)) continue;
+    const int v = k == K ? static_cast<int>(p.step_tag) : (s_is_target[r] ? ids[k] : -1);
+    id_slot(p, r, s, i, f)[k] = static_cast<unsigned>(v);
+  }
+  __syncthreads();
+}
+
+// Lines 6-10 for slot i of source r: wait for I[s][r][i] and reset it (our part of line 14:
+// a reset to our own memory), write the ids into Wd[s][r][i]; if a token came, wait for
+// each L[s][r][i], copy it into Wd[s][r][i] and reset it.
+EP_DEVICE void receive_slot(const A2AParams& p, int r, int i, unsigned f) {
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k, W = p.top_k + 1;
-  char* const ws = workspace(p, s);
-  int* const records = reinterpret_cast<int*>(ws + p.off_records);
-
-  griddep_wait();
-  if (p.trigger_early) griddep_launch_dependents();
-  const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch) + 1;
-  const size_t id_set = static_cast<size_t>(step & 1) * p.ep_size * p.max_tokens_per_rank * W;
-
-  // Lines 2-4: token i lands in slot i of our region on each target; every rank gets the
-  // expert ids of every one of our T^ slots (-1 where nothing goes), plus our T^.
-  for (int i = blockIdx.x; i < tmax; i += gridDim.x) {
-    for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) s_is_target[r] = 0;
-    __syncthreads();
-    const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + static_cast<size_t>(i) * K;
-    if (threadIdx.x < 32) {
-      int t = -1;
-      bool first = false;
-      unsigned firsts = 0;
-      if (i < p.local_num_tokens) {
-        const Selection sel = select_targets(p, ids);
-        t = sel.target; first = sel.first; firsts = sel.firsts;
-      }
-      const int lane = threadIdx.x;
-      if (first) {
-        s_target[__popc(firsts & ((1u << lane) - 1))] = t;
-        s_is_target[t] = 1;
-      }
-      if (i < p.local_num_tokens && lane < K) records[i * K + lane] = first ? pack_record(i, t) : -1;
-      if (lane == 0) s_n = __popc(firsts);
+  int* const out_ids = section<int>(p, s, p.payloads[0].recv_offset) + (static_cast<size_t>(r) * tmax + i) * K;
+  int has = 0;
+  if (!rank_active(p, r)) {  // an inactive rank sends nothing: its region holds no token
+    if (threadIdx.x < K) out_ids[threadIdx.x] = -1;
+  } else if (threadIdx.x < W) {
+    unsigned* const word = id_slot(p, s, r, i, f) + threadIdx.x;
+    unsigned v = ld_volatile_poll(word);
+    if (v == EP_SENTINEL_IDS) {
+      const bool came = wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
+        seen = v = ld_volatile_poll(word);
+        return v != EP_SENTINEL_IDS;
+      });
+      if (!came) v = static_cast<unsigned>(-1);
     }
-    __syncthreads();
-    const int n = s_n;
-    // slots past our tokens (n == 0) send only expert ids: no payload row exists to read
-    for (int q = 1; n > 0 && q < p.num_payloads; ++q) {
+    *word = EP_SENTINEL_IDS;
+    if (threadIdx.x == K) {
+      if (v != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, v);
+    } else {
+      out_ids[threadIdx.x] = static_cast<int>(v);
+      has = static_cast<int>(v) != -1;
+    }
+  }
+  if (__syncthreads_or(has)) {
+    for (int q = 1; q < p.num_payloads; ++q) {
       const PayloadDesc& d = p.payloads[q];
-      push_landing(p, d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
-                   s_target, n, d.landing_offset + (static_cast<size_t>(s) * p.max_tokens_per_rank + i) * d.landing_bytes);
+      receive_landing(p, d, workspace(p, s) + landing_slot(p, d, r, i),
+                      section<unsigned char>(p, s, d.recv_offset) + (static_cast<size_t>(r) * tmax + i) * d.bytes_per_token,
+                      r, f);
     }
-    for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
-      const int r = x / W, k = x % W;
-      if (!rank_active(p, r)) continue;
-      const int v = k == K ? static_cast<int>(p.step_tag) : (s_is_target[r] ? ids[k] : -1);
-      unsigned* slot = reinterpret_cast<unsigned*>(workspace(p, r) + p.off_id_slots) + id_set +
-                       (static_cast<size_t>(s) * p.max_tokens_per_rank + i) * W;
-      slot[k] = static_cast<unsigned>(v);
-    }
-    __syncthreads();
-  }
-
-  // Lines 5-11: for every source r and slot i, wait for its expert ids; if a token came,
-  // wait for its payloads; copy into the dispatch workspace (slot i of region r); reset.
-  int* const out_ids = reinterpret_cast<int*>(ws + p.payloads[0].recv_offset);
-  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) {
-    const int r = w / tmax, i = w % tmax;
-    unsigned* slot = reinterpret_cast<unsigned*>(ws + p.off_id_slots) + id_set +
-                     (static_cast<size_t>(r) * p.max_tokens_per_rank + i) * W;
-    int has = 0;
-    if (!rank_active(p, r)) {  // an inactive rank sends nothing: its region holds no token
-      if (threadIdx.x < K) out_ids[(static_cast<size_t>(r) * tmax + i) * K + threadIdx.x] = -1;
-    } else if (threadIdx.x < W) {
-      unsigned v = ld_volatile(slot + threadIdx.x);
-      if (v == EP_SENTINEL_IDS) {
-        Deadline dl;
-        while ((v = ld_volatile(slot + threadIdx.x)) == EP_SENTINEL_IDS)
-          if (dl.give_up(p, 3, r, step, v, 0)) { v = static_cast<unsigned>(-1); break; }
-      }
-      slot[threadIdx.x] = EP_SENTINEL_IDS;
-      if (threadIdx.x == K) {
-        if (v != p.step_tag && v != static_cast<unsigned>(-1))
-          report_failure(p, EP_ERR_TMAX_MISMATCH, 3, r, step, v, p.step_tag);
-      } else {
-        out_ids[(static_cast<size_t>(r) * tmax + i) * K + threadIdx.x] = static_cast<int>(v);
-        has = static_cast<int>(v) != -1;
-      }
-    }
-    if (__syncthreads_or(has)) {
-      for (int q = 1; q < p.num_payloads; ++q) {
-        const PayloadDesc& d = p.payloads[q];
-        receive_landing(p, d, ws + d.landing_offset + (static_cast<size_t>(r) * p.max_tokens_per_rank + i) * d.landing_bytes,
-                        reinterpret_cast<unsigned char*>(ws + d.recv_offset) + (static_cast<size_t>(r) * tmax + i) * d.bytes_per_token,
-                        r, step);
-      }
-    }
-  }
-
-  if (!p.trigger_early) griddep_launch_dependents();
-  // The step counter moves once every block has read it (the last block to finish).
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomic_add_acq_rel_gpu(reinterpret_cast<unsigned*>(ws + p.off_done), 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (s_last && threadIdx.x == 0) {
-    *reinterpret_cast<unsigned*>(ws + p.off_done) = 0;
-    *reinterpret_cast<unsigned*>(ws + p.off_epoch) = step;
   }
 }
 
-// Lines 12-19. T: element type of the partial results.
-template <typename T>
-__device__ void sentinel_combine(const A2AParams& p) {
-  __shared__ const char* s_src[EP_MAX_TOP_K];
-  __shared__ int s_tgt[EP_MAX_TOP_K];
-  __shared__ int s_n;
+// Line 13: M[r][i][s] <- Wc[s][r][i] for every slot (r, i) that held a token, at once.
+EP_DEVICE void push_partials(const A2AParams& p) {
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k;
-  char* const ws = workspace(p, s);
-  const int* const records = reinterpret_cast<const int*>(ws + p.off_records);
-  const int* const ids = reinterpret_cast<const int*>(ws + p.payloads[0].recv_offset);
-  griddep_wait();
-  if (p.trigger_early) griddep_launch_dependents();
-  const unsigned step = *reinterpret_cast<volatile unsigned*>(ws + p.off_epoch);
-  const unsigned slot_bytes = p.combine_slot_bytes, groups = (p.combine_bytes + 15) / 16;
-
-  // Line 13: push the partial result of every slot that held a token to its source, at once.
+  const int* const ids = section<const int>(p, s, p.payloads[0].recv_offset);
+  const unsigned groups = (p.combine_bytes + 15) / 16;
   for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) {
     const int r = w / tmax, i = w % tmax;
     const int* row = ids + (static_cast<size_t>(r) * tmax + i) * K;
     int has = 0;
     if (threadIdx.x < K) has = row[threadIdx.x] != -1;
     if (!__syncthreads_or(has)) continue;
-    const unsigned char* src = reinterpret_cast<const unsigned char*>(ws + p.off_combine) +
+    const unsigned char* src = section<const unsigned char>(p, s, p.off_combine) +
                                (static_cast<size_t>(r) * tmax + i) * p.combine_bytes;
-    uint4* dst = reinterpret_cast<uint4*>(workspace(p, r) + p.off_combine_slots +
-                                          (static_cast<size_t>(i) * p.ep_size + s) * slot_bytes);
+    uint4* dst = reinterpret_cast<uint4*>(combine_slot(p, r, i, s));
     for (unsigned g = threadIdx.x; g < groups; g += blockDim.x)
       dst[g] = escape4(load_group(src, p.combine_bytes, p.combine_vec, g), p.combine_kind);
   }
+}
 
-  // Lines 15-19: poll the slots of our tokens' targets, reset them, reduce (FENCE's order).
+// Lines 15-19: for every t in D poll M[s][i][t], reduce (FENCE's order), reset it.
+template <typename T>
+EP_DEVICE void poll_and_reduce(const A2AParams& p, unsigned f) {
+  __shared__ const char* s_src[EP_MAX_TOP_K];
+  __shared__ int s_tgt[EP_MAX_TOP_K];
+  __shared__ int s_n;
+  const int s = p.rank;
+  const int* const records = section<const int>(p, s, p.off_records);
+  const unsigned groups = (p.combine_bytes + 15) / 16;
   const int splits = p.combine_splits;
   const unsigned nvec = p.combine_bytes / p.combine_vec;
   for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
     const int i = w / splits, part = w % splits;
-    collect_sources(records, K, i, [&](int t, int) -> const char* {
-      return ws + p.off_combine_slots + (static_cast<size_t>(i) * p.ep_size + t) * slot_bytes;
-    }, s_src, s_tgt, &s_n);
+    collect_sources(records, p.top_k, i, [&](int t, int) -> const char* { return combine_slot(p, s, i, t); },
+                    s_src, s_tgt, &s_n);
     __syncthreads();
     // Wait for this slice of every target's slot, then reduce it from there (L2: the
     // polling loads bypassed L1), then reset it. The host splits a token over blocks only
@@ -270,7 +249,7 @@ __device__ void sentinel_combine(const A2AParams& p) {
     const unsigned g0 = groups * part / splits, g1 = groups * (part + 1) / splits;
     for (int k = 0; k < s_n; ++k)
       for (unsigned g = g0 + threadIdx.x; g < g1; g += blockDim.x)
-        poll_v4(p, reinterpret_cast<const uint4*>(s_src[k]) + g, 4, s_tgt[k], step);
+        poll_v4(p, reinterpret_cast<const uint4*>(s_src[k]) + g, EP_PHASE_SENTINEL_COMBINE, s_tgt[k], f);
     __syncthreads();
     const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
     reduce_token<T>(p.combine_vec, s_src, s_n,
@@ -281,28 +260,43 @@ __device__ void sentinel_combine(const A2AParams& p) {
         reinterpret_cast<uint4*>(const_cast<char*>(s_src[k]))[g] = sentinel4();
     __syncthreads();
   }
-  if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
+}
+}  // namespace
 
-  // SENTINEL combine waits only on the ranks our tokens went to, so a rank that received
-  // nothing from us may still be reading its dispatch workspace for this step. A FENCE
-  // dispatch of the next step writes straight into that workspace, so (protocol="auto")
-  // the last block publishes "this rank is done with step `step`" as our combine flag on
-  // every peer; FENCE dispatch waits for it when the previous step was SENTINEL. The
-  // release fence orders this rank's reads of its workspace (phase 1 above, and the MoE
-  // kernels before us) before the flag.
-  __shared__ int s_last;
-  unsigned* const done = reinterpret_cast<unsigned*>(ws + p.off_done);
-  __syncthreads();
-  if (threadIdx.x == 0) s_last = atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
-  __syncthreads();
-  if (s_last && threadIdx.x < 32) {
-    ld_acquire_gpu(done);
-    fence_release_sys();
-    for (int r = threadIdx.x; r < p.ep_size; r += 32)
-      if (rank_active(p, r)) st_relaxed_sys(reinterpret_cast<unsigned*>(workspace(p, r) + p.off_combine_flags) + s, step);
-    __syncwarp();
-    if (threadIdx.x == 0) *done = 0;
+// Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
+// host sizes grids by the occupancy of every protocol kernel); as in fence.cu.
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __grid_constant__ A2AParams p) {
+  griddep_wait();
+  if (p.trigger_early) griddep_launch_dependents();
+  const unsigned f = read_epoch(p) + 1;
+  const int tmax = p.runtime_max_tokens_per_rank;
+
+  // Lines 2-4: token i lands in slot i of our region on each target; every rank gets the
+  // expert ids of every one of our T^ slots (-1 where nothing goes), plus our T^.
+  for (int i = blockIdx.x; i < tmax; i += gridDim.x) send_slot(p, i, f);
+  // Lines 5-11: for every source r and slot i (of region r of Wd[s]).
+  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) receive_slot(p, w / tmax, w % tmax, f);
+
+  if (!p.trigger_early) griddep_launch_dependents();
+  // The step counter moves once every block has read it (the last block to finish).
+  const FinishedBlocks blocks(p);
+  if (blocks.elect_last() && threadIdx.x == 0) {
+    blocks.reset();
+    advance_epoch(p, f);
   }
+}
+
+// Lines 12-19. T: element type of the partial results.
+template <typename T>
+__device__ void sentinel_combine(const A2AParams& p) {
+  griddep_wait();
+  if (p.trigger_early) griddep_launch_dependents();
+  const unsigned f = read_epoch(p);
+
+  push_partials(p);           // line 13
+  poll_and_reduce<T>(p, f);   // lines 15-19
+  if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
+  sentinel_step_done(p, f);   // protocol switch: tell a FENCE dispatch that may follow
 }
 
 extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_bf16(const __grid_constant__ A2AParams p) { sentinel_combine<__nv_bfloat16>(p); }

@@ -1,5 +1,6 @@
 // Small kernels the library and its benchmark need besides the protocols.
 #include "ptx.cuh"
+#include "generated/params.cuh"
 
 // The latency floor: the same parameter block and launch shape as a protocol kernel, no work.
 extern "C" __global__ void ep_empty(const __grid_constant__ A2AParams p) {
@@ -33,7 +34,7 @@ extern "C" __global__ void ep_flag_round(unsigned* flags, unsigned* state, int e
   griddep_wait();
   griddep_launch_dependents();
   if (blockIdx.x || threadIdx.x >= 32) return;
-  const unsigned step = *reinterpret_cast<volatile unsigned*>(state + rank) + 1;
+  const unsigned step = ld_volatile(state + rank) + 1;
   fence_release_sys();
   for (int r = threadIdx.x; r < ep; r += 32) st_relaxed_sys(flags + r * ep + rank, step);
   for (int r = threadIdx.x; r < ep; r += 32) {

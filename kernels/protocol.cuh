@@ -1,0 +1,178 @@
+// The steps FENCE and SENTINEL share (paper §4): workspace access, the step counter, the
+// bounded wait and its failure record, the last-block election, publishing flags to the
+// peers, and the hand-over between the protocols (protocol="auto").
+//
+// Names follow the paper: s is this rank, f the step (flag value), done the local counter
+// of finished blocks, F[r][s] the flag source s writes on rank r.
+#pragma once
+#include "ptx.cuh"
+#include "generated/params.cuh"
+
+// ---- workspaces
+// Rank r's workspace as mapped here (r == p.rank: our own).
+EP_DEVICE char* workspace(const A2AParams& p, int r) { return reinterpret_cast<char*>(p.peer_base[r]); }
+// The section at byte `offset` of rank r's workspace, as an array of T.
+template <typename T>
+EP_DEVICE T* section(const A2AParams& p, int r, unsigned long long offset) {
+  return reinterpret_cast<T*>(workspace(p, r) + offset);
+}
+EP_DEVICE bool rank_active(const A2AParams& p, int r) { return (p.active[r >> 5] >> (r & 31)) & 1u; }
+EP_DEVICE unsigned* abort_word(const A2AParams& p, int r) { return section<unsigned>(p, r, p.off_abort); }
+
+// The step counter (epoch) of this rank: the previous kernel of this stream left it, so
+// every block reads it before the last block of a dispatch moves it on.
+EP_DEVICE unsigned read_epoch(const A2AParams& p) { return ld_volatile(section<unsigned>(p, p.rank, p.off_epoch)); }
+EP_DEVICE void advance_epoch(const A2AParams& p, unsigned f) { *section<unsigned>(p, p.rank, p.off_epoch) = f; }
+
+// ---- failure record
+// Record why a wait failed where the host can read it even after the context is lost
+// (host-mapped pinned memory); the first failing thread of this rank wins the record.
+// Then either trap (the default: the context is lost, nothing can run on stale data), or,
+// with abort_on_timeout, tell every active peer through its abort word so that all ranks
+// stop waiting at once, and return: the caller carries on without the data it waited for
+// (every index it uses stays within this rank's own workspace), and the host refuses the
+// all-to-all from then on.
+EP_DEVICE void report_failure(const A2AParams& p, unsigned kind, int phase, int peer,
+                             unsigned epoch, unsigned observed, unsigned expected) {
+  ErrorRecord* rec = reinterpret_cast<ErrorRecord*>(p.error_record);
+  if (atomicCAS(&rec->kind, 0u, kind) == 0u) {
+    st_volatile(&rec->rank, p.rank); st_volatile(&rec->phase, phase); st_volatile(&rec->peer, peer);
+    st_volatile(&rec->epoch, epoch); st_volatile(&rec->observed, observed); st_volatile(&rec->expected, expected);
+    __threadfence_system();
+  }
+  if (!p.abort_on_timeout) trap();
+  for (int r = 0; r < p.ep_size; ++r)
+    if (rank_active(p, r)) atomicCAS(abort_word(p, r), 0u, static_cast<unsigned>(p.rank) + 1);
+}
+
+// A peer's step tag (T^ and active-set hash) differs from ours: the ranks disagree on the step.
+EP_DEVICE void check_step_tag(const A2AParams& p, int phase, int peer, unsigned f, unsigned peer_tag) {
+  if (peer_tag != p.step_tag) report_failure(p, EP_ERR_TMAX_MISMATCH, phase, peer, f, peer_tag, p.step_tag);
+}
+
+// ---- the wait with a deadline
+// `give_up` is called once per failed poll: the deadline is set on first use (a wait that
+// succeeds at once never reads the timer); every 16th poll also looks at our abort word,
+// so that in abort mode one rank's failure ends every rank's waits.
+// Returns true when the caller must stop waiting (only ever in abort mode).
+struct Deadline {
+  uint64_t end = 0;
+  unsigned polls = 0;
+  EP_DEVICE bool give_up(const A2AParams& p, int phase, int peer, unsigned epoch, unsigned observed,
+                         unsigned expected) {
+    if (p.abort_on_timeout && (++polls & 15) == 0) {
+      const unsigned a = ld_volatile(abort_word(p, p.rank));
+      if (a != 0) {
+        report_failure(p, EP_ERR_PEER_ABORTED, phase, static_cast<int>(a) - 1, epoch, observed, expected);
+        return true;
+      }
+    }
+    const uint64_t now = globaltimer_ns();
+    if (end == 0) end = now + p.timeout_ns;
+    if (now <= end) return false;
+    report_failure(p, EP_ERR_TIMEOUT, phase, peer, epoch, observed, expected);
+    return true;
+  }
+};
+
+// Every wait of the protocols: poll(seen) reads once, leaves what it read for the failure
+// record in `seen` and says whether the wait is over. Returns false when the wait gave up
+// (abort mode; otherwise the failure traps): the caller's last read stands.
+template <typename Poll>
+EP_DEVICE bool wait_until(const A2AParams& p, int phase, int peer, unsigned epoch, unsigned expected, Poll&& poll) {
+  Deadline dl;
+  unsigned seen;
+  while (!poll(seen))
+    if (dl.give_up(p, phase, peer, epoch, seen, expected)) return false;
+  return true;
+}
+
+// Wait until a peer's 32-bit step word reaches f (wrap-safe): F[s][peer] = f.
+EP_DEVICE uint32_t wait_step(const A2AParams& p, const uint32_t* flag, uint32_t f, int phase, int peer) {
+  uint32_t v;
+  wait_until(p, phase, peer, f, f, [&](unsigned& seen) {
+    seen = v = ld_acquire_sys(flag);
+    return static_cast<int>(v - f) >= 0;
+  });
+  return v;
+}
+
+// "wait until all F[s][r] = f", thread-strided over the active ranks only: an inactive
+// rank is never waited for.
+EP_DEVICE void wait_steps(const A2AParams& p, unsigned long long off_flags, uint32_t f, int phase) {
+  const unsigned* flags = section<const unsigned>(p, p.rank, off_flags);
+  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x)
+    if (rank_active(p, r)) wait_step(p, flags + r, f, phase, r);
+}
+
+// ---- the last-block election: one system-scope fence per rank and step
+//
+// Why one fence by the last block covers every block's remote stores: each block's stores
+// are ordered before its increment of `done` (bar.sync, then the release half of thread 0's
+// atom.acq_rel); the last block's increment reads the final value, so its acquire half
+// synchronizes with every one of those releases. Gpu scope suffices: only our blocks touch
+// `done`. All those stores therefore precede, in causality order, the fence.acq_rel.sys
+// that each publishing lane executes next (cumulativity: a fence orders what its thread has
+// observed, not only what it wrote), once that lane has acquired `done` itself or is
+// ordered after thread 0 by a bar.sync. A peer that reads the flag with ld.acquire.sys then
+// observes every store we made before it.
+struct FinishedBlocks {
+  unsigned* done;  // the local counter of finished blocks, 0 between kernels
+  EP_DEVICE explicit FinishedBlocks(const A2AParams& p) : done(section<unsigned>(p, p.rank, p.off_done)) {}
+
+  // Every thread of the block calls it; true in all threads of the last block to get here.
+  // one_block: a grid of one block is its own last block (the counter is not touched).
+  EP_DEVICE bool elect_last(bool one_block = false) const {
+    __shared__ int s_last;
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = one_block || atomic_add_acq_rel_gpu(done, 1u) == gridDim.x - 1;
+    __syncthreads();
+    return s_last;
+  }
+  // A publishing lane's own acquire of the final count (see above).
+  EP_DEVICE void acquire() const { ld_acquire_gpu(done); }
+  // By the last block, once every block has incremented: ready for the next kernel.
+  EP_DEVICE void reset() const { *done = 0; }
+};
+
+// ---- publishing: F[r][s] <- value(r) for every active rank r
+// Warp 0 of the publishing block. The release fence orders everything this thread wrote or
+// observed (the election's argument) before the flags. value(r) runs for every rank r in
+// order, active or not, so it may also reset per-rank state.
+template <typename Flag, typename Value>
+EP_DEVICE void publish_flags(const A2AParams& p, unsigned long long off_flags, const Value& value) {
+  fence_release_sys();
+  for (int r = threadIdx.x; r < p.ep_size; r += 32) {
+    const Flag v = value(r);
+    if (rank_active(p, r)) st_relaxed_sys(section<Flag>(p, r, off_flags) + p.rank, v);
+  }
+}
+// The combine flag: "this rank is done reading for step f" (FENCE combine, and SENTINEL's tail).
+EP_DEVICE void publish_combine_flag(const A2AParams& p, unsigned f) {
+  publish_flags<uint32_t>(p, p.off_combine_flags, [&](int) { return f; });
+}
+
+// ---- protocol switch (protocol="auto")
+// SENTINEL combine waits only on the ranks our tokens went to, so a rank that received
+// nothing from us may still be reading its dispatch workspace for step f. A FENCE dispatch
+// of the next step writes straight into that workspace. So every SENTINEL combine ends by
+// publishing its combine flag (release: this rank's reads of its workspace, the SENTINEL
+// dispatch's and the MoE kernels' before us, come first), and a FENCE dispatch that follows
+// a SENTINEL step waits for every rank's flag first. After a FENCE step our own combine
+// already waited for every rank's flag.
+EP_DEVICE void sentinel_step_done(const A2AParams& p, unsigned f) {
+  const FinishedBlocks blocks(p);
+  if (blocks.elect_last() && threadIdx.x < 32) {
+    blocks.acquire();
+    publish_combine_flag(p, f);
+    __syncwarp();
+    if (threadIdx.x == 0) blocks.reset();
+  }
+}
+// Before a FENCE dispatch of step f writes to any peer; f - 1 was a SENTINEL step.
+EP_DEVICE void wait_sentinel_step_done(const A2AParams& p, unsigned f) {
+  if (p.wait_prev_combine) {
+    wait_steps(p, p.off_combine_flags, f - 1, EP_PHASE_DISPATCH);
+    __syncthreads();
+  }
+}
