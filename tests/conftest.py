@@ -4,6 +4,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the test folders (driver/, protocol/, moe/, layers/, tools/) import common.py from here, and
+# protocol/'s GPU tests share test_fence_gpu's make/run, whatever pytest's import mode
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[1:1] = [_HERE, os.path.join(_HERE, "protocol")]
 
 from ep_a2a.driver import device as _device  # noqa: E402
 

@@ -9,7 +9,7 @@ import pytest
 
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def make(ep, *, fmt="bf16", hidden=256, top_k=8, num_experts=None, max_tokens=128, cdtype="bfloat16", **kw):

@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 pytestmark = pytest.mark.gpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 EP, MAXT, TOP_K, E, H = 3, 16, 4, 10, 40   # 10 experts over 3 ranks: blocks of 4, 3, 3
 FMT = "mxfp8"                               # fp8 hidden, uint8 scales, float32 weights
 CDT = "bfloat16"

@@ -13,7 +13,7 @@ import pytest
 import ep_a2a
 from ep_a2a.driver import module
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 _spec = importlib.util.spec_from_file_location("kernel_build_under_test", ROOT / "kernels" / "build.py")
 kbuild = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kbuild)

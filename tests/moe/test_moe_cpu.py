@@ -11,7 +11,7 @@ from common import fresh_rng
 from ep_a2a import moe
 from ep_a2a.testing import moe_reference as mref, reference as ref
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def _random_ids(rng, shape, num_experts):
