@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from . import bench
-from .bench_report import report
+from .bench_report import no_gpu, report
 
 
 def _bounded_int(lo: int, hi: int = None):
@@ -89,14 +89,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-
-
 def main(argv=None) -> int:
     import secrets
     args = parse_args(argv)
-    from ..driver import device
-    if not device.available():
-        print("no CUDA GPU here: nothing to benchmark", file=sys.stderr)
+    if no_gpu():
         return 1
     if args.mode == "procs":
         from .bench_procs import run

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from ..layers.base import phase_gate, run_phases
-from .bench_report import commit
+from .bench_report import commit, no_gpu
 
 PROFILES = {
     "small": dict(hidden=2048, intermediate=1024, experts=64, top_k=8),
@@ -257,9 +257,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    from ..driver import device
-    if not device.available():
-        print("no CUDA GPU here: nothing to benchmark", file=sys.stderr)
+    if no_gpu():
         return 1
     try:
         import torch  # noqa: F401

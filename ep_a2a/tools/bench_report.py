@@ -25,6 +25,15 @@ def commit() -> str:
         return "unknown"
 
 
+def no_gpu() -> bool:
+    """True, after saying so on stderr, where there is no CUDA GPU to benchmark."""
+    from ..driver import device
+    if device.available():
+        return False
+    print("no CUDA GPU here: nothing to benchmark", file=sys.stderr)
+    return True
+
+
 def gather(bootstrap, values) -> np.ndarray:
     """float64 [processes, len(values)]: every process's `values` in rank order (one row
     without a bootstrap). Raw float64 bytes over the bootstrap, never pickle."""
