@@ -162,12 +162,17 @@ def test_index_plan_covers_every_entry_within_budgets(n, num_local):
         assert warps * 32 <= 256 and tile >= 512 and num_local * tiles <= 1 << 16
 
 
-def test_kernel_argument_struct_mirrored():
-    src = open(os.path.join(ROOT, "kernels", "moe_compute.cu")).read()
-    body = re.search(r"struct MoeIndexArgs \{(.*?)\};", src, re.S).group(1)
-    names = re.findall(r"(\w+);", re.sub(r"//[^\n]*", "", body))
-    assert names == [f for f, _ in moe._IndexArgs._fields_]
-    assert f"sizeof(MoeIndexArgs) == {ctypes.sizeof(moe._IndexArgs)}" in src
+def test_kernel_argument_struct_generated_from_layout():
+    """MoeIndexArgs has one definition (layout.py): the kernels get it from the generated
+    header, field for field with a size assert, and moe.py launches with that structure."""
+    from ep_a2a import layout
+    assert moe.MoeIndexArgs is layout.MoeIndexArgs
+    hdr = layout.c_header()
+    body = re.search(r"struct MoeIndexArgs \{(.*?)\};", hdr, re.S).group(1)
+    assert re.findall(r"(\w+);", body) == [f for f, _ in layout.MoeIndexArgs._fields_]
+    assert f"sizeof(MoeIndexArgs) == {ctypes.sizeof(layout.MoeIndexArgs)}" in hdr
+    kernels = [os.path.join(ROOT, "kernels", f) for f in os.listdir(os.path.join(ROOT, "kernels")) if f.endswith((".cu", ".cuh"))]
+    assert not [k for k in kernels if "struct MoeIndexArgs" in open(k).read()], "a hand-written copy in the kernels"
 
 
 def test_cubins_have_moe_kernels():
