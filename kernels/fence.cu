@@ -41,12 +41,11 @@ struct SlotCounters {
 };
 
 // Lines 2-6: pick a slot on every distinct target rank, push the token.
-EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt) {
+EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* records) {
   __shared__ int s_target[EP_MAX_TOP_K];  // D, in the order of first selection
   __shared__ int s_slot[EP_MAX_TOP_K];    // j_t
   __shared__ int s_ntargets;
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
-  int* const records = section<int>(p, s, p.off_records);
   for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {
     if (threadIdx.x < 32) {
       const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k);
@@ -132,6 +131,9 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
   __shared__ unsigned s_cnt[EP_MAX_RANKS];    // cnt[t] of one-block grids
   __shared__ unsigned s_count[EP_MAX_RANKS];  // C[s][r]: slots source r filled in our region
   const SlotCounters cnt(p, s_cnt);
+  // Addresses from the parameters are taken before griddep_wait: they overlap the tail of
+  // the previous kernel instead of following it.
+  int* const records = section<int>(p, p.rank, p.off_records);
   cnt.zero_local(p);
 
   griddep_wait();
@@ -139,7 +141,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
   const unsigned f = read_epoch(p) + 1;
   wait_sentinel_step_done(p, f);
 
-  push_tokens(p, cnt);        // lines 2-6
+  push_tokens(p, cnt, records);  // lines 2-6
   publish_counts(p, cnt, f);  // lines 7-10
   wait_counts(p, f, s_count); // line 11
   // With large grids the next kernel may launch only now: its blocks then wait on work that
@@ -170,12 +172,11 @@ EP_DEVICE void publish_partials(const A2AParams& p, unsigned f) {
 // w / splits, slice w % splits of its vectors (small batches spread a token over several
 // blocks so each thread issues one round of loads).
 template <typename T, bool Q8>
-EP_DEVICE void pull_and_reduce(const A2AParams& p) {
+EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records) {
   __shared__ const char* s_src[EP_MAX_TOP_K];
   __shared__ const char* s_scale[EP_MAX_TOP_K];
   __shared__ int s_n;
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
-  const int* const records = section<const int>(p, s, p.off_records);
   const int splits = p.combine_splits;
   const unsigned H = p.combine_bytes / sizeof(T);
   const unsigned nvec = Q8 ? H / Q8_UNIT : p.combine_bytes / p.combine_vec;
@@ -208,6 +209,7 @@ EP_DEVICE void pull_and_reduce(const A2AParams& p) {
 // FP8 copies of them (combine_quant; its own kernels, so the plain path keeps its registers).
 template <typename T, bool Q8>
 __device__ void fence_combine(const A2AParams& p) {
+  const int* const records = section<const int>(p, p.rank, p.off_records);  // (before the wait, as in dispatch)
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);
@@ -216,7 +218,7 @@ __device__ void fence_combine(const A2AParams& p) {
   wait_steps(p, p.off_combine_flags, f, EP_PHASE_COMBINE);  // line 20
   __syncthreads();  // line 21: the pollers' acquires order the whole block's pulls (bar.sync is cumulative)
   if (!p.trigger_early) griddep_launch_dependents();
-  pull_and_reduce<T, Q8>(p);                               // lines 22-23
+  pull_and_reduce<T, Q8>(p, records);                      // lines 22-23
 }
 
 // 512, 2: as fence_dispatch (the FP8 ones too: their reduction holds 8-byte loads for that).
