@@ -28,7 +28,7 @@ from .driver.vmm import HostMapped
 from .errors import StateError, error_from_record
 from .group import hold_frees_for, release_frees_if_safe
 from .interop.tensor import CUDA, Tensor, as_dtype as lookup_dtype
-from .layout import A2AParams, ErrorRecord, Q8_BLOCK, TAG_TMAX_BITS, WorkspaceLayout, align, landing_bytes, sentinel_kind
+from .layout import A2AParams, ErrorRecord, Q8_BLOCK, TAG_TMAX_BITS, WorkspaceLayout, landing_bytes, sentinel_kind
 from .symmetric import SymmetricWorkspace
 from .validate import CheckedInputs, check_fp8_partial, check_runtime_max, expert_id_error, require
 
@@ -219,23 +219,11 @@ class RankAlltoAll:
         for q, b in enumerate(a2a.workspace.peers(index)):
             p.peer_base[q] = b
         p.error_record = self.error.device_ptr
-        for f in ("off_dispatch_flags", "off_tmax", "off_combine_flags", "off_epoch", "off_done", "off_abort",
-                  "off_dropped", "off_counters", "off_records", "off_combine", "off_combine_q", "off_combine_scales",
-                  "off_id_slots", "off_combine_slots"):
-            setattr(p, f, getattr(L, f))
-        p.combine_bytes = L.combine_bytes
+        L.fill_params(p, a2a.kinds)
         p.rank, p.ep_size, p.top_k, p.num_experts = self.rank, a2a.ep_size, a2a.top_k, a2a.num_experts
         p.experts_per_rank, p.experts_remainder = divmod(a2a.num_experts, a2a.ep_size)
-        p.max_tokens_per_rank = a2a.max_tokens_per_rank
-        p.num_payloads = len(L.payload_bytes)
-        for q, b in enumerate(L.payload_bytes):
-            d = p.payloads[q]
-            d.recv_offset, d.bytes_per_token, d.sentinel_kind = L.off_recv[q], b, a2a.kinds[q]
-            if L.sentinel and q:
-                d.landing_offset, d.landing_bytes = L.off_landing[q], L.landing_bytes[q]
         p.combine_vec = schedule.vector_bytes(L.combine_bytes, self.base + L.off_combine)
         p.combine_kind = sentinel_kind(a2a.combine_dtype.name)
-        p.combine_slot_bytes = align(L.combine_bytes, 16)
         p.abort_on_timeout = int(a2a.on_timeout == "abort")
         self._set_active(a2a.active_ranks)
 

@@ -281,6 +281,24 @@ class WorkspaceLayout:
         out.append((self.off_combine_slots, T * P * align(self.combine_bytes, 16), SENTINEL_WORD))
         return out
 
+    def fill_params(self, p: "A2AParams", kinds) -> None:
+        """Write this layout into a kernel parameter block: every section offset, the combine
+        slot sizes and each payload's receive (and SENTINEL landing) geometry; `kinds` is the
+        sentinel kind of each payload, the expert ids first."""
+        for f in ("off_dispatch_flags", "off_tmax", "off_combine_flags", "off_epoch", "off_done", "off_abort",
+                  "off_dropped", "off_counters", "off_records", "off_combine", "off_combine_q", "off_combine_scales",
+                  "off_id_slots", "off_combine_slots"):
+            setattr(p, f, getattr(self, f))
+        p.combine_bytes = self.combine_bytes
+        p.combine_slot_bytes = align(self.combine_bytes, 16)
+        p.max_tokens_per_rank = self.max_tokens_per_rank
+        p.num_payloads = len(self.payload_bytes)
+        for q, b in enumerate(self.payload_bytes):
+            d = p.payloads[q]
+            d.recv_offset, d.bytes_per_token, d.sentinel_kind = self.off_recv[q], b, kinds[q]
+            if self.sentinel and q:
+                d.landing_offset, d.landing_bytes = self.off_landing[q], self.landing_bytes[q]
+
     def expert_major_bytes(self, num_local_experts: int) -> int:
         """Receive bytes an expert-major layout would need for the same setting (paper §3.2)."""
         per_token = sum(self.payload_bytes) + self.combine_bytes

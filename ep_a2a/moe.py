@@ -254,7 +254,7 @@ def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: in
         out = ExpertIndex(ids.device[1], num_experts=num_experts, ep_size=ep_size, rank=rank,
                           max_tokens_per_rank=tmax, top_k=top_k)
     else:
-        require(isinstance(out, ExpertIndex) and out._alloc is not None, "out", "must be an open ExpertIndex")
+        require(isinstance(out, ExpertIndex) and not out.closed, "out", "must be an open ExpertIndex")
         require((out.num_experts, out.ep_size, out.rank, out.top_k) == (num_experts, ep_size, rank, top_k), "out",
                  f"was made for num_experts={out.num_experts}, ep_size={out.ep_size}, rank={out.rank}, "
                  f"top_k={out.top_k}; this call has {num_experts}, {ep_size}, {rank}, {top_k}")
@@ -266,7 +266,7 @@ def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: in
 
 
 def _check_built(index, what: str) -> None:
-    require(isinstance(index, ExpertIndex) and index._alloc is not None, "index", "must be an open ExpertIndex")
+    require(isinstance(index, ExpertIndex) and not index.closed, "index", "must be an open ExpertIndex")
     require(index.runtime_max_tokens_per_rank is not None, "index", f"build it with build_index() before {what}")
 
 
