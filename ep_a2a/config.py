@@ -102,8 +102,14 @@ class Options:
         return (4 * self.top_k,) + tuple(p.bytes_per_token for p in self.payloads)
 
     def agreement(self) -> tuple:
-        """The integers every rank of a group must construct with (checked collectively)."""
-        return ((self.max_tokens_per_rank, self.top_k, self.num_experts, self.combine_hidden_size,
-                 self.combine_dtype.itemsize, PROTOCOLS.index(self.protocol), self.crossover_tokens,
-                 int(self.combine_quant is not None), ON_TIMEOUT.index(self.on_timeout))
-                + tuple(p.bytes_per_token for p in self.payloads) + self.payload_kinds[1:])
+        """The integers every rank of a group must construct with (checked collectively): every
+        argument exactly, dtypes by their DLPack (code, bits) so that formats of one width
+        (bf16 and fp16, e4m3 and e5m2) are told apart, timeouts in nanoseconds."""
+        out = [self.max_tokens_per_rank, self.top_k, self.num_experts, self.combine_hidden_size,
+               *self.combine_dtype.dlpack[:2], PROTOCOLS.index(self.protocol), self.crossover_tokens,
+               int(self.combine_quant is not None), ON_TIMEOUT.index(self.on_timeout),
+               round(self.timeout_s * 1e9), round(self.first_timeout_s * 1e9), int(bool(self.validate_expert_ids)),
+               int(bool(self.pdl)), self.threads_per_block, len(self.payloads)]
+        for p in self.payloads:
+            out += [*lookup_dtype(p.dtype).dlpack[:2], len(p.shape), *(int(d) for d in p.shape)]
+        return tuple(out)
