@@ -3,9 +3,9 @@ parameter updates, because the kernel parameter block and launch shape would com
 byte for byte the same.
 
 Engines call with the same buffers every step. A call repeats the last one when it gets
-the same ep_a2a Tensor objects (same address and shape) for every tensor argument, the
-same T^ (an int) and stream (None or an int handle), and finds the state its result
-depended on unchanged (RankAlltoAll.repeat_state: PDL's trigger choice before it, the
+the same ep_a2a Tensor objects (same address, shape, strides, dtype and device) for every
+tensor argument, the same T^ (an int) and stream (None or an int handle), and finds the
+state its result depended on unchanged (RankAlltoAll.repeat_state: PDL's trigger choice before it, the
 previous step's protocol, the protocol setting, the active-rank tag, whether the last
 combine quantized), and the first steps' longer timeouts are over.
 Framework tensors always take the full path (their DLPack exchange orders streams).
@@ -33,7 +33,7 @@ class Repeat:
             return None
         r = cls()
         r.refs = tuple(None if t is None else weakref.ref(t) for t in tensors)
-        r.geometry = tuple(None if t is None else (t.ptr, t.shape) for t in tensors)
+        r.geometry = tuple(None if t is None else (t.ptr, t.shape, t.strides, t.dtype, t.device) for t in tensors)
         r.tmax, r.stream = tmax, stream
         now = rank.repeat_state()
         r.state = (early_before,) + now[1:]   # what a repeating call must find before it
@@ -51,6 +51,6 @@ class Repeat:
             if refs[i] is None:
                 if t is not None:
                     return False
-            elif t is None or refs[i]() is not t or (t.ptr, t.shape) != geo[i]:  # (a dead ref reads None)
-                return False
+            elif t is None or refs[i]() is not t or (t.ptr, t.shape, t.strides, t.dtype, t.device) != geo[i]:
+                return False  # (a dead ref reads None; a tensor changed in place takes the full path's checks)
         return True

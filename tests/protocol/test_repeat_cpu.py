@@ -229,3 +229,26 @@ def test_fp8_input_made_once_per_t_hat_and_checked_by_geometry(recorder):
     q.values.ptr += 128  # a caller moved the cached view: no longer the workspace's
     with pytest.raises(ValueError, match="its values is not that view"):
         validate.check_fp8_partial(q, 16, 'fp8', *r._fp8_input(16))
+
+
+@pytest.mark.parametrize("change", ["dtype", "strides", "device"])
+def test_a_tensor_changed_in_place_gets_the_full_paths_refusal(recorder, change):
+    """The same Tensor object with the same address and shape but another dtype, layout or
+    device (changed in place): the fast path must not accept what the full path refuses."""
+    _, r, specs = _rank()
+    T = 8
+    ids = Tensor(1 << 33, (T, 8), "int32", device=(2, 0))
+    pays = [Tensor((1 << 34) + (1 << 24) * k, (T,) + tuple(s.shape), s.dtype, device=(2, 0))
+            for k, s in enumerate(specs)]
+    cin = r.combine_input(T)
+    for _ in range(8):  # past the first steps: the calls now repeat
+        r.dispatch(ids, pays, T)
+        r.combine(cin, T)
+    if change == "dtype":
+        ids.dtype, want = as_dtype("float32"), (TypeError, "token_selected_experts: dtype must be int32")
+    elif change == "strides":
+        ids.strides, want = (1, T), (ValueError, "token_selected_experts: must be contiguous")
+    else:
+        ids.device, want = (2, 1), (ValueError, "token_selected_experts: must be on cuda:0")
+    with pytest.raises(want[0], match=want[1]):
+        r.dispatch(ids, pays, T)
