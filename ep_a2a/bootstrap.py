@@ -12,7 +12,6 @@ raw bytes, every message is size-bounded and every wait is bounded by the timeou
 from __future__ import annotations
 
 import abc
-import array
 import errno
 import os
 import re
@@ -23,22 +22,14 @@ import stat
 import struct
 import time
 
+from . import bootstrap_wire as wire
+from .bootstrap_wire import MAX_FDS, MAX_PAYLOAD
 from .driver.lifetime import Owned
 from .errors import BootstrapError, BootstrapTimeout
 
 __all__ = ["Bootstrap", "BootstrapError", "BootstrapTimeout", "UnixSocketBootstrap",
            "TorchDistributedBootstrap", "MpiBootstrap"]
 
-MAX_PAYLOAD = 1 << 20  # bytes per message; a rank's allgather contribution is one message
-MAX_FDS = 64           # fds per message; a rank's allgather_fds contribution is one message
-
-# magic u32, version u16, kind u16, rank u32, world_size u32, payload length u32
-_HDR = struct.Struct("<IHHIII")
-_MAGIC = 0x32413245  # b"E2A2" little-endian
-_VERSION = 1
-_HELLO, _WELCOME, _ALLGATHER, _ALLGATHER_FDS, _BARRIER, _ERROR, _TIMEOUT = range(1, 8)
-_KIND_NAMES = {_HELLO: "hello", _WELCOME: "welcome", _ALLGATHER: "allgather",
-               _ALLGATHER_FDS: "allgather_fds", _BARRIER: "barrier", _ERROR: "error", _TIMEOUT: "timeout"}
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HELLO_TIMEOUT = 5.0  # a genuine peer sends its hello right after connect; a silent one must not stall setup
 _PEER_GRACE = 1.0     # peers wait a little longer than rank 0 so that rank 0's diagnosis reaches them
@@ -93,93 +84,6 @@ class Bootstrap(Owned, abc.ABC):
         return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
 
 
-# ---------------------------------------------------------------------------------------------
-# wire helpers
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise TimeoutError
-    return left
-
-
-def _send(sock: socket.socket, deadline: float, kind: int, rank: int, world_size: int,
-          payload: bytes = b"", fds=()) -> None:
-    msg = _HDR.pack(_MAGIC, _VERSION, kind, rank, world_size, len(payload)) + payload
-    sock.settimeout(_remaining(deadline))
-    sent = socket.send_fds(sock, [msg], list(fds)) if fds else 0
-    if sent < len(msg):  # never sendall(b""): it fails with EPIPE once the peer has closed
-        sock.sendall(msg[sent:])
-
-
-def _recv(sock: socket.socket, deadline: float, who: str, max_fds: int = 0):
-    """One message from `who`: (kind, rank, world_size, payload, fds). Raises TimeoutError or BootstrapError."""
-    buf, fds = bytearray(), []
-    try:
-        while len(buf) < _HDR.size:
-            sock.settimeout(_remaining(deadline))
-            if max_fds:
-                # SCM_RIGHTS fds ride on the first byte of the sender's sendmsg, i.e. the header.
-                # recvmsg directly, not socket.recv_fds: that one drops `flags`, and received
-                # fds must be close-on-exec like every fd Python creates.
-                data, anc, flags, _ = sock.recvmsg(_HDR.size - len(buf), socket.CMSG_SPACE(max_fds * 4),
-                                                   socket.MSG_CMSG_CLOEXEC)
-                for level, typ, cdata in anc:
-                    if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
-                        a = array.array("i")
-                        a.frombytes(cdata[:len(cdata) - len(cdata) % a.itemsize])
-                        fds.extend(a)
-                if flags & socket.MSG_CTRUNC:
-                    raise BootstrapError(f"{who} sent a message with more than {max_fds} fds")
-            else:
-                data = sock.recv(_HDR.size - len(buf))
-            if not data:
-                raise BootstrapError(f"{who} closed the connection (its process exited or closed the bootstrap)")
-            buf += data
-        magic, version, kind, rank, world_size, n = _HDR.unpack(buf)
-        if magic != _MAGIC or version != _VERSION:
-            raise BootstrapError(f"{who} sent no ep_a2a bootstrap message (magic {magic:#x}, version {version}; "
-                                 f"expected {_MAGIC:#x}, {_VERSION})")
-        if n > MAX_PAYLOAD:
-            raise BootstrapError(f"{who} sent a {n}-byte {_KIND_NAMES.get(kind, kind)} message, over the "
-                                 f"{MAX_PAYLOAD}-byte bound")
-        payload = bytearray(n)
-        view, got = memoryview(payload), 0
-        while got < n:
-            sock.settimeout(_remaining(deadline))
-            k = sock.recv_into(view[got:])
-            if not k:
-                raise BootstrapError(f"{who} closed the connection in the middle of a message")
-            got += k
-        return kind, rank, world_size, bytes(payload), fds
-    except BaseException as e:
-        _close_fds(fds)
-        if isinstance(e, ConnectionError):
-            raise BootstrapError(f"{who}: connection lost ({e})") from None
-        raise
-
-
-def _close_fds(fds) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def _pack_timeout(message: str, missing) -> bytes:
-    missing = list(missing)
-    return struct.pack(f"<I{len(missing)}I", len(missing), *missing) + message.encode()
-
-
-def _abort_reason(kind: int, payload: bytes) -> BootstrapError:
-    """The exception rank 0 reported in an _ERROR or _TIMEOUT message."""
-    if kind == _ERROR or len(payload) < 4:
-        return BootstrapError(payload.decode(errors="replace"))
-    n = min(struct.unpack_from("<I", payload)[0], (len(payload) - 4) // 4)
-    return BootstrapTimeout(payload[4 + 4 * n:].decode(errors="replace"), struct.unpack_from(f"<{n}I", payload, 4))
-
 
 def socket_dir(base_dir=None) -> str:
     """`<base_dir or $XDG_RUNTIME_DIR or /tmp>/ep_a2a-<uid>`, created 0700; refused if anyone else can enter it.
@@ -230,6 +134,8 @@ class UnixSocketBootstrap(Bootstrap):
         self._peers: dict[int, socket.socket] = {}  # rank 0: rank -> connection
         self._sock: socket.socket | None = None      # ranks > 0: connection to rank 0
         self._listener: socket.socket | None = None
+        self._seq = 0            # collectives begun: every message carries it, so none pairs with another's
+        self._why_closed = ""    # what closed it, for the error of every later call
         self._opened()
         if world_size == 1:
             return
@@ -266,7 +172,7 @@ class UnixSocketBootstrap(Bootstrap):
                     conn.close()
             self._unlink()
             for conn in self._peers.values():
-                _send(conn, deadline, _WELCOME, 0, self.world_size)
+                wire.send(conn, deadline, wire.WELCOME, 0, self.world_size)
         except BootstrapError as e:
             self._abort(e)
             raise
@@ -314,13 +220,13 @@ class UnixSocketBootstrap(Bootstrap):
         if uid != os.getuid():
             raise _Rejected(f"pid {pid} runs as uid {uid}, not {os.getuid()}")
         try:
-            kind, rank, world_size, payload, _ = _recv(conn, deadline, f"pid {pid}")
+            kind, rank, world_size, _, payload, _ = wire.recv(conn, deadline, f"pid {pid}")
         except TimeoutError:
             raise _Rejected(f"pid {pid} sent no hello within {_HELLO_TIMEOUT:g} s") from None
         except BootstrapError as e:
             raise _Rejected(str(e)) from None
-        if kind != _HELLO or len(payload) != 4:
-            raise _Rejected(f"pid {pid} sent a {_KIND_NAMES.get(kind, kind)} message instead of a hello")
+        if kind != wire.HELLO or len(payload) != 4:
+            raise _Rejected(f"pid {pid} sent a {wire.KIND_NAMES.get(kind, kind)} message instead of a hello")
         (hello_pid,) = struct.unpack("<I", payload)
         if hello_pid != pid:
             raise _Rejected(f"hello claims pid {hello_pid} but the connection belongs to pid {pid}")
@@ -344,7 +250,7 @@ class UnixSocketBootstrap(Bootstrap):
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
-                s.settimeout(_remaining(deadline))
+                s.settimeout(wire.remaining(deadline))
                 s.connect(self.path)
                 break
             except (FileNotFoundError, ConnectionRefusedError):  # rank 0 not up yet, or a stale file
@@ -361,7 +267,7 @@ class UnixSocketBootstrap(Bootstrap):
         pid, uid, _ = _peer_cred(s)
         if uid != os.getuid():
             raise BootstrapError(f"{self.path} is served by pid {pid} of uid {uid}, not by us (uid {os.getuid()})")
-        self._from_root(_WELCOME, deadline + _PEER_GRACE, send=(_HELLO, struct.pack("<I", os.getpid())))
+        self._from_root(wire.WELCOME, deadline + _PEER_GRACE, send=(wire.HELLO, struct.pack("<I", os.getpid())))
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -369,23 +275,24 @@ class UnixSocketBootstrap(Bootstrap):
         data = bytes(data)
         if len(data) > MAX_PAYLOAD:
             raise ValueError(f"allgather contribution of {len(data)} bytes exceeds the {MAX_PAYLOAD}-byte bound")
-        got = self._collective(_ALLGATHER, data, [])
+        got = self._collective(wire.ALLGATHER, data, [])
         return [p for p, _ in got]
 
     def allgather_fds(self, fds: list[int]) -> list[list[int]]:
         fds = [int(fd) for fd in fds]
         if len(fds) > MAX_FDS:
             raise ValueError(f"allgather_fds of {len(fds)} fds exceeds the {MAX_FDS}-fd bound")
-        got = self._collective(_ALLGATHER_FDS, struct.pack("<I", len(fds)), fds)
+        got = self._collective(wire.ALLGATHER_FDS, struct.pack("<I", len(fds)), fds)
         return [f for _, f in got]
 
     def barrier(self) -> None:
-        self._collective(_BARRIER, b"", [])
+        self._collective(wire.BARRIER, b"", [])
 
     def _collective(self, kind: int, payload: bytes, fds: list[int]) -> list[tuple[bytes, list[int]]]:
         """Star through rank 0: everyone sends its part to rank 0, which sends everyone the others' parts."""
         if self._closed:
-            raise BootstrapError(f"bootstrap {self.name!r} is closed")
+            raise BootstrapError(f"bootstrap {self.name!r} is closed" + (f": {self._why_closed}" if self._why_closed else ""))
+        self._seq += 1
         deadline = time.monotonic() + self.timeout
         own = (payload, [os.dup(fd) for fd in fds])
         if self.world_size == 1:
@@ -397,9 +304,23 @@ class UnixSocketBootstrap(Bootstrap):
                                    sources=[r for r in range(self.world_size) if r != self.rank])
             msgs.insert(self.rank, own)  # rank 0 has checked every rank's fd count against its own
             return msgs
-        except BaseException:
-            _close_fds(own[1])
+        except BaseException as e:
+            wire.close_fds(own[1])
+            if not isinstance(e, (BootstrapError, OSError)):  # KeyboardInterrupt, SystemExit, ...
+                self._interrupted(e, kind)
+            elif self._closed and not self._why_closed:
+                self._why_closed = f"{wire.KIND_NAMES[kind]} #{self._seq} failed: {e}"
             raise
+
+    def _interrupted(self, e: BaseException, kind: int) -> None:
+        """A collective left halfway cannot be resumed: the peers' parts of it would pair with
+        this rank's next call. Close, and make the peers raise now instead of at their timeout."""
+        self._why_closed = f"rank {self.rank} was interrupted by {type(e).__name__} in {wire.KIND_NAMES[kind]} #{self._seq}"
+        err = BootstrapError(f"bootstrap {self.name!r}: {self._why_closed}; the group cannot go on")
+        if self.rank == 0:
+            self._abort(err)
+        else:
+            self.close()  # rank 0 finds the connection closed and tells the others
 
     def _root_collective(self, kind: int, own, deadline: float):
         got = {0: own}
@@ -407,41 +328,45 @@ class UnixSocketBootstrap(Bootstrap):
             pending = {conn: r for r, conn in self._peers.items()}
             while pending:
                 try:
-                    ready, _, _ = select.select(list(pending), [], [], _remaining(deadline))
+                    ready, _, _ = select.select(list(pending), [], [], wire.remaining(deadline))
                     for conn in ready:
                         r = pending.pop(conn)
-                        k, src, _, p, f = _recv(conn, deadline, f"bootstrap {self.name!r}: rank {r} in "
-                                                f"{_KIND_NAMES[kind]}", MAX_FDS if kind == _ALLGATHER_FDS else 0)
+                        k, src, _, sq, p, f = wire.recv(conn, deadline, f"bootstrap {self.name!r}: rank {r} in "
+                                                    f"{wire.KIND_NAMES[kind]}", MAX_FDS if kind == wire.ALLGATHER_FDS else 0)
                         got[r] = (p, f)
+                        if sq != self._seq:
+                            raise BootstrapError(f"bootstrap {self.name!r}: rank {r} sent its part of collective "
+                                                 f"#{sq} while rank 0 is at #{self._seq} ({wire.KIND_NAMES[kind]}): "
+                                                 "a collective was interrupted or skipped on one side")
                         if k != kind or src != r:
-                            raise BootstrapError(f"bootstrap {self.name!r}: rank {r} called {_KIND_NAMES.get(k, k)}"
+                            raise BootstrapError(f"bootstrap {self.name!r}: rank {r} called {wire.KIND_NAMES.get(k, k)}"
                                                  f"{f' as rank {src}' if src != r else ''} while rank 0 called "
-                                                 f"{_KIND_NAMES[kind]}")
+                                                 f"{wire.KIND_NAMES[kind]}")
                 except TimeoutError:
                     missing = sorted(r for r in self._peers if r not in got)
                     raise BootstrapTimeout(f"bootstrap {self.name!r}: rank(s) {missing} did not reach "
-                                           f"{_KIND_NAMES[kind]} within {self.timeout:g} s", missing) from None
+                                           f"{wire.KIND_NAMES[kind]} within {self.timeout:g} s", missing) from None
             out = [got[r] for r in range(self.world_size)]
-            if kind == _ALLGATHER_FDS:
+            if kind == wire.ALLGATHER_FDS:
                 self._check_fd_counts(out)
             for dst, conn in self._peers.items():
                 for src, (p, f) in enumerate(out):
                     if src != dst:
                         try:
-                            _send(conn, deadline, kind, src, self.world_size, p, f)
+                            wire.send(conn, deadline, kind, src, self.world_size, p, f, self._seq)
                         except TimeoutError:
                             raise BootstrapTimeout(f"bootstrap {self.name!r}: rank {dst} did not take the "
-                                                   f"{_KIND_NAMES[kind]} result within {self.timeout:g} s",
+                                                   f"{wire.KIND_NAMES[kind]} result within {self.timeout:g} s",
                                                    [dst]) from None
             return out
         except BaseException as e:
             for r, (_, f) in got.items():
                 if r != 0:
-                    _close_fds(f)
+                    wire.close_fds(f)
             if not isinstance(e, (BootstrapError, OSError)):
                 raise
             err = e if isinstance(e, BootstrapError) else BootstrapError(
-                f"bootstrap {self.name!r}: {_KIND_NAMES[kind]} failed on rank 0: {e}")
+                f"bootstrap {self.name!r}: {wire.KIND_NAMES[kind]} failed on rank 0: {e}")
             self._abort(err)  # tell the others, so they raise this cause instead of timing out
             if err is e:
                 raise
@@ -457,28 +382,30 @@ class UnixSocketBootstrap(Bootstrap):
 
     def _from_root(self, kind: int, deadline: float, *, send, fds=(), sources=(0,)):
         """Peer side: send our part to rank 0, then take one `kind` message per rank in `sources`."""
-        what = _KIND_NAMES[kind]
+        what = wire.KIND_NAMES[kind]
         who = f"bootstrap {self.name!r}: rank 0 (seen from rank {self.rank} in {what})"
         msgs = []
         try:
             try:
-                _send(self._sock, deadline, send[0], self.rank, self.world_size, send[1], fds)
+                wire.send(self._sock, deadline, send[0], self.rank, self.world_size, send[1], fds, self._seq)
             except ConnectionError as e:
                 # Rank 0 may have failed the collective already: its reason is still in our receive buffer.
                 k, p = self._pending_abort()
-                raise _abort_reason(k, p) if k else BootstrapError(f"{who}: connection lost ({e})") from None
+                raise wire.abort_reason(k, p) if k else BootstrapError(f"{who}: connection lost ({e})") from None
             for expected in sources:
-                k, src, ws, p, f = _recv(self._sock, deadline, who, MAX_FDS if kind == _ALLGATHER_FDS else 0)
+                k, src, ws, sq, p, f = wire.recv(self._sock, deadline, who, MAX_FDS if kind == wire.ALLGATHER_FDS else 0)
                 msgs.append((p, f))
-                if k in (_ERROR, _TIMEOUT):
-                    raise _abort_reason(k, p)
+                if k in (wire.ERROR, wire.TIMEOUT):
+                    raise wire.abort_reason(k, p)
+                if sq != self._seq:
+                    raise BootstrapError(f"{who}: answered collective #{sq}, this rank is at #{self._seq}")
                 if k != kind or ws != self.world_size or src != expected:
-                    raise BootstrapError(f"{who}: answered with {_KIND_NAMES.get(k, k)} of rank {src} "
+                    raise BootstrapError(f"{who}: answered with {wire.KIND_NAMES.get(k, k)} of rank {src} "
                                          f"(world_size {ws}); expected {what} of rank {expected}")
             return msgs
         except BaseException as e:
             for _, f in msgs:
-                _close_fds(f)
+                wire.close_fds(f)
             self.close()
             if isinstance(e, TimeoutError):
                 raise BootstrapTimeout(f"{who}: no answer within {self.timeout:g} s", [0]) from None
@@ -486,8 +413,8 @@ class UnixSocketBootstrap(Bootstrap):
 
     def _pending_abort(self):
         try:
-            k, _, _, p, _ = _recv(self._sock, time.monotonic() + 0.5, "rank 0")
-            return (k, p) if k in (_ERROR, _TIMEOUT) else (None, b"")
+            k, _, _, _, p, _ = wire.recv(self._sock, time.monotonic() + 0.5, "rank 0")
+            return (k, p) if k in (wire.ERROR, wire.TIMEOUT) else (None, b"")
         except (OSError, BootstrapError):
             return None, b""
 
@@ -496,13 +423,13 @@ class UnixSocketBootstrap(Bootstrap):
     def _notify(self, conns, err: BootstrapError) -> None:
         """Best effort: tell peers why we fail, so they raise the real cause instead of timing out."""
         if isinstance(err, BootstrapTimeout):
-            kind, payload = _TIMEOUT, _pack_timeout(str(err), err.missing)
+            kind, payload = wire.TIMEOUT, wire.pack_timeout(str(err), err.missing)
         else:
-            kind, payload = _ERROR, str(err).encode()
+            kind, payload = wire.ERROR, str(err).encode()
         payload = payload[:MAX_PAYLOAD]
         for conn in conns:
             try:
-                _send(conn, time.monotonic() + 0.5, kind, 0, self.world_size, payload)
+                wire.send(conn, time.monotonic() + 0.5, kind, 0, self.world_size, payload)
             except (OSError, TimeoutError):
                 pass
 

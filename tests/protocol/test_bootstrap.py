@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ep_a2a import bootstrap as bs_mod
+from ep_a2a import bootstrap_wire as wire
 from ep_a2a import topology
 from ep_a2a.bootstrap import BootstrapError, BootstrapTimeout, UnixSocketBootstrap
 
@@ -112,6 +113,72 @@ def test_timeout_names_missing_rank(tmp_path):
     assert not os.path.exists(_path(tmp_path, name)), "socket file left after a failed setup"
 
 
+def _interrupted_root(name, base_dir, q):
+    """Rank 0 is interrupted (KeyboardInterrupt from a signal) inside its first allgather,
+    then calls the next one, as a program catching the interrupt would."""
+    import signal
+
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    b = UnixSocketBootstrap(0, 2, name=name, timeout=20, base_dir=base_dir)
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        b.allgather(b"rank 0, first")
+        q.put((0, "first returned"))
+    except KeyboardInterrupt:
+        pass
+    try:
+        q.put((0, "second returned", b.allgather(b"rank 0, second")))
+    except BootstrapError as e:
+        q.put((0, "BootstrapError", str(e)))
+
+
+def _late_peer(name, base_dir, q):
+    b = UnixSocketBootstrap(1, 2, name=name, timeout=20, base_dir=base_dir)
+    time.sleep(1.0)  # rank 0 is interrupted while it waits for this part
+    t0 = time.monotonic()
+    try:
+        q.put((1, "returned", b.allgather(b"rank 1, first")))
+    except BootstrapError as e:
+        q.put((1, "BootstrapError", str(e), time.monotonic() - t0))
+
+
+def test_interrupted_collective_closes_the_group_and_tells_the_peers(tmp_path):
+    """An interrupt inside a collective must not leave rank 0 open to pair its next call with
+    the peers' earlier one (that returned a peer's data of the previous allgather): rank 0's
+    next call raises, and the peer learns it at once instead of at its timeout."""
+    name, q = _name(), mp.get_context("spawn").Queue()
+    procs = [mp.get_context("spawn").Process(target=f, args=(name, str(tmp_path), q))
+             for f in (_interrupted_root, _late_peer)]
+    for p in procs:
+        p.start()
+    out = {}
+    for _ in procs:
+        r, *rest = q.get(timeout=30)
+        out[r] = rest
+    for p in procs:
+        p.join(10)
+    assert out[0][0] == "BootstrapError" and "interrupted by KeyboardInterrupt in allgather #1" in out[0][1], out
+    assert out[1][0] == "BootstrapError" and "interrupted" in out[1][1] and out[1][2] < 5.0, out
+
+
+def test_every_message_carries_its_collective_number(tmp_path):
+    """A part of another collective (here: a peer one collective ahead) is refused by number,
+    even where kind and rank match."""
+    name = _name()
+    t = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, timeout=5, base_dir=tmp_path))
+    raw = _raw_connect(_path(tmp_path, name))
+    raw.sendall(_header(wire.HELLO, 1, 2, 4) + struct.pack("<I", os.getpid()))
+    assert _raw_recv(raw)[0] == wire.WELCOME
+    root = t.get()
+    g = _Thread(lambda: root.allgather(b"x"))
+    raw.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.ALLGATHER, 1, 2, 2, 1) + b"y")  # collective #2
+    with pytest.raises(BootstrapError, match=r"collective #2 while rank 0 is at #1"):
+        g.get()
+    raw.close()
+
+
 # -- in-process checks (threads are enough: every rank still talks over the real socket) ---------
 
 
@@ -150,11 +217,11 @@ def _raw_connect(path, timeout=5.0):
 
 
 def _header(kind, rank, world_size, n):
-    return bs_mod._HDR.pack(bs_mod._MAGIC, bs_mod._VERSION, kind, rank, world_size, n)
+    return wire.HEADER.pack(wire.MAGIC, wire.VERSION, kind, rank, world_size, 0, n)
 
 
 def _raw_recv(s):
-    kind, rank, ws, payload, _ = bs_mod._recv(s, time.monotonic() + 5, "rank 0")
+    kind, rank, ws, _, payload, _ = wire.recv(s, time.monotonic() + 5, "rank 0")
     return kind, payload
 
 
@@ -222,9 +289,9 @@ def test_oversized_hello_rejected_then_group_forms(tmp_path):
     name = _name()
     root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
     raw = _raw_connect(_path(tmp_path, name))
-    raw.sendall(_header(bs_mod._HELLO, 1, 2, bs_mod.MAX_PAYLOAD + 1))
+    raw.sendall(_header(wire.HELLO, 1, 2, wire.MAX_PAYLOAD + 1))
     kind, payload = _raw_recv(raw)
-    assert kind == bs_mod._ERROR and b"over the 1048576-byte bound" in payload
+    assert kind == wire.ERROR and b"over the 1048576-byte bound" in payload
     raw.close()
     with UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=5) as peer, root.get() as b0:
         t = _Thread(lambda: b0.barrier())
@@ -236,9 +303,9 @@ def test_forged_pid_rejected(tmp_path):
     name = _name()
     root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=1.5))
     raw = _raw_connect(_path(tmp_path, name))
-    raw.sendall(_header(bs_mod._HELLO, 1, 2, 4) + struct.pack("<I", os.getpid() + 1))
+    raw.sendall(_header(wire.HELLO, 1, 2, 4) + struct.pack("<I", os.getpid() + 1))
     kind, payload = _raw_recv(raw)
-    assert kind == bs_mod._ERROR and b"claims pid" in payload
+    assert kind == wire.ERROR and b"claims pid" in payload
     raw.close()
     with pytest.raises(BootstrapTimeout, match="rejected connections.*claims pid") as ei:
         root.get()
@@ -250,15 +317,15 @@ def test_oversized_collective_message_rejected(tmp_path):
     name = _name()
     root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
     raw = _raw_connect(_path(tmp_path, name))
-    raw.sendall(_header(bs_mod._HELLO, 1, 2, 4) + struct.pack("<I", os.getpid()))
-    assert _raw_recv(raw)[0] == bs_mod._WELCOME
+    raw.sendall(_header(wire.HELLO, 1, 2, 4) + struct.pack("<I", os.getpid()))
+    assert _raw_recv(raw)[0] == wire.WELCOME
     b0 = root.get()
     t = _Thread(lambda: b0.allgather(b"x"))
-    raw.sendall(_header(bs_mod._ALLGATHER, 1, 2, 64 << 20))
+    raw.sendall(_header(wire.ALLGATHER, 1, 2, 64 << 20))
     with pytest.raises(BootstrapError, match="rank 1 in allgather sent a 67108864-byte allgather message, over"):
         t.get()
     kind, payload = _raw_recv(raw)
-    assert kind == bs_mod._ERROR and b"over the 1048576-byte bound" in payload
+    assert kind == wire.ERROR and b"over the 1048576-byte bound" in payload
     with pytest.raises(BootstrapError, match="closed"):
         b0.barrier()
     raw.close()
@@ -340,7 +407,7 @@ def test_default_allgather_fds_through_negotiated_socket(tmp_path, monkeypatch):
             got = b.allgather_fds([fd])
             os.close(fd)
             out = [os.pread(f, 16, 0) for [f] in got]
-            bs_mod._close_fds(f for [f] in got)
+            wire.close_fds(f for [f] in got)
             b.barrier()
             return out
 
