@@ -50,6 +50,7 @@ class Bootstrap(Owned, abc.ABC):
     world_size: int
     timeout: float = 60.0
     _fd_bootstrap: "UnixSocketBootstrap | None" = None  # lazily made by the default allgather_fds
+    base_dir = None  # where that one's socket lives (socket_dir)
 
     @abc.abstractmethod
     def allgather(self, data: bytes) -> list[bytes]:
@@ -67,7 +68,8 @@ class Bootstrap(Owned, abc.ABC):
             name = self.allgather(proposal)[0].decode()
             if not _NAME_RE.fullmatch(name):
                 raise BootstrapError(f"rank 0 proposed an invalid socket name {name!r}")
-            self._fd_bootstrap = UnixSocketBootstrap(self.rank, self.world_size, name=name, timeout=self.timeout)
+            self._fd_bootstrap = UnixSocketBootstrap(self.rank, self.world_size, name=name, timeout=self.timeout,
+                                                     base_dir=self.base_dir)
         return self._fd_bootstrap.allgather_fds(fds)
 
     def barrier(self) -> None:
@@ -85,25 +87,40 @@ class Bootstrap(Owned, abc.ABC):
 
 
 
-def socket_dir(base_dir=None) -> str:
-    """`<base_dir or $XDG_RUNTIME_DIR or /tmp>/ep_a2a-<uid>`, created 0700; refused if anyone else can enter it.
+SOCKET_DIR_TRIES = 8  # ep_a2a-<uid>, then ep_a2a-<uid>.1 ... .7
 
-    Only this user can then create or connect to the sockets inside, which is the first
-    line of defence; SO_PEERCRED on every connection is the second.
-    """
-    base = base_dir or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    path = os.path.join(os.fspath(base), f"ep_a2a-{os.getuid()}")
+
+def _private_dir(path: str) -> str | None:
+    """`path` created 0700 or already there as such, owned by us and no symlink; else None."""
     try:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
+    except OSError:
+        return None
     st = os.lstat(path)  # lstat: a symlink planted by someone else must not be followed
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        what = "a directory" if stat.S_ISDIR(st.st_mode) else "not a directory"
-        raise BootstrapError(f"refusing socket directory {path}: it must be a directory owned by uid "
-                             f"{os.getuid()} with mode 0700 (it is {what}, owner uid {st.st_uid}, mode "
-                             f"{stat.S_IMODE(st.st_mode):04o}); remove it or pick another base_dir")
-    return path
+    ok = stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+    return path if ok else None
+
+
+def socket_dir(base_dir=None) -> str:
+    """`<base_dir or $XDG_RUNTIME_DIR or /tmp>/ep_a2a-<uid>`, created 0700.
+
+    Only this user can then create or connect to the sockets inside, which is the first
+    line of defence; SO_PEERCRED on every connection is the second. Anyone may create that
+    name first in a shared /tmp (and a sticky /tmp keeps us from removing it): then the next
+    of `ep_a2a-<uid>.1` ... that is ours, the same sequence on every rank, so the ranks still
+    meet without any other channel.
+    """
+    base = os.fspath(base_dir or os.environ.get("XDG_RUNTIME_DIR") or "/tmp")
+    names = [f"ep_a2a-{os.getuid()}"] + [f"ep_a2a-{os.getuid()}.{k}" for k in range(1, SOCKET_DIR_TRIES)]
+    for n in names:
+        path = _private_dir(os.path.join(base, n))
+        if path:
+            return path
+    raise BootstrapError(f"no private socket directory in {base}: {', '.join(names)} all exist and are not "
+                         f"directories of uid {os.getuid()} with mode 0700 (someone else made them); pass "
+                         "base_dir= (e.g. $XDG_RUNTIME_DIR or a directory of your own)")
 
 
 def _peer_cred(sock: socket.socket) -> tuple[int, int, int]:
@@ -468,11 +485,11 @@ class TorchDistributedBootstrap(Bootstrap):
     torch collectives obey the process group's own timeout.
     """
 
-    def __init__(self, group=None, *, timeout: float = 60.0):
+    def __init__(self, group=None, *, timeout: float = 60.0, base_dir=None):
         import torch
         import torch.distributed as dist
 
-        self._torch, self._dist, self._group = torch, dist, group
+        self._torch, self._dist, self._group, self.base_dir = torch, dist, group, base_dir
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.timeout = float(timeout)
         backend = str(dist.get_backend(group))
@@ -503,10 +520,10 @@ class MpiBootstrap(Bootstrap):
     name rank 0 draws. `timeout` bounds that socket bootstrap; MPI collectives have none.
     """
 
-    def __init__(self, comm, *, timeout: float = 60.0):
+    def __init__(self, comm, *, timeout: float = 60.0, base_dir=None):
         from mpi4py import MPI
 
-        self._MPI, self._comm = MPI, comm
+        self._MPI, self._comm, self.base_dir = MPI, comm, base_dir
         self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
         self.timeout = float(timeout)
         self._opened()

@@ -2,6 +2,7 @@
 import multiprocessing as mp
 import os
 import socket
+import stat
 import struct
 import threading
 import time
@@ -242,20 +243,45 @@ def test_bad_name_rejected(tmp_path, name):
         UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path)
 
 
-def test_loose_directory_refused(tmp_path):
+def _meet(base_dir):
+    """A group of two forms under base_dir: (the socket directory rank 0 used, both ranks' barrier done)."""
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=base_dir, timeout=5))
+    with UnixSocketBootstrap(1, 2, name=name, base_dir=base_dir, timeout=5) as peer, root.get() as b0:
+        t = _Thread(lambda: b0.barrier())
+        peer.barrier()
+        t.get()
+        return os.path.dirname(b0.path)
+
+
+@pytest.mark.parametrize("block", ["loose", "symlink", "file"])
+def test_a_socket_directory_taken_by_someone_else_is_skipped(tmp_path, block):
+    """Someone else made ep_a2a-<uid> first (a loose directory, a symlink, a file): it is left
+    untouched, and every rank moves to the same next private name."""
     d = tmp_path / f"ep_a2a-{os.getuid()}"
-    d.mkdir()
-    d.chmod(0o755)
-    with pytest.raises(BootstrapError, match="0755"):
-        UnixSocketBootstrap(0, 2, name=_name(), base_dir=tmp_path, timeout=1)
-    assert os.listdir(d) == []
+    if block == "loose":
+        d.mkdir()
+        d.chmod(0o755)
+    elif block == "symlink":
+        (tmp_path / "real").mkdir(mode=0o700)
+        os.symlink(tmp_path / "real", d)
+    else:
+        d.write_bytes(b"")
+    assert _meet(tmp_path) == str(d) + ".1"
+    if block == "loose":
+        assert os.listdir(d) == []                      # left as it was
+    elif block == "symlink":
+        assert os.listdir(tmp_path / "real") == []      # never followed
+    st = os.lstat(str(d) + ".1")
+    assert st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
 
 
-def test_directory_symlink_refused(tmp_path):
-    real = tmp_path / "real"
-    real.mkdir(mode=0o700)
-    os.symlink(real, tmp_path / f"ep_a2a-{os.getuid()}")
-    with pytest.raises(BootstrapError, match="not a directory"):
+def test_every_socket_directory_taken_is_a_clear_error(tmp_path):
+    for k in range(bs_mod.SOCKET_DIR_TRIES):
+        d = tmp_path / (f"ep_a2a-{os.getuid()}" + (f".{k}" if k else ""))
+        d.mkdir()
+        d.chmod(0o777)
+    with pytest.raises(BootstrapError, match="no private socket directory.*pass base_dir="):
         UnixSocketBootstrap(0, 2, name=_name(), base_dir=tmp_path, timeout=1)
 
 
