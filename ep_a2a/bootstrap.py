@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import abc
 import errno
+import hashlib
+import hmac
 import os
 import re
 import secrets
@@ -27,13 +29,29 @@ from .bootstrap_wire import MAX_FDS, MAX_PAYLOAD
 from .driver.lifetime import Owned
 from .errors import BootstrapError, BootstrapTimeout
 
-__all__ = ["Bootstrap", "BootstrapError", "BootstrapTimeout", "UnixSocketBootstrap",
+__all__ = ["Bootstrap", "BootstrapError", "BootstrapTimeout", "UnixSocketBootstrap", "new_job_token",
            "TorchDistributedBootstrap", "MpiBootstrap"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 _HELLO_TIMEOUT = 5.0  # a genuine peer sends its hello right after connect; a silent one must not stall setup
 _PEER_GRACE = 1.0     # peers wait a little longer than rank 0 so that rank 0's diagnosis reaches them
 _SUN_PATH_MAX = 107   # sockaddr_un.sun_path is 108 bytes including the NUL
+
+
+def new_job_token() -> str:
+    """A fresh secret naming one job: draw it once (in the launcher, like NCCL's unique id)
+    and give it to every rank as UnixSocketBootstrap(..., job_token=...)."""
+    return secrets.token_hex(16)
+
+
+def _job_digest(job_token) -> bytes:
+    """What a hello carries of the job token: its SHA-256 (32 zero bytes without a token)."""
+    if job_token is None:
+        return bytes(32)
+    raw = job_token.encode() if isinstance(job_token, str) else bytes(job_token)
+    if not raw:
+        raise ValueError("job_token: must not be empty (omit it, or use new_job_token())")
+    return hashlib.sha256(b"ep_a2a job " + raw).digest()
 
 
 class _Rejected(BootstrapError):
@@ -60,16 +78,16 @@ class Bootstrap(Owned, abc.ABC):
         """Every rank's fds in rank order, as NEW fds the caller owns and must close.
 
         All ranks pass the same number of fds; this rank's own entry holds dup()s.
-        Default: through a private UnixSocketBootstrap whose name rank 0 draws and
-        shares with `allgather` (so all ranks must be on one node).
+        Default: through a private UnixSocketBootstrap whose name and job token rank 0
+        draws and shares with `allgather` (so all ranks must be on one node).
         """
         if self._fd_bootstrap is None:
-            proposal = f"fds-{os.getpid()}-{secrets.token_hex(8)}".encode() if self.rank == 0 else b""
-            name = self.allgather(proposal)[0].decode()
-            if not _NAME_RE.fullmatch(name):
-                raise BootstrapError(f"rank 0 proposed an invalid socket name {name!r}")
+            proposal = f"fds-{os.getpid()}-{secrets.token_hex(8)} {new_job_token()}".encode() if self.rank == 0 else b""
+            name, _, token = self.allgather(proposal)[0].decode().partition(" ")
+            if not _NAME_RE.fullmatch(name) or not token:
+                raise BootstrapError(f"rank 0 proposed an invalid socket name or job token {name!r}")
             self._fd_bootstrap = UnixSocketBootstrap(self.rank, self.world_size, name=name, timeout=self.timeout,
-                                                     base_dir=self.base_dir)
+                                                     base_dir=self.base_dir, job_token=token)
         return self._fd_bootstrap.allgather_fds(fds)
 
     def barrier(self) -> None:
@@ -136,14 +154,21 @@ class UnixSocketBootstrap(Bootstrap):
     and the pid in its hello equals the credential pid (same pid namespace required).
     The socket file is unlinked as soon as all ranks have connected, and on failure.
     `name` must be unique per group on the node ([A-Za-z0-9_.-], at most 64 characters).
+
+    `job_token` (a str or bytes secret, e.g. new_job_token(), the same on every rank of one
+    job; default $EP_A2A_JOB_TOKEN): rank 0 admits only ranks whose hello proves the same
+    token, so two jobs that picked one name, or a rank left over from an earlier job, are
+    refused with an error instead of joining. Without a token the name alone decides.
     """
 
-    def __init__(self, rank: int, world_size: int, *, name: str, timeout: float = 60.0, base_dir=None):
+    def __init__(self, rank: int, world_size: int, *, name: str, timeout: float = 60.0, base_dir=None,
+                 job_token=None):
         if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
             raise ValueError(f"bootstrap name {name!r} must be 1-64 characters of [A-Za-z0-9_.-]")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         self.rank, self.world_size, self.name, self.timeout = rank, world_size, name, float(timeout)
+        self._job = _job_digest(os.environ.get("EP_A2A_JOB_TOKEN") if job_token is None else job_token)
         self.path = os.path.join(socket_dir(base_dir), name + ".sock")
         if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
             raise BootstrapError(f"socket path {self.path!r} is longer than the {_SUN_PATH_MAX} bytes AF_UNIX "
@@ -242,11 +267,14 @@ class UnixSocketBootstrap(Bootstrap):
             raise _Rejected(f"pid {pid} sent no hello within {_HELLO_TIMEOUT:g} s") from None
         except BootstrapError as e:
             raise _Rejected(str(e)) from None
-        if kind != wire.HELLO or len(payload) != 4:
+        if kind != wire.HELLO or len(payload) != 4 + len(self._job):
             raise _Rejected(f"pid {pid} sent a {wire.KIND_NAMES.get(kind, kind)} message instead of a hello")
-        (hello_pid,) = struct.unpack("<I", payload)
+        (hello_pid,) = struct.unpack_from("<I", payload)
         if hello_pid != pid:
             raise _Rejected(f"hello claims pid {hello_pid} but the connection belongs to pid {pid}")
+        if not hmac.compare_digest(payload[4:], self._job):
+            raise _Rejected(f"pid {pid} (rank {rank}) belongs to another job: its job token differs from rank 0's "
+                            f"(two jobs chose the name {self.name!r}, or a rank of an earlier job is still running)")
         # From here the peer is a process of ours: a disagreement is a misconfigured group, not an intruder.
         err = None
         if world_size != self.world_size:
@@ -284,7 +312,7 @@ class UnixSocketBootstrap(Bootstrap):
         pid, uid, _ = _peer_cred(s)
         if uid != os.getuid():
             raise BootstrapError(f"{self.path} is served by pid {pid} of uid {uid}, not by us (uid {os.getuid()})")
-        self._from_root(wire.WELCOME, deadline + _PEER_GRACE, send=(wire.HELLO, struct.pack("<I", os.getpid())))
+        self._from_root(wire.WELCOME, deadline + _PEER_GRACE, send=(wire.HELLO, struct.pack("<I", os.getpid()) + self._job))
 
     # -- collectives ---------------------------------------------------------------------------
 

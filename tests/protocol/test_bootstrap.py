@@ -170,7 +170,7 @@ def test_every_message_carries_its_collective_number(tmp_path):
     name = _name()
     t = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, timeout=5, base_dir=tmp_path))
     raw = _raw_connect(_path(tmp_path, name))
-    raw.sendall(_header(wire.HELLO, 1, 2, 4) + struct.pack("<I", os.getpid()))
+    raw.sendall(_header(wire.HELLO, 1, 2, 36) + struct.pack("<I", os.getpid()) + bytes(32))
     assert _raw_recv(raw)[0] == wire.WELCOME
     root = t.get()
     g = _Thread(lambda: root.allgather(b"x"))
@@ -241,6 +241,35 @@ def test_single_rank(tmp_path):
 def test_bad_name_rejected(tmp_path, name):
     with pytest.raises(ValueError, match="name"):
         UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path)
+
+
+def test_two_jobs_on_one_name_are_kept_apart_by_their_tokens(tmp_path):
+    """Start order A0, B1, A1 with one name: B's rank 1 reaches A's rank 0 first and is refused
+    (another job's token), A forms from its own ranks, its allgather carries only A's data."""
+    name, ta, tb = _name(), bs_mod.new_job_token(), bs_mod.new_job_token()
+    a0 = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=8, job_token=ta))
+    _raw_connect(_path(tmp_path, name)).close()  # A's rank 0 listens
+    with pytest.raises(BootstrapError, match="belongs to another job"):
+        UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=8, job_token=tb)
+    with UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=8, job_token=ta) as a1, a0.get() as root:
+        t = _Thread(lambda: root.allgather(b"A0"))
+        assert a1.allgather(b"A1") == [b"A0", b"A1"]
+        assert t.get() == [b"A0", b"A1"]
+
+
+def test_a_rank_without_the_token_is_refused(tmp_path, monkeypatch):
+    name = _name()
+    monkeypatch.setenv("EP_A2A_JOB_TOKEN", "job-42")  # rank 0 takes the token from the environment
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=3))
+    _raw_connect(_path(tmp_path, name)).close()
+    with pytest.raises(BootstrapError, match="belongs to another job"):
+        UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=3, job_token="job-41")
+    with UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=3) as peer, root.get() as b0:
+        t = _Thread(lambda: b0.barrier())
+        peer.barrier()
+        t.get()
+    with pytest.raises(ValueError, match="job_token: must not be empty"):
+        UnixSocketBootstrap(0, 1, name=name, base_dir=tmp_path, job_token="")
 
 
 def _meet(base_dir):
@@ -329,7 +358,7 @@ def test_forged_pid_rejected(tmp_path):
     name = _name()
     root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=1.5))
     raw = _raw_connect(_path(tmp_path, name))
-    raw.sendall(_header(wire.HELLO, 1, 2, 4) + struct.pack("<I", os.getpid() + 1))
+    raw.sendall(_header(wire.HELLO, 1, 2, 36) + struct.pack("<I", os.getpid() + 1) + bytes(32))
     kind, payload = _raw_recv(raw)
     assert kind == wire.ERROR and b"claims pid" in payload
     raw.close()
@@ -343,7 +372,7 @@ def test_oversized_collective_message_rejected(tmp_path):
     name = _name()
     root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
     raw = _raw_connect(_path(tmp_path, name))
-    raw.sendall(_header(wire.HELLO, 1, 2, 4) + struct.pack("<I", os.getpid()))
+    raw.sendall(_header(wire.HELLO, 1, 2, 36) + struct.pack("<I", os.getpid()) + bytes(32))
     assert _raw_recv(raw)[0] == wire.WELCOME
     b0 = root.get()
     t = _Thread(lambda: b0.allgather(b"x"))
