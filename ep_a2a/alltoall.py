@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 
 from . import fastpath, schedule
-from .config import Fp8Partial, Options, PayloadSpec, REDUCE_DTYPES  # noqa: F401 (PayloadSpec: re-exported)
+from .config import PROTOCOLS, Fp8Partial, Options, PayloadSpec, REDUCE_DTYPES  # noqa: F401 (PayloadSpec: re-exported)
 from .driver.errors import CudaError
 from .driver.lifetime import Owned
 from .driver.launch import Launch, launch_once, occupancy
@@ -65,6 +65,7 @@ class MoeAlltoAll(Owned):
         before launching (skipped while a graph is being captured; off, out-of-range ids
         are dropped by the kernel).
     """
+    _kind = "alltoalls"
 
     def __init__(self, group, *, max_tokens_per_rank: int, top_k: int, num_experts: int, payloads=(),
                  combine_hidden_size: int, combine_dtype: str = "bfloat16", protocol: str = "fence",
@@ -96,10 +97,10 @@ class MoeAlltoAll(Owned):
                                             q8_hidden=o.combine_hidden_size if o.combine_quant else 0)
         self.workspace = SymmetricWorkspace(group, self.layout.size)
         self.ranks = []
-        self._opened()  # from here a failure closes what was made
         # several ranks driven by this process spin on each other: no cuMemFree between
         # their launches (group.hold_frees_for)
         self._unhold = hold_frees_for(self) if group.is_local and len(group.ranks) > 1 else None
+        self._opened()  # from here a failure closes what was made
         try:
             for i, r in enumerate(group.ranks):
                 r.device.make_current()
@@ -138,17 +139,16 @@ class MoeAlltoAll(Owned):
         return schedule.protocol_for(self.protocol, runtime_max_tokens_per_rank, self.crossover_tokens)
 
     def use_protocol(self, protocol: str) -> None:
-        """Switch the protocol of the following steps: "fence", "sentinel" or "auto", among
-        those this all-to-all was built for (one built with "fence" has no SENTINEL workspace).
-        Collective: every rank switches between the same two steps."""
-        built = ("fence", "sentinel", "auto") if self.layout.sentinel else ("fence",)
+        """Switch the protocol of the following steps: one built with protocol="auto" has both
+        protocols' workspace and kernels and may switch among "fence", "sentinel" and "auto";
+        one built with a single protocol keeps it. Collective: every rank switches between
+        the same two steps."""
+        built = PROTOCOLS if self.built_protocol == "auto" else (self.built_protocol,)
         require(protocol in built, "protocol", f"must be one of {built} for an all-to-all built with "
                  f"protocol={self.built_protocol!r}, got {protocol!r}")
         for r in self.ranks:
             if r.mid_step:
                 raise StateError(f"rank {r.rank}: use_protocol between dispatch and combine")
-        if protocol != "fence" and self.combine_quant:
-            raise ValueError(f"protocol: combine_quant={self.combine_quant!r} needs 'fence', got {protocol!r}")
         self.protocol = protocol
 
     def set_active_ranks(self, ranks) -> None:
@@ -187,19 +187,19 @@ class MoeAlltoAll(Owned):
     def workspace_bytes_per_rank(self) -> int:
         return self.workspace.size
 
-    _kind = "alltoalls"
-
     def _release(self) -> None:
-        try:
-            for r in self.ranks:
-                r.close()
-            self.ranks = []
-            if getattr(self, "workspace", None) is not None:
-                self.workspace.close()
-                self.workspace = None
-        finally:
-            if getattr(self, "_unhold", None) is not None:
-                self._unhold()  # hold_frees(False), once
+        """Every part is released even when one fails (a lost context): the first error is raised."""
+        first = None
+        for part in [*self.ranks, self.workspace]:
+            try:
+                part.close()
+            except BaseException as e:
+                first = first or e
+        self.ranks, self.workspace = [], None
+        if self._unhold is not None:
+            self._unhold()  # hold_frees(False), once
+        if first is not None:
+            raise first
 
 
 class RankAlltoAll:
@@ -443,7 +443,7 @@ class RankAlltoAll:
         H, T = a.combine_hidden_size, self._local_tokens
         prequantized = isinstance(partial, Fp8Partial)
         if prequantized:
-            check_fp8_partial(partial, tmax, a.combine_quant, *self._fp8_input(tmax))
+            check_fp8_partial(partial, tmax, a.combine_quant, lambda: self._fp8_input(tmax))
         else:
             part = self._input(partial, "partial", (H,), a.combine_dtype.name, None, s, leading_dims=(1, 2))
             if part.shape[:-1] not in ((a.ep_size * tmax,), (a.ep_size, tmax)):

@@ -98,6 +98,7 @@ class ExpertIndex(Owned):
     past the total are not written. Memory is allocated once, for max_tokens_per_rank, and
     reused by every build_index(..., out=index) with T^ <= max_tokens_per_rank.
     """
+    _kind = "indexes"
 
     def __init__(self, device, *, num_experts: int, ep_size: int, rank: int, max_tokens_per_rank: int, top_k: int):
         num_experts, ep_size, rank = _check_routing(num_experts, ep_size, rank)
@@ -118,7 +119,6 @@ class ExpertIndex(Owned):
         for name, n in sizes.items():
             offsets[name], end = end, end + -(-4 * n // 256) * 256
         self._alloc = DeviceAllocation(self.device, end)  # contents are undefined until the first build
-        self._opened()
         self._base = {k: self._alloc.ptr + o for k, o in offsets.items()}
         self.nbytes = end
         self.counts = self._tensor("counts", (L,), int32)
@@ -135,6 +135,7 @@ class ExpertIndex(Owned):
         for f in ("counts", "offsets", "rows", "row_weight", "row_of", "tile_counts"):
             setattr(a, f, self._base[f])
         a.top_k, a.first_expert, a.num_local = top_k, self.first_local_expert, L
+        self._opened()
 
     @classmethod
     def for_rank(cls, rank_a2a) -> "ExpertIndex":
@@ -196,8 +197,6 @@ class ExpertIndex(Owned):
         self.rows, self.row_weight, self.row_of = self._views_for(tmax)
         for t in (self.counts, self.offsets, self.rows, self.row_weight, self.row_of):
             t.stream = stream or 1  # DLPack consumers on other streams wait for this build (1: legacy stream)
-
-    _kind = "indexes"
 
     def _release(self) -> None:
         alloc, self._alloc = self._alloc, None

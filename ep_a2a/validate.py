@@ -36,19 +36,23 @@ def check_runtime_max(tmax, max_tokens_per_rank: int) -> None:
             f"must be an int in 1..max_tokens_per_rank={max_tokens_per_rank}, got {tmax!r}")
 
 
-def cuda_tensor(obj, name: str, stream, ordinal=None, what: str = "") -> Tensor:
-    """`obj` (any DLPack / CUDA-array-interface producer) as a Tensor on a CUDA GPU
-    (cuda:`ordinal` when given), contiguous, aligned to its elements. A framework tensor's
-    producer orders its pending work before `stream` (DLPack's stream argument; 0, the
-    legacy stream, is spelled None there). `what` describes the GPU in the message."""
+def cuda_tensor(obj, name: str, stream, ordinal=None, what: str = "", dtype: str = None) -> Tensor:
+    """`obj` (any DLPack / CUDA-array-interface producer) as a Tensor of `dtype` (when given:
+    checked first, a TypeError) on a CUDA GPU (cuda:`ordinal` when given), contiguous,
+    aligned to its elements. A framework tensor's producer orders its pending work before
+    `stream` (as_tensor's stream argument). `what` describes the GPU in the message."""
     if obj is None:
         raise TypeError(f"{name}: expected a tensor, got None")
     try:
-        t = as_tensor(obj, stream=stream or None)
+        t = as_tensor(obj, stream=stream)
     except (TypeError, ValueError, BufferError, RuntimeError) as e:  # (RuntimeError: e.g. torch's own refusals)
         if type(e) not in (TypeError, ValueError, BufferError, RuntimeError):
             raise  # our own errors (CudaError, ...) and other subclasses keep their type and fields
         raise type(e)(f"{name}: {e}") from None
+    if dtype is not None:
+        want = lookup_dtype(dtype)
+        if t.dtype != want:
+            raise TypeError(f"{name}: dtype must be {want.name}, got {t.dtype.name}")
     if t.device[0] != CUDA or (ordinal is not None and t.device[1] != ordinal):
         raise ValueError(f"{name}: must be on cuda:{'?' if ordinal is None else ordinal}{what}, got device {t.device}")
     if not t.is_contiguous:
@@ -62,10 +66,8 @@ def token_tensor(obj, name: str, inner: tuple, dtype: str, rows, stream: int, *,
                  max_tokens: int, leading_dims=(1,)) -> Tensor:
     """A per-token argument of dispatch/combine: cuda_tensor on this rank's GPU, of `dtype`,
     shaped [*leading, *inner] with len(leading) in leading_dims, and `rows` rows when given."""
-    t = cuda_tensor(obj, name, stream, ordinal, " (this rank's GPU)")
-    want = lookup_dtype(dtype)
-    if t.dtype != want:
-        raise TypeError(f"{name}: dtype must be {want.name}, got {t.dtype.name}")
+    # (0, the legacy stream, is spelled None in DLPack's stream argument here)
+    t = cuda_tensor(obj, name, stream or None, ordinal, " (this rank's GPU)", dtype)
     if leading_dims != (1,):
         if t.ndim - len(inner) not in leading_dims or tuple(t.shape[-len(inner):]) != inner:
             raise ValueError(f"{name}: last dimension must be {inner}, got shape {t.shape}")
@@ -113,13 +115,14 @@ def expert_id_error(host_ids, num_experts: int):
                       f"or -1 (no expert); token {i}, selection {k} is {int(host_ids[i, k])}")
 
 
-def check_fp8_partial(partial, tmax: int, combine_quant, want, geometry) -> None:
+def check_fp8_partial(partial, tmax: int, combine_quant, fp8_input) -> None:
     """An Fp8Partial is only ever this rank's own workspace views for this T^ (the kernel
-    reads the section in place; there is nothing to stage from elsewhere): `want` is that
-    rank's combine_input(T^, fp8=True) and `geometry` the (ptr, shape, dtype) its views had
+    reads the section in place; there is nothing to stage from elsewhere): fp8_input()
+    gives that rank's combine_input(T^, fp8=True) and the (ptr, shape, dtype) its views had
     when they were made (a caller may change a Tensor's fields)."""
     require(combine_quant == "fp8", "partial",
             f"an Fp8Partial needs combine_quant='fp8' (this all-to-all has {combine_quant!r})")
+    want, geometry = fp8_input()
     for got, geo, name in zip(partial[:2], geometry, ("values", "scales")):
         if type(got) is not Tensor or (got.ptr, got.shape, got.dtype.name) != geo:
             require(False, "partial", f"an Fp8Partial must be this rank's combine_input({tmax}, fp8=True); its "

@@ -131,7 +131,7 @@ EP_DEVICE void receive_landing(const A2AParams& p, const PayloadDesc& d, char* l
 // Lines 2-4 for token slot i < T^: push token i to L[t][s][i] for every t in D (none when
 // i >= T: no payload row exists to read), and I[r][s][i] <- its expert ids (-1 where r is
 // not in D), then our step tag, for every active r.
-EP_DEVICE void send_slot(const A2AParams& p, int i, unsigned f) {
+EP_DEVICE void send_slot(const A2AParams& p, int i, unsigned f, int* records) {
   __shared__ int s_target[EP_MAX_TOP_K];  // D
   __shared__ int s_n;
   __shared__ unsigned char s_is_target[EP_MAX_RANKS];
@@ -152,7 +152,7 @@ EP_DEVICE void send_slot(const A2AParams& p, int i, unsigned f) {
       s_target[__popc(firsts & ((1u << lane) - 1))] = t;
       s_is_target[t] = 1;
     }
-    if (i < p.local_num_tokens && lane < K) section<int>(p, s, p.off_records)[i * K + lane] = first ? pack_record(i, t) : -1;
+    if (i < p.local_num_tokens && lane < K) records[i * K + lane] = first ? pack_record(i, t) : -1;
     if (lane == 0) s_n = __popc(firsts);
   }
   __syncthreads();
@@ -209,9 +209,8 @@ EP_DEVICE void receive_slot(const A2AParams& p, int r, int i, unsigned f) {
 }
 
 // Line 13: M[r][i][s] <- Wc[s][r][i] for every slot (r, i) that held a token, at once.
-EP_DEVICE void push_partials(const A2AParams& p) {
+EP_DEVICE void push_partials(const A2AParams& p, const int* ids) {
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k;
-  const int* const ids = section<const int>(p, s, p.payloads[0].recv_offset);
   const unsigned groups = (p.combine_bytes + 15) / 16;
   for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) {
     const int r = w / tmax, i = w % tmax;
@@ -229,12 +228,11 @@ EP_DEVICE void push_partials(const A2AParams& p) {
 
 // Lines 15-19: for every t in D poll M[s][i][t], reduce (FENCE's order), reset it.
 template <typename T>
-EP_DEVICE void poll_and_reduce(const A2AParams& p, unsigned f) {
+EP_DEVICE void poll_and_reduce(const A2AParams& p, unsigned f, const int* records) {
   __shared__ const char* s_src[EP_MAX_TOP_K];
   __shared__ int s_tgt[EP_MAX_TOP_K];
   __shared__ int s_n;
   const int s = p.rank;
-  const int* const records = section<const int>(p, s, p.off_records);
   const unsigned groups = (p.combine_bytes + 15) / 16;
   const int splits = p.combine_splits;
   const unsigned nvec = p.combine_bytes / p.combine_vec;
@@ -266,6 +264,9 @@ EP_DEVICE void poll_and_reduce(const A2AParams& p, unsigned f) {
 // Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
 // host sizes grids by the occupancy of every protocol kernel); as in fence.cu.
 extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __grid_constant__ A2AParams p) {
+  // Addresses from the parameters are taken before griddep_wait: they overlap the tail of
+  // the previous kernel instead of following it (as in fence.cu).
+  int* const records = section<int>(p, p.rank, p.off_records);
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p) + 1;
@@ -273,7 +274,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __g
 
   // Lines 2-4: token i lands in slot i of our region on each target; every rank gets the
   // expert ids of every one of our T^ slots (-1 where nothing goes), plus our T^.
-  for (int i = blockIdx.x; i < tmax; i += gridDim.x) send_slot(p, i, f);
+  for (int i = blockIdx.x; i < tmax; i += gridDim.x) send_slot(p, i, f, records);
   // Lines 5-11: for every source r and slot i (of region r of Wd[s]).
   for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) receive_slot(p, w / tmax, w % tmax, f);
 
@@ -289,12 +290,14 @@ extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __g
 // Lines 12-19. T: element type of the partial results.
 template <typename T>
 __device__ void sentinel_combine(const A2AParams& p) {
+  const int* const records = section<const int>(p, p.rank, p.off_records);  // (before the wait, as in dispatch)
+  const int* const ids = section<const int>(p, p.rank, p.payloads[0].recv_offset);
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);
 
-  push_partials(p);           // line 13
-  poll_and_reduce<T>(p, f);   // lines 15-19
+  push_partials(p, ids);               // line 13
+  poll_and_reduce<T>(p, f, records);   // lines 15-19
   if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
   sentinel_step_done(p, f);   // protocol switch: tell a FENCE dispatch that may follow
 }

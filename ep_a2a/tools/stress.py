@@ -26,10 +26,12 @@ import time
 
 import numpy as np
 
+from ..config import PROTOCOLS, REDUCE_DTYPES
+
 FORMATS = ("bf16", "mxfp8", "nvfp4", "opaque")
-COMBINE_DTYPES = ("bfloat16", "float16", "float32")
+COMBINE_DTYPES = tuple(REDUCE_DTYPES)
 ROUTES = ("uniform", "zipf", "perfect")
-MODES = ("fence", "sentinel", "auto")
+MODES = PROTOCOLS
 HIDDEN = (7, 96, 200, 512, 1024)   # 7 and 200: byte counts that are not multiples of 16
 TOP_K = (1, 2, 4, 6, 8)
 PROGRESS_S = 30.0

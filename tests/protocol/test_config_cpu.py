@@ -1,5 +1,7 @@
 """Construction options: the tuple the ranks of a process group must agree on tells apart
 every argument, also formats of the same width and payloads of the same byte count."""
+import re
+
 import pytest
 
 from ep_a2a.config import Options, PayloadSpec
@@ -36,3 +38,24 @@ def test_fp8_payload_formats_of_one_width_differ():
     e4m3 = _agreement(payloads=(PayloadSpec("hidden", (256,), "float8_e4m3fn"),))
     e5m2 = _agreement(payloads=(PayloadSpec("hidden", (256,), "float8_e5m2"),))
     assert e4m3 != e5m2
+
+
+@pytest.mark.parametrize("built,allowed", [("auto", ("fence", "sentinel", "auto")), ("fence", ("fence",)),
+                                           ("sentinel", ("sentinel",))])
+def test_use_protocol_switches_only_among_the_kernels_it_has(built, allowed):
+    """An all-to-all built with protocol="auto" loads both protocols' kernels; one built with a
+    single protocol has only that one's (a switch would fail at the next dispatch)."""
+    import types
+    from ep_a2a.alltoall import MoeAlltoAll
+    from ep_a2a.errors import StateError
+    a = types.SimpleNamespace(built_protocol=built, protocol=built, ranks=[types.SimpleNamespace(mid_step=False, rank=0)])
+    for p in ("fence", "sentinel", "auto"):
+        if p in allowed:
+            MoeAlltoAll.use_protocol(a, p)
+            assert a.protocol == p
+        else:
+            with pytest.raises(ValueError, match=re.escape(f"protocol: must be one of {allowed!r}")):
+                MoeAlltoAll.use_protocol(a, p)
+    a.ranks[0].mid_step = True
+    with pytest.raises(StateError, match="between dispatch and combine"):
+        MoeAlltoAll.use_protocol(a, allowed[0])

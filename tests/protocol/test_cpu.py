@@ -123,7 +123,7 @@ def test_sentinel_escape_rule():
     assert (ref.sentinel_escape(f, KIND_F32).view(np.uint32) == 0x7FFFFFFF).all()
 
 
-def test_bench_crossover_and_tuning_override(monkeypatch):
+def test_bench_crossover_and_crossover_override(monkeypatch):
     from ep_a2a.tools.bench_report import crossover
     from ep_a2a import schedule
     rows = [dict(protocol=p, tokens_per_rank=t, round_trip_us=v) for p, t, v in

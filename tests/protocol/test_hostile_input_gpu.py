@@ -1,6 +1,6 @@
 """Hostile input to the public API (property-based, hypothesis) on in-process ranks of one GPU.
 
-Every rejected call must raise the exception alltoall.py documents for its rule (TypeError for
+Every rejected call must raise the exception validate.py documents for its rule (TypeError for
 a wrong dtype or a non-tensor, ValueError for shape, strides, device, range and count rules,
 StateError for calls out of order or on a closed all-to-all), naming the argument, before
 anything is launched: every rank's workspace bytes, error record and step counter are
@@ -491,7 +491,7 @@ def test_combine_runtime_max_must_be_an_int(env):
 
 
 def test_numpy_integer_runtime_max_is_accepted():
-    """_check_tmax accepts NumPy integers: they must work like ints, end to end (own all-to-all:
+    """check_runtime_max accepts NumPy integers: they must work like ints, end to end (own all-to-all:
     a failure here must not leave the module's ranks mid-step)."""
     import ep_a2a
     from ep_a2a.testing.formats import payload_formats

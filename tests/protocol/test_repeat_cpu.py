@@ -220,15 +220,15 @@ def test_fp8_input_made_once_per_t_hat_and_checked_by_geometry(recorder):
     q = r.combine_input(16, fp8=True)
     assert r.combine_input(16, fp8=True) is q and r.combine_input(8, fp8=True) is not q
     assert (q.values.shape, q.scales.shape, q.dtype) == ((EP, 16, H), (EP, 16, H // 128), "bfloat16")
-    validate.check_fp8_partial(q, 16, 'fp8', *r._fp8_input(16))
+    validate.check_fp8_partial(q, 16, 'fp8', lambda: r._fp8_input(16))
     for bad, why in ((r.combine_input(8, fp8=True), "its values is not that view"),
                      (A.Fp8Partial(q.values, q.scales, "float16"), "dtype must be 'bfloat16'"),
                      (A.Fp8Partial(q.values, None, "bfloat16"), "its scales is not that view")):
         with pytest.raises(ValueError, match=why):
-            validate.check_fp8_partial(bad, 16, 'fp8', *r._fp8_input(16))
+            validate.check_fp8_partial(bad, 16, 'fp8', lambda: r._fp8_input(16))
     q.values.ptr += 128  # a caller moved the cached view: no longer the workspace's
     with pytest.raises(ValueError, match="its values is not that view"):
-        validate.check_fp8_partial(q, 16, 'fp8', *r._fp8_input(16))
+        validate.check_fp8_partial(q, 16, 'fp8', lambda: r._fp8_input(16))
 
 
 @pytest.mark.parametrize("change", ["dtype", "strides", "device"])
