@@ -141,6 +141,18 @@ def socket_dir(base_dir=None) -> str:
                          "base_dir= (e.g. $XDG_RUNTIME_DIR or a directory of your own)")
 
 
+def _dup_all(fds) -> list:
+    """dup() of every fd, or none: a ValueError naming the first that is not open."""
+    out = []
+    for i, fd in enumerate(fds):
+        try:
+            out.append(os.dup(fd))
+        except OSError as e:
+            wire.close_fds(out)
+            raise ValueError(f"fds[{i}]: {fd} is not an open file descriptor ({e.strerror})") from None
+    return out
+
+
 def _peer_cred(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
 
@@ -337,9 +349,9 @@ class UnixSocketBootstrap(Bootstrap):
         """Star through rank 0: everyone sends its part to rank 0, which sends everyone the others' parts."""
         if self._closed:
             raise BootstrapError(f"bootstrap {self.name!r} is closed" + (f": {self._why_closed}" if self._why_closed else ""))
+        own = (payload, _dup_all(fds))  # (before the collective begins: a bad fd changes nothing)
         self._seq += 1
         deadline = time.monotonic() + self.timeout
-        own = (payload, [os.dup(fd) for fd in fds])
         if self.world_size == 1:
             return [own]
         try:

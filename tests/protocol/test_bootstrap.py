@@ -272,6 +272,19 @@ def test_a_rank_without_the_token_is_refused(tmp_path, monkeypatch):
         UnixSocketBootstrap(0, 1, name=name, base_dir=tmp_path, job_token="")
 
 
+def test_a_bad_fd_is_refused_before_the_collective_and_leaks_nothing(tmp_path):
+    with UnixSocketBootstrap(0, 1, name=_name(), base_dir=tmp_path) as b:
+        good = [os.memfd_create("a"), os.memfd_create("b")]
+        bad = max(int(f) for f in os.listdir("/proc/self/fd")) + 100
+        before = _open_fds()
+        with pytest.raises(ValueError, match=rf"fds\[2\]: {bad} is not an open file descriptor"):
+            b.allgather_fds(good + [bad])
+        assert _open_fds() == before, "the dups made before the bad fd leaked"
+        (mine,) = b.allgather_fds(good)  # the bootstrap is still usable
+        assert len(mine) == 2
+        wire.close_fds(mine + good)
+
+
 def _meet(base_dir):
     """A group of two forms under base_dir: (the socket directory rank 0 used, both ranks' barrier done)."""
     name = _name()
