@@ -12,9 +12,7 @@ raw bytes, every message is size-bounded and every wait is bounded by the timeou
 from __future__ import annotations
 
 import abc
-import errno
 import hashlib
-import hmac
 import os
 import re
 import secrets
@@ -25,6 +23,7 @@ import struct
 import time
 
 from . import bootstrap_wire as wire
+from .bootstrap_admission import RootAdmission, peer_cred
 from .bootstrap_wire import MAX_FDS, MAX_PAYLOAD
 from .driver.lifetime import Owned
 from .errors import BootstrapError, BootstrapTimeout
@@ -33,7 +32,6 @@ __all__ = ["Bootstrap", "BootstrapError", "BootstrapTimeout", "UnixSocketBootstr
            "TorchDistributedBootstrap", "MpiBootstrap"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_HELLO_TIMEOUT = 5.0  # a genuine peer sends its hello right after connect; a silent one must not stall setup
 _PEER_GRACE = 1.0     # peers wait a little longer than rank 0 so that rank 0's diagnosis reaches them
 _SUN_PATH_MAX = 107   # sockaddr_un.sun_path is 108 bytes including the NUL
 
@@ -52,10 +50,6 @@ def _job_digest(job_token) -> bytes:
     if not raw:
         raise ValueError("job_token: must not be empty (omit it, or use new_job_token())")
     return hashlib.sha256(b"ep_a2a job " + raw).digest()
-
-
-class _Rejected(BootstrapError):
-    """A connection that is not a member of this group (rank 0 drops it and keeps waiting)."""
 
 
 class Bootstrap(Owned, abc.ABC):
@@ -153,12 +147,7 @@ def _dup_all(fds) -> list:
     return out
 
 
-def _peer_cred(sock: socket.socket) -> tuple[int, int, int]:
-    return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-
-
-
-class UnixSocketBootstrap(Bootstrap):
+class UnixSocketBootstrap(RootAdmission, Bootstrap):
     """Processes on one node meet at an AF_UNIX socket of rank 0 (star topology through rank 0).
 
     Rank 0 listens on `socket_dir(base_dir)/<name>.sock` and the other ranks connect,
@@ -201,107 +190,6 @@ class UnixSocketBootstrap(Bootstrap):
 
     # -- setup ---------------------------------------------------------------------------------
 
-    def _setup_root(self) -> None:
-        deadline = time.monotonic() + self.timeout
-        self._listener = self._listen()
-        rejected: list[str] = []
-        try:
-            while len(self._peers) < self.world_size - 1:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    missing = sorted(set(range(1, self.world_size)) - set(self._peers))
-                    why = f"; rejected connections: {'; '.join(rejected)}" if rejected else ""
-                    raise BootstrapTimeout(f"bootstrap {self.name!r}: rank(s) {missing} did not connect within "
-                                           f"{self.timeout:g} s{why}", missing)
-                self._listener.settimeout(left)
-                try:
-                    conn, _ = self._listener.accept()
-                except TimeoutError:
-                    continue
-                try:
-                    self._admit(conn, min(deadline, time.monotonic() + _HELLO_TIMEOUT))
-                except _Rejected as e:
-                    rejected.append(str(e))
-                    self._notify([conn], BootstrapError(f"rejected by rank 0 of {self.name!r}: {e}"))
-                    conn.close()
-            self._unlink()
-            for conn in self._peers.values():
-                wire.send(conn, deadline, wire.WELCOME, 0, self.world_size)
-        except BootstrapError as e:
-            self._abort(e)
-            raise
-        except OSError as e:  # TimeoutError included: a peer that stopped reading, or died, before its welcome
-            err = (BootstrapTimeout if isinstance(e, TimeoutError) else BootstrapError)(
-                f"bootstrap {self.name!r}: sending the welcome failed: {e or 'timed out'}")
-            self._abort(err)
-            raise err from None
-
-    def _listen(self) -> socket.socket:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            try:
-                s.bind(self.path)
-            except OSError as e:
-                if e.errno != errno.EADDRINUSE:  # anything but "a socket file is there already"
-                    raise
-                self._remove_stale()
-                s.bind(self.path)
-            s.listen(self.world_size)
-            return s
-        except BaseException:
-            s.close()
-            raise
-
-    def _remove_stale(self) -> None:
-        """A socket file nobody listens on is left over from a dead process: remove it."""
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(self.path)
-        except ConnectionRefusedError:
-            os.unlink(self.path)
-            return
-        except FileNotFoundError:  # its owner removed it meanwhile
-            return
-        except OSError:
-            pass
-        finally:
-            probe.close()
-        raise BootstrapError(f"bootstrap name {self.name!r} is in use: another process listens on {self.path}")
-
-    def _admit(self, conn: socket.socket, deadline: float) -> None:
-        pid, uid, _ = _peer_cred(conn)
-        if uid != os.getuid():
-            raise _Rejected(f"pid {pid} runs as uid {uid}, not {os.getuid()}")
-        try:
-            kind, rank, world_size, _, payload, _ = wire.recv(conn, deadline, f"pid {pid}")
-        except TimeoutError:
-            raise _Rejected(f"pid {pid} sent no hello within {_HELLO_TIMEOUT:g} s") from None
-        except BootstrapError as e:
-            raise _Rejected(str(e)) from None
-        if kind != wire.HELLO or len(payload) != 4 + len(self._job):
-            raise _Rejected(f"pid {pid} sent a {wire.KIND_NAMES.get(kind, kind)} message instead of a hello")
-        (hello_pid,) = struct.unpack_from("<I", payload)
-        if hello_pid != pid:
-            raise _Rejected(f"hello claims pid {hello_pid} but the connection belongs to pid {pid}")
-        if not hmac.compare_digest(payload[4:], self._job):
-            raise _Rejected(f"pid {pid} (rank {rank}) belongs to another job: its job token differs from rank 0's "
-                            f"(two jobs chose the name {self.name!r}, or a rank of an earlier job is still running)")
-        # From here the peer is a process of ours: a disagreement is a misconfigured group, not an intruder.
-        err = None
-        if world_size != self.world_size:
-            err = f"rank {rank} (pid {pid}) has world_size {world_size}, rank 0 has {self.world_size}"
-        elif not 1 <= rank < self.world_size:
-            err = f"rank {rank} (pid {pid}) is out of range for world_size {self.world_size}"
-        elif rank in self._peers:
-            err = f"rank {rank} connected twice (the second time from pid {pid})"
-        if err:
-            e = BootstrapError(f"bootstrap {self.name!r}: {err}")
-            self._notify([conn], e)
-            conn.close()
-            raise e
-        self._peers[rank] = conn
-
     def _setup_peer(self) -> None:
         deadline = time.monotonic() + self.timeout
         while True:
@@ -310,7 +198,7 @@ class UnixSocketBootstrap(Bootstrap):
                 s.settimeout(wire.remaining(deadline))
                 s.connect(self.path)
                 break
-            except (FileNotFoundError, ConnectionRefusedError):  # rank 0 not up yet, or a stale file
+            except (FileNotFoundError, ConnectionRefusedError, BlockingIOError):  # rank 0 not up yet, a stale file, a full backlog
                 s.close()
                 time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
             except TimeoutError:
@@ -321,7 +209,7 @@ class UnixSocketBootstrap(Bootstrap):
                 s.close()
                 raise
         self._sock = s
-        pid, uid, _ = _peer_cred(s)
+        pid, uid, _ = peer_cred(s)
         if uid != os.getuid():
             raise BootstrapError(f"{self.path} is served by pid {pid} of uid {uid}, not by us (uid {os.getuid()})")
         self._from_root(wire.WELCOME, deadline + _PEER_GRACE, send=(wire.HELLO, struct.pack("<I", os.getpid()) + self._job))

@@ -285,6 +285,61 @@ def test_a_bad_fd_is_refused_before_the_collective_and_leaks_nothing(tmp_path):
         wire.close_fds(mine + good)
 
 
+def test_fds_are_bounded_per_message_not_per_receive(tmp_path):
+    """A header sent in two parts, each carrying 40 fds: 80 fds for one message are refused as
+    over the 64-fd bound (they used to be installed, and only the count check refused them)."""
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
+    raw = _raw_connect(_path(tmp_path, name))
+    raw.sendall(_header(wire.HELLO, 1, 2, 36) + struct.pack("<I", os.getpid()) + bytes(32))
+    assert _raw_recv(raw)[0] == wire.WELCOME
+    b0 = root.get()
+    g = _Thread(lambda: b0.allgather_fds([]))
+    msg = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.ALLGATHER_FDS, 1, 2, 1, 4) + struct.pack("<I", 80)
+    fds = [os.memfd_create(f"f{i}") for i in range(80)]
+    socket.send_fds(raw, [msg[:10]], fds[:40])
+    socket.send_fds(raw, [msg[10:]], fds[40:])
+    wire.close_fds(fds)
+    with pytest.raises(BootstrapError, match="more than 64 fds"):
+        g.get()
+    raw.close()
+    b0.close()
+
+
+def test_silent_connections_do_not_stall_the_group(tmp_path):
+    """Three connections that never send a hello (each may wait 5 s) and a real rank behind
+    them: the group forms in well under the 6 s timeout."""
+    name = _name()
+    t0 = time.monotonic()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=6))
+    silent = [_raw_connect(_path(tmp_path, name)) for _ in range(3)]
+    with UnixSocketBootstrap(1, 2, name=name, base_dir=tmp_path, timeout=6) as peer, root.get() as b0:
+        assert time.monotonic() - t0 < 3.0
+        t = _Thread(lambda: b0.barrier())
+        peer.barrier()
+        t.get()
+    for s in silent:
+        s.close()
+
+
+def test_a_connect_close_loop_cannot_grow_the_error_without_bound(tmp_path):
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=2))
+    _raw_connect(_path(tmp_path, name)).close()
+    deadline = time.monotonic() + 1.5
+    n = 0
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            try:
+                s.connect(_path(tmp_path, name))
+            except OSError:
+                break
+        n += 1
+    with pytest.raises(BootstrapTimeout) as e:
+        root.get()
+    assert n > 50 and len(str(e.value)) < 4000 and "more)" in str(e.value), (n, len(str(e.value)))
+
+
 def _meet(base_dir):
     """A group of two forms under base_dir: (the socket directory rank 0 used, both ranks' barrier done)."""
     name = _name()
