@@ -49,8 +49,9 @@ def recv(sock: socket.socket, deadline: float, who: str, max_fds: int = 0):
             if max_fds:
                 # SCM_RIGHTS fds ride on the first byte of the sender's sendmsg, i.e. the header.
                 # recvmsg directly, not socket.recv_fds: that one drops `flags`, and received
-                # fds must be close-on-exec like every fd Python creates.
-                data, anc, flags, _ = sock.recvmsg(HEADER.size - len(buf), socket.CMSG_SPACE(max_fds * 4),
+                # fds must be close-on-exec like every fd Python creates. The bound is per
+                # message: a header split over several sends gets what is left of it.
+                data, anc, flags, _ = sock.recvmsg(HEADER.size - len(buf), socket.CMSG_SPACE((max_fds - len(fds)) * 4),
                                                    socket.MSG_CMSG_CLOEXEC)
                 for level, typ, cdata in anc:
                     if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
