@@ -577,6 +577,11 @@ class RankAlltoAll:
             if not self.record.kind:
                 raise
         finally:
-            self._out.close()
-            self.error.close()
+            # the record outlives the host-mapped page it lives in: raise_recorded and
+            # check_errors after close read this copy, never freed memory
+            self.record = ErrorRecord.from_buffer_copy(self.record)
             self.params = None
+            try:
+                self._out.close()
+            finally:
+                self.error.close()  # (also when freeing the output fails: a lost context)

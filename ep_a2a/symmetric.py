@@ -9,6 +9,14 @@ from .driver.memory import DeviceAllocation, copy_htod
 from .driver.vmm import Allocation, DeviceBuffer, Mapping, VmmOptions
 
 
+def _close_all(fds: list) -> None:
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
+
+
 class SymmetricWorkspace(Owned):
     """`nbytes` of device memory per rank of `group`, mapped into every rank.
 
@@ -55,19 +63,25 @@ class SymmetricWorkspace(Owned):
             os.close(fd)
         bases = []
         for q, fds in enumerate(received):
-            if q == rank.rank:
-                for f in fds:
-                    os.close(f)
-                bases.append(buf.ptr)
-                continue
-            alloc = Allocation.import_fd_and_close(fds[0], buf.size, rank.device)
             try:
-                m = Mapping(alloc, access_devices=(rank.device,))
+                if q == rank.rank:
+                    bases.append(buf.ptr)
+                    continue
+                alloc = Allocation.import_fd_and_close(fds.pop(0), buf.size, rank.device)
+                try:
+                    m = Mapping(alloc, access_devices=(rank.device,))
+                except BaseException:
+                    alloc.close()
+                    raise
+                self._imported.append((m, alloc))
+                bases.append(m.ptr)
             except BaseException:
-                alloc.close()
+                # every fd not imported yet pins a whole peer workspace: close them all
+                for rest in received[q:]:
+                    _close_all(rest)
                 raise
-            self._imported.append((m, alloc))
-            bases.append(m.ptr)
+            finally:
+                _close_all(fds)  # what is left of this rank's entry (our own dup, extras)
         self._peers = [bases]
 
     @staticmethod

@@ -252,3 +252,31 @@ def test_a_tensor_changed_in_place_gets_the_full_paths_refusal(recorder, change)
         ids.device, want = (2, 1), (ValueError, "token_selected_experts: must be on cuda:0")
     with pytest.raises(want[0], match=want[1]):
         r.dispatch(ids, pays, T)
+
+
+def test_close_keeps_the_error_record_and_frees_the_record_page_even_if_a_free_fails(recorder, monkeypatch):
+    """After close, raise_recorded reads a copy of the record (its host-mapped page is freed),
+    and the page is freed even when freeing the output buffer raises (a lost context)."""
+    from ep_a2a.errors import PeerTimeoutError
+    from ep_a2a.layout import ERR_TIMEOUT
+    freed = []
+
+    class Out:
+        ptr = 1 << 32
+
+        def close(self):
+            raise RuntimeError("cuMemFree failed: CUDA_ERROR_LAUNCH_FAILED")
+    monkeypatch.setattr(A, "DeviceAllocation", lambda dev, n: Out())
+    monkeypatch.setattr(_HostMapped, "close", lambda self: freed.append(self.host_ptr), raising=False)
+    _, r, _ = _rank()
+    r.device.synchronize = lambda: None
+    r.record.kind, r.record.rank, r.record.peer, r.record.epoch = ERR_TIMEOUT, 0, 3, 7
+    page = r.error.host_ptr
+    with pytest.raises(RuntimeError, match="cuMemFree failed"):
+        r.close()
+    assert freed == [page], "the record page must be freed too"
+    assert ctypes.addressof(r.record) != page
+    ctypes.memset(page, 0, ctypes.sizeof(r.record))  # the old page is gone: nothing may read it
+    with pytest.raises(PeerTimeoutError, match="waiting for rank 3 at step 7"):
+        r.raise_recorded()
+    r.close()  # closed: a second close does nothing
