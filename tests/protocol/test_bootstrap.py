@@ -167,12 +167,7 @@ def test_interrupted_collective_closes_the_group_and_tells_the_peers(tmp_path):
 def test_every_message_carries_its_collective_number(tmp_path):
     """A part of another collective (here: a peer one collective ahead) is refused by number,
     even where kind and rank match."""
-    name = _name()
-    t = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, timeout=5, base_dir=tmp_path))
-    raw = _raw_connect(_path(tmp_path, name))
-    raw.sendall(_header(wire.HELLO, 1, 2, 36) + struct.pack("<I", os.getpid()) + bytes(32))
-    assert _raw_recv(raw)[0] == wire.WELCOME
-    root = t.get()
+    root, raw = _root_with_raw_rank1(tmp_path)
     g = _Thread(lambda: root.allgather(b"x"))
     raw.sendall(wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.ALLGATHER, 1, 2, 2, 1) + b"y")  # collective #2
     with pytest.raises(BootstrapError, match=r"collective #2 while rank 0 is at #1"):
@@ -201,6 +196,16 @@ class _Thread(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def _root_with_raw_rank1(base_dir):
+    """Rank 0 of a group of two, and a raw socket that joined it as rank 1 (hello, welcome)."""
+    name = _name()
+    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=base_dir, timeout=5))
+    raw = _raw_connect(_path(base_dir, name))
+    raw.sendall(_header(wire.HELLO, 1, 2, 36) + struct.pack("<I", os.getpid()) + bytes(32))
+    assert _raw_recv(raw)[0] == wire.WELCOME
+    return root.get(), raw
 
 
 def _raw_connect(path, timeout=5.0):
@@ -288,12 +293,7 @@ def test_a_bad_fd_is_refused_before_the_collective_and_leaks_nothing(tmp_path):
 def test_fds_are_bounded_per_message_not_per_receive(tmp_path):
     """A header sent in two parts, each carrying 40 fds: 80 fds for one message are refused as
     over the 64-fd bound (they used to be installed, and only the count check refused them)."""
-    name = _name()
-    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
-    raw = _raw_connect(_path(tmp_path, name))
-    raw.sendall(_header(wire.HELLO, 1, 2, 36) + struct.pack("<I", os.getpid()) + bytes(32))
-    assert _raw_recv(raw)[0] == wire.WELCOME
-    b0 = root.get()
+    b0, raw = _root_with_raw_rank1(tmp_path)
     g = _Thread(lambda: b0.allgather_fds([]))
     msg = wire.HEADER.pack(wire.MAGIC, wire.VERSION, wire.ALLGATHER_FDS, 1, 2, 1, 4) + struct.pack("<I", 80)
     fds = [os.memfd_create(f"f{i}") for i in range(80)]
@@ -437,12 +437,7 @@ def test_forged_pid_rejected(tmp_path):
 
 
 def test_oversized_collective_message_rejected(tmp_path):
-    name = _name()
-    root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=tmp_path, timeout=5))
-    raw = _raw_connect(_path(tmp_path, name))
-    raw.sendall(_header(wire.HELLO, 1, 2, 36) + struct.pack("<I", os.getpid()) + bytes(32))
-    assert _raw_recv(raw)[0] == wire.WELCOME
-    b0 = root.get()
+    b0, raw = _root_with_raw_rank1(tmp_path)
     t = _Thread(lambda: b0.allgather(b"x"))
     raw.sendall(_header(wire.ALLGATHER, 1, 2, 64 << 20))
     with pytest.raises(BootstrapError, match="rank 1 in allgather sent a 67108864-byte allgather message, over"):
