@@ -50,6 +50,8 @@ class MoeAlltoAll(Owned):
         protocols share the step counter, so consecutive steps may use either.
       timeout_s / first_timeout_s: how long a kernel waits for a peer before it records who
         was missing; the first steps get the longer one (peers may still be loading).
+        Defaults for engines, 300 s and 1800 s (config.py says why), or $EP_A2A_TIMEOUT_S and
+        $EP_A2A_FIRST_TIMEOUT_S.
       combine_quant: None, or "fp8": combine quantizes the partial results to float8 e4m3
         with one fp32 scale per 128 values (hidden must be a multiple of 128) and the
         sources pull those, dequantize and reduce in fp32: about half the combine bytes.
@@ -69,7 +71,7 @@ class MoeAlltoAll(Owned):
 
     def __init__(self, group, *, max_tokens_per_rank: int, top_k: int, num_experts: int, payloads=(),
                  combine_hidden_size: int, combine_dtype: str = "bfloat16", protocol: str = "fence",
-                 timeout_s: float = 10.0, first_timeout_s: float = 60.0, validate_expert_ids: bool = True,
+                 timeout_s: float = None, first_timeout_s: float = None, validate_expert_ids: bool = True,
                  pdl: bool = True, threads_per_block: int = 256, crossover_tokens: int = None,
                  on_timeout: str = "trap", combine_quant: str = None):
         o = self.options = Options.check(

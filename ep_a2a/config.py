@@ -3,6 +3,7 @@ frozen, and the tuple every rank must agree on), and the dtype tables shared wit
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -15,6 +16,26 @@ PROTOCOLS = ("fence", "sentinel", "auto")
 ON_TIMEOUT = ("trap", "abort")
 # dtypes combine reduces and finalize reads or writes, and the suffix of their kernels
 REDUCE_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+# How long a kernel waits for a peer. An engine's host can stall for seconds (a late JIT,
+# autotuning, a garbage collection) and, with on_timeout="trap", a timeout costs every
+# rank's CUDA context: so minutes in steady state and far longer for the first steps, while
+# peers load weights and compile. Overridden per all-to-all by argument, or for the process
+# by the environment variables below.
+TIMEOUT_S, FIRST_TIMEOUT_S = 300.0, 1800.0
+TIMEOUT_ENV, FIRST_TIMEOUT_ENV = "EP_A2A_TIMEOUT_S", "EP_A2A_FIRST_TIMEOUT_S"
+
+
+def default_timeout(value, env: str, default: float) -> float:
+    """`value`, else the float in $env, else `default` (a bad variable is a ValueError naming it)."""
+    if value is not None:
+        return value
+    raw = os.environ.get(env)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{env}: must be a number of seconds, got {raw!r}") from None
 
 
 @dataclass(frozen=True)
@@ -72,7 +93,10 @@ class Options:
         require(combine_hidden_size >= 1, "combine_hidden_size", f"must be >= 1, got {combine_hidden_size}")
         require(protocol in PROTOCOLS, "protocol", f"must be one of {PROTOCOLS}, got {protocol!r}")
         require(on_timeout in ON_TIMEOUT, "on_timeout", f"must be one of {ON_TIMEOUT}, got {on_timeout!r}")
+        timeout_s = default_timeout(timeout_s, TIMEOUT_ENV, TIMEOUT_S)
+        first_timeout_s = default_timeout(first_timeout_s, FIRST_TIMEOUT_ENV, FIRST_TIMEOUT_S)
         require(timeout_s > 0 and first_timeout_s > 0, "timeout_s", "timeouts must be > 0 seconds")
+        require(max(timeout_s, first_timeout_s) < 2 ** 63 / 1e9, "timeout_s", "timeouts must fit the kernels' u64 nanoseconds")
         require(combine_quant in (None, "fp8"), "combine_quant", f"must be None or 'fp8', got {combine_quant!r}")
         if combine_quant:
             require(protocol == "fence", "combine_quant", f"'fp8' needs protocol='fence', got {protocol!r}")

@@ -59,3 +59,32 @@ def test_use_protocol_switches_only_among_the_kernels_it_has(built, allowed):
     a.ranks[0].mid_step = True
     with pytest.raises(StateError, match="between dispatch and combine"):
         MoeAlltoAll.use_protocol(a, allowed[0])
+
+
+def test_timeouts_default_to_minutes_for_engines_and_follow_the_environment(monkeypatch):
+    """One host stall of seconds (a late JIT, autotuning, a GC pause) must not trap every
+    rank: the defaults are minutes, overridable per process and per all-to-all."""
+    from ep_a2a import config
+    monkeypatch.delenv(config.TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv(config.FIRST_TIMEOUT_ENV, raising=False)
+    kw = {**BASE, "timeout_s": None, "first_timeout_s": None}
+    o = Options.check(4, **kw)
+    assert (o.timeout_s, o.first_timeout_s) == (300.0, 1800.0)
+    monkeypatch.setenv(config.TIMEOUT_ENV, "42.5")
+    monkeypatch.setenv(config.FIRST_TIMEOUT_ENV, "600")
+    o = Options.check(4, **kw)
+    assert (o.timeout_s, o.first_timeout_s) == (42.5, 600.0)
+    assert Options.check(4, **{**kw, "timeout_s": 7.0}).timeout_s == 7.0  # the argument wins
+    monkeypatch.setenv(config.TIMEOUT_ENV, "ten")
+    with pytest.raises(ValueError, match="EP_A2A_TIMEOUT_S: must be a number of seconds, got 'ten'"):
+        Options.check(4, **kw)
+    monkeypatch.delenv(config.TIMEOUT_ENV)
+    with pytest.raises(ValueError, match="timeout_s: timeouts must be > 0"):
+        Options.check(4, **{**kw, "timeout_s": 0.0})
+
+
+def test_the_alltoall_signature_leaves_the_timeouts_to_the_engine_defaults():
+    import inspect
+    from ep_a2a.alltoall import MoeAlltoAll
+    sig = inspect.signature(MoeAlltoAll.__init__).parameters
+    assert sig["timeout_s"].default is None and sig["first_timeout_s"].default is None
