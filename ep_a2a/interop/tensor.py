@@ -115,7 +115,7 @@ def _device_str(device) -> str:
     return f"{_DEVICE_NAMES[device[0]]}:{device[1]}"
 
 
-def _contiguous_strides(shape) -> tuple:
+def contiguous_strides(shape) -> tuple:
     strides, step = [], 1
     for n in reversed(shape):
         strides.append(step)
@@ -155,7 +155,7 @@ class Tensor:
         self.ptr = operator.index(ptr)
         self.shape = tuple(operator.index(n) for n in shape)
         self.dtype = as_dtype(dtype)
-        self.strides = _contiguous_strides(self.shape) if strides is None else tuple(operator.index(s) for s in strides)
+        self.strides = contiguous_strides(self.shape) if strides is None else tuple(operator.index(s) for s in strides)
         if len(self.strides) != len(self.shape):
             raise ValueError(f"Tensor: {len(self.strides)} strides for {len(self.shape)} dimensions")
         if any(n < 0 for n in self.shape):
