@@ -12,7 +12,7 @@ import importlib.util
 __version__ = "0.1.0"   # the one version number: pyproject.toml reads it from here
 
 _EXPORTS = {
-    ".errors": ["CudaError", "EpA2AError", "NoDriverError", "DriverTooOldError", "UnsupportedDeviceError",
+    ".errors": ["CudaError", "EpA2AError", "NoDriverError", "DriverTooOldError", "UnsupportedDeviceError", "ForkedProcessError",
                 "StateError", "PeerError", "PeerTimeoutError", "PeerAbortedError", "RuntimeMaxMismatchError",
                 "ActiveRanksMismatchError", "BootstrapError", "BootstrapTimeout", "TopologyError"],
     ".group": ["LocalGroup", "ProcessGroup", "Rank"],

@@ -3,8 +3,8 @@ and those of the all-to-all, its peers, the bootstrap and the topology check. Ba
 raise the built-in TypeError / ValueError (validate.py)."""
 from __future__ import annotations
 
-from .driver.errors import (CudaError, DriverTooOldError, EpA2AError, NoDriverError,  # noqa: F401 (re-exported)
-                            UnsupportedDeviceError)
+from .driver.errors import (CudaError, DriverTooOldError, EpA2AError, ForkedProcessError,  # noqa: F401 (re-exported)
+                            NoDriverError, UnsupportedDeviceError)
 from .layout import ERR_PEER_ABORTED, ERR_TIMEOUT, ERR_TMAX_MISMATCH, PHASE_NAMES, TAG_TMAX_BITS
 
 

@@ -2,16 +2,33 @@
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 from cuda.bindings import driver as _drv
 
-from .errors import CudaError, NoDriverError, call
+from .errors import CudaError, ForkedProcessError, NoDriverError, call
 
 _A = _drv.CUdevice_attribute
 _init_lock = threading.Lock()
 _initialized = False
 _bound = threading.local()  # the context this thread last bound through make_current
+_forked_after_init = False  # this process is a fork of one that had initialised CUDA
+_FORKED = ("this process was forked from one that had initialised CUDA (through ep_a2a or a framework); "
+           "the CUDA driver cannot be used in such a child: start worker processes with the 'spawn' or "
+           "'forkserver' multiprocessing context, or fork before the first CUDA call")
+
+
+def _after_fork_in_child() -> None:
+    """A forked child inherits our state but not a usable driver: every later call must say
+    so instead of reaching into the parent's contexts."""
+    global _initialized, _forked_after_init
+    if _initialized:
+        _initialized, _forked_after_init = False, True
+        _bound.ctx = None  # the next make_current takes the checked path
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def init() -> None:
@@ -19,6 +36,8 @@ def init() -> None:
     global _initialized
     if _initialized:
         return
+    if _forked_after_init:
+        raise ForkedProcessError(_FORKED)
     with _init_lock:
         if _initialized:
             return
@@ -83,6 +102,8 @@ class Device:
         ours. Frameworks bind the same primary context, so their binds do not invalidate it."""
         if getattr(_bound, "ctx", None) is self.context:
             return
+        if _forked_after_init:
+            raise ForkedProcessError(_FORKED)
         call(_drv.cuCtxSetCurrent, self.context)
         _bound.ctx = self.context
 

@@ -21,6 +21,10 @@ class NoDriverError(EpA2AError):
     """No usable CUDA driver (libcuda.so.1 missing) or no GPU on this machine."""
 
 
+class ForkedProcessError(EpA2AError):
+    """This process was forked from one that had initialised CUDA; CUDA cannot be used here."""
+
+
 class UnsupportedDeviceError(EpA2AError):
     """No cubin was built for this GPU's architecture."""
 
