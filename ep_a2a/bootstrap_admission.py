@@ -144,8 +144,10 @@ class RootAdmission:
         if n > MAX_PAYLOAD:
             return reject(conn, f"pid {pid} sent a {n}-byte {wire.KIND_NAMES.get(kind, kind)} message, over the "
                                 f"{MAX_PAYLOAD}-byte bound")
-        if kind != wire.HELLO or wire.HEADER.size + n != want:
+        if kind != wire.HELLO:
             return reject(conn, f"pid {pid} sent a {wire.KIND_NAMES.get(kind, kind)} message instead of a hello")
+        if wire.HEADER.size + n != want:
+            return reject(conn, f"pid {pid} sent a {n}-byte hello; a hello has {want - wire.HEADER.size} bytes")
         if len(buf) < want:
             return
         del pending[conn]
