@@ -97,3 +97,24 @@ def test_inline_ptx_and_volatile_access_live_in_ptx_cuh():
             if re.search(r"\basm\b|\bvolatile\b", code):
                 bad.append(f"{f.name}:{i}: {line.strip()}")
     assert not bad, bad
+
+
+def test_readme_tree_names_only_files_that_exist():
+    """README's 'Where things are' block: every file or folder it names is in the tree, and
+    every module of the package is named there (directly or through its folder)."""
+    readme = (PKG.parent / "README.md").read_text()
+    block = readme.split("## Where things are", 1)[1].split("```", 2)[1]
+    top, names = None, set()
+    for line in block.splitlines():
+        first = line.split()[0] if line.strip() else ""
+        if line and not line.startswith(" ") and first.endswith("/"):
+            top = first.rstrip("/")
+            continue
+        for tok in re.findall(r"(?<![\w./$])([\w]+(?:\.py|\.cuh|\.cu|/))(?=[\s,]|$)", line):
+            names.add(f"{top}/{tok}".rstrip("/") if top else tok.rstrip("/"))
+    missing = sorted(n for n in names if not (PKG.parent / n).exists())
+    assert names and not missing, missing
+    named = {n.split("/", 1)[1] for n in names if n.startswith("ep_a2a/")}
+    unnamed = sorted(str(p.relative_to(PKG)) for p in MODULES if p.name != "__init__.py"
+                     and str(p.relative_to(PKG)) not in named and str(p.relative_to(PKG)).split("/")[0] not in named)
+    assert not unnamed, unnamed
