@@ -185,6 +185,12 @@ class MoeAlltoAll(Owned):
         for r in self.ranks:
             r.raise_recorded()
 
+    def error(self):
+        """The PeerError a kernel of this process recorded, or None: a cheap, non-raising poll
+        (host-mapped memory, no driver call) for an engine replaying CUDA graphs, after each
+        synchronize."""
+        return next((e for e in (r.recorded_error() for r in self.ranks) if e is not None), None)
+
     @property
     def workspace_bytes_per_rank(self) -> int:
         return self.workspace.size
@@ -213,14 +219,14 @@ class RankAlltoAll:
         L = a2a.layout
         dev = self.device
         self.base = a2a.workspace.base(index)
-        self.error = HostMapped(ctypes.sizeof(ErrorRecord), dev)
-        self.record = ErrorRecord.from_address(self.error.host_ptr)
-        ctypes.memset(self.error.host_ptr, 0, ctypes.sizeof(ErrorRecord))
+        self.record_page = HostMapped(ctypes.sizeof(ErrorRecord), dev)  # where kernels write failures
+        self.record = ErrorRecord.from_address(self.record_page.host_ptr)
+        ctypes.memset(self.record_page.host_ptr, 0, ctypes.sizeof(ErrorRecord))
 
         p = self.params = A2AParams()
         for q, b in enumerate(a2a.workspace.peers(index)):
             p.peer_base[q] = b
-        p.error_record = self.error.device_ptr
+        p.error_record = self.record_page.device_ptr
         L.fill_params(p, a2a.kinds)
         p.rank, p.ep_size, p.top_k, p.num_experts = self.rank, a2a.ep_size, a2a.top_k, a2a.num_experts
         p.experts_per_rank, p.experts_remainder = divmod(a2a.num_experts, a2a.ep_size)
@@ -556,6 +562,10 @@ class RankAlltoAll:
             self.raise_recorded(e)
             raise
 
+    def recorded_error(self):
+        """This rank's recorded PeerError, or None (see MoeAlltoAll.error)."""
+        return error_from_record(self.record) if self.record.kind else None
+
     def raise_recorded(self, cause=None) -> None:
         err = error_from_record(self.record)
         if err is not None:
@@ -586,4 +596,4 @@ class RankAlltoAll:
             try:
                 self._out.close()
             finally:
-                self.error.close()  # (also when freeing the output fails: a lost context)
+                self.record_page.close()  # (also when freeing the output fails: a lost context)

@@ -271,7 +271,7 @@ def test_close_keeps_the_error_record_and_frees_the_record_page_even_if_a_free_f
     _, r, _ = _rank()
     r.device.synchronize = lambda: None
     r.record.kind, r.record.rank, r.record.peer, r.record.epoch = ERR_TIMEOUT, 0, 3, 7
-    page = r.error.host_ptr
+    page = r.record_page.host_ptr
     with pytest.raises(RuntimeError, match="cuMemFree failed"):
         r.close()
     assert freed == [page], "the record page must be freed too"
@@ -280,3 +280,17 @@ def test_close_keeps_the_error_record_and_frees_the_record_page_even_if_a_free_f
     with pytest.raises(PeerTimeoutError, match="waiting for rank 3 at step 7"):
         r.raise_recorded()
     r.close()  # closed: a second close does nothing
+
+
+def test_error_is_a_non_raising_poll_of_the_record(recorder):
+    """a2a.error(): None while the record is clear, the recorded PeerError once a kernel wrote
+    one, and never a raise (an engine polls it between graph replays)."""
+    from ep_a2a.alltoall import MoeAlltoAll
+    from ep_a2a.errors import PeerAbortedError
+    from ep_a2a.layout import ERR_PEER_ABORTED
+    _, r, _ = _rank()
+    a = types.SimpleNamespace(ranks=[r])
+    assert MoeAlltoAll.error(a) is None and r.recorded_error() is None
+    r.record.kind, r.record.rank, r.record.peer, r.record.epoch = ERR_PEER_ABORTED, 0, 2, 9
+    err = MoeAlltoAll.error(a)
+    assert isinstance(err, PeerAbortedError) and (err.peer, err.epoch) == (2, 9)
