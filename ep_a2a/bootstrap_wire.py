@@ -89,11 +89,14 @@ def recv(sock: socket.socket, deadline: float, who: str, max_fds: int = 0):
 
 
 def close_fds(fds) -> None:
-    for fd in fds:
+    """Close every fd; a list is emptied, so that closing it again closes nothing twice."""
+    for fd in list(fds):
         try:
             os.close(fd)
         except OSError:
             pass
+    if isinstance(fds, list):
+        fds.clear()
 
 
 def pack_timeout(message: str, missing) -> bytes:

@@ -4,17 +4,10 @@ from __future__ import annotations
 import ctypes
 import os
 
+from .bootstrap_wire import close_fds
 from .driver.lifetime import Owned
 from .driver.memory import DeviceAllocation, copy_htod
 from .driver.vmm import Allocation, DeviceBuffer, Mapping, VmmOptions
-
-
-def _close_all(fds: list) -> None:
-    while fds:
-        try:
-            os.close(fds.pop())
-        except OSError:
-            pass
 
 
 class SymmetricWorkspace(Owned):
@@ -78,10 +71,10 @@ class SymmetricWorkspace(Owned):
             except BaseException:
                 # every fd not imported yet pins a whole peer workspace: close them all
                 for rest in received[q:]:
-                    _close_all(rest)
+                    close_fds(rest)
                 raise
             finally:
-                _close_all(fds)  # what is left of this rank's entry (our own dup, extras)
+                close_fds(fds)  # what is left of this rank's entry (our own dup, extras)
         self._peers = [bases]
 
     @staticmethod
