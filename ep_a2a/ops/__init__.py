@@ -1,0 +1,1 @@
+"""Framework-registered ops: each module imports its framework only when used."""
