@@ -68,7 +68,8 @@ def _jitted():
         return ids.astype(jax.numpy.int32), w
 
     _JIT.update(ffn=jax.jit(ffn), ragged_ffn=jax.jit(ragged_ffn),
-                router=jax.jit(router, static_argnums=(1, 2)))
+                router=jax.jit(router, static_argnums=(1, 2)),
+                traced=dict(ragged_ffn=ragged_ffn, router=router))  # (the same functions, for jit callers)
     return _JIT
 
 
@@ -111,6 +112,7 @@ class JaxMoeLayer(LayerBase):
         self._y = empty((cap, H), "bfloat16", dev) if self.gemm == "loop" else None
         self._out = empty((a.max_tokens_per_rank, H), "bfloat16", dev)
         self._keep = []   # jax arrays an ep_a2a launch of this step still reads, or that alias our memory
+        self._jit_ops = None  # the ops.jax.JaxAlltoAll of traced steps (moe_forward_traced), made on first use
         _jitted()
 
     # -- phases ------------------------------------------------------------------------------------
@@ -119,26 +121,33 @@ class JaxMoeLayer(LayerBase):
         (renormalize=False: the full softmax's probabilities of those experts)."""
         return _JIT["router"](logits, self.top_k, self.renormalize)
 
+    def check_inputs(self, x, router) -> int:
+        """The number of tokens of x, after the rules on x and router (eager and traced alike)."""
+        import jax.numpy as jnp
+        if getattr(x, "ndim", 0) != 2 or x.shape[1] != self.hidden or x.dtype != jnp.bfloat16:
+            raise ValueError(f"x: must be a bf16 jax array [tokens, hidden={self.hidden}], got "
+                             f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
+        T = int(x.shape[0])
+        if isinstance(router, (tuple, list)):
+            if len(router) != 2 or any(tuple(np.shape(t)) != (T, self.top_k) for t in router):
+                raise ValueError(f"router: (ids, weights) must both be [{T}, top_k={self.top_k}], got "
+                                 f"{[list(np.shape(t)) for t in router]}")
+        elif tuple(np.shape(router)) != (T, self.num_experts):
+            raise ValueError(f"router: logits must be [{T}, num_experts={self.num_experts}], got {list(np.shape(router))}")
+        return T
+
     def prepare(self, x, router, runtime_max_tokens_per_rank: int) -> None:
         """Phase 1: route, wait for the inputs, stage their DLPack views (no ep_a2a launch)."""
         import jax
         import jax.numpy as jnp
         if self._step is not None:
             raise RuntimeError(f"rank {self.rank}: prepare() called twice without combine()")
-        if getattr(x, "ndim", 0) != 2 or x.shape[1] != self.hidden or x.dtype != jnp.bfloat16:
-            raise ValueError(f"x: must be a bf16 jax array [tokens, hidden={self.hidden}], got "
-                             f"{getattr(x, 'dtype', type(x).__name__)} {list(getattr(x, 'shape', []))}")
-        T = int(x.shape[0])
+        T = self.check_inputs(x, router)
         x = jax.device_put(x, self.jdev)
         if isinstance(router, (tuple, list)):
             ids, w = (jax.device_put(jnp.asarray(router[0], jnp.int32), self.jdev),
                       jax.device_put(jnp.asarray(router[1], jnp.float32), self.jdev))
-            if ids.shape != (T, self.top_k) or w.shape != (T, self.top_k):
-                raise ValueError(f"router: (ids, weights) must both be [{T}, top_k={self.top_k}], got "
-                                 f"{list(ids.shape)} and {list(w.shape)}")
         else:
-            if tuple(router.shape) != (T, self.num_experts):
-                raise ValueError(f"router: logits must be [{T}, num_experts={self.num_experts}], got {list(router.shape)}")
             ids, w = self.route(jax.device_put(router, self.jdev))
         jax.block_until_ready((x, ids, w))  # the host may block now, before any rank dispatches
         if T:
@@ -203,7 +212,11 @@ class JaxMoeLayer(LayerBase):
         return out
 
     def forward(self, x, router, runtime_max_tokens_per_rank: int = None):
-        """One step for a rank alone in its process (see TorchMoeLayer.forward)."""
+        """One step for a rank alone in its process (see TorchMoeLayer.forward). Inside jax.jit
+        (x traced) it is moe_forward_traced([self], ...), for a rank alone on its GPU."""
+        import jax
+        if isinstance(x, jax.core.Tracer):
+            return moe_forward_traced([self], [x], [router], runtime_max_tokens_per_rank)[0]
         tmax = self.a2a_rank.a2a.max_tokens_per_rank if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
         self.prepare(x, router, tmax)
         self.dispatch()
@@ -215,6 +228,9 @@ class JaxMoeLayer(LayerBase):
 
     def close(self) -> None:
         self.close_gate()
+        if self._jit_ops is not None:  # (shared by the layers of one traced step: closing twice is a no-op)
+            self._jit_ops.close()
+            self._jit_ops = None
         if self.index is not None:
             self.a2a_rank.synchronize()
             self._keep = []
@@ -227,3 +243,46 @@ def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int 
     new bf16 jax array [T_r, hidden] per rank. Blocks the host until the step is done."""
     run_phases(layers, xs, routers, runtime_max_tokens_per_rank)
     return [layer.result() for layer in layers]
+
+
+def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = None):
+    """One step of the layers of every in-process rank on one GPU as traced JAX: call it inside
+    jax.jit (jit_forward_all_ranks does). The same numerics as moe_forward_all_ranks with
+    gemm="ragged" (the same router and expert functions), with dispatch, index and gather in
+    one XLA call and finalize and combine in another (ep_a2a/ops/jax.py): the dispatched rows
+    are gathered straight into XLA's buffer and combine writes straight into the result, so no
+    workspace copy remains. layers: one per rank of the all-to-all on that GPU, in a2a.ranks
+    order; xs, routers: as moe_forward_all_ranks (T^ defaults to the largest T_r, at least 1).
+    Returns one bf16 [T_r, hidden] array per rank."""
+    import jax
+    from ..ops.jax import JaxAlltoAll
+    if not (len(layers) == len(xs) == len(routers)) or not layers:
+        raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
+    if not hasattr(jax.lax, "ragged_dot"):
+        raise RuntimeError(f"traced layers need jax.lax.ragged_dot (jax {jax.__version__} has none)")
+    a2a = layers[0].a2a_rank.a2a
+    on_gpu = [r for r in a2a.ranks if r.device.ordinal == layers[0].a2a_rank.device.ordinal]
+    if [layer.a2a_rank for layer in layers] != on_gpu:
+        raise ValueError(f"layers: a traced step takes the layers of every rank of the all-to-all on cuda:"
+                         f"{on_gpu[0].device.ordinal}, in a2a.ranks order (ranks {[r.rank for r in on_gpu]}); got "
+                         f"ranks {[layer.rank for layer in layers]}")
+    ops = layers[0]._jit_ops
+    if ops is None:
+        ops = JaxAlltoAll(a2a, indexes={layer.rank: layer.index for layer in layers})
+        for layer in layers:
+            layer._jit_ops = ops
+    tokens = [layer.check_inputs(x, router) for layer, x, router in zip(layers, xs, routers)]
+    tmax = max([1] + tokens) if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
+    fns = _jitted()["traced"]
+    routes = [tuple(router) if isinstance(router, (tuple, list)) else
+              fns["router"](router, layer.top_k, layer.renormalize) for layer, router in zip(layers, routers)]
+    routes = [(jax.numpy.asarray(i, jax.numpy.int32), jax.numpy.asarray(w, jax.numpy.float32)) for i, w in routes]
+    d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], tmax)
+    fc2 = [fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t) for layer, rows, counts in zip(layers, d.rows, d.counts)]
+    return ops.combine_from_experts(fc2, d)
+
+
+def jit_forward_all_ranks(layers, runtime_max_tokens_per_rank: int = None):
+    """jax.jit(moe_forward_traced) over these layers: f(xs, routers) -> one array per rank."""
+    import jax
+    return jax.jit(lambda xs, routers: moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank))

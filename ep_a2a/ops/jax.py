@@ -1,0 +1,383 @@
+"""dispatch and combine inside jax.jit, on XLA's stream (ep_a2a/ops/jax_calls.py says how and why).
+
+    ops = JaxAlltoAll(a2a)                 # once; a2a's ranks of this process, grouped by GPU
+    @jax.jit
+    def step(ids, x, w, ...):
+        d = ops.dispatch(ids, [x, w], runtime_max_tokens_per_rank=T_hat)
+        partial = experts(d.expert_ids, d.payloads)            # [ep_size, T^, hidden], any JAX
+        return ops.combine(partial, d)                         # [local tokens, hidden]
+
+Ranks: one call covers the ranks of this process on the GPU it runs on. With one rank per
+GPU an argument is one array; with n in-process ranks on a GPU (a single controller; the
+test setting) it is a list of n arrays, one per rank in a2a.ranks order, and so is every
+result. Over several GPUs, run the same function under shard_map (one call per GPU, each
+finding its ranks from the address of its buffers): every GPU must hold the same number of
+this process's ranks.
+
+Checks: shapes and dtypes are static under jit, so the rules eager dispatch and combine apply
+(ep_a2a/validate.py) are checked while tracing, with the same exception types and messages;
+values (expert ids with validate_expert_ids) are checked by the call itself, at run time.
+
+Order: every call is pure to XLA (jax_calls.py: the fast dispatch path); dispatch returns a
+ticket that combine takes, so combine runs after its dispatch and both run once per step.
+A dispatch of an all-to-all may not follow another without its combine in between (the eager
+phase rule, raised at run time): the data flow of one step after another gives that order.
+
+Copies per call and rank (bytes_copied() computes them): the received tokens live in the
+symmetric workspace, where peers write them, and XLA wants results in buffers it allocates,
+so dispatch copies ep_size * T^ * (4 * top_k + payload bytes per token) out of the workspace
+(on the GPU, after the kernel). combine stages the partial results into the workspace
+(ep_size * T^ * hidden * itemsize) and its kernel writes the output straight into XLA's result
+(no copy). There is nothing to alias (input_output_aliases): no result is an operand's
+memory. The MoE pair avoids both big copies: dispatch_to_experts gathers the dispatched rows
+expert-major (moe.gather_rows) straight into XLA's result, copying only the counts (4 bytes
+per local expert), and combine_from_experts finalizes the experts' output straight into the
+workspace's combine input (moe.finalize): then the only data moved are the two the eager layer
+moves too.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+from jax.experimental.buffer_callback import buffer_callback
+
+from ..driver.memory import copy_dtod_async
+from ..interop.dlpack import DLDeviceType
+from ..interop.tensor import CUDA, Tensor, as_dtype
+from ..moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
+from ..validate import check_runtime_max, require, token_tensor
+from .jax_calls import RanksByDevice, buffer_ptr
+
+_PROBE_PTR = 256  # the address of the trace-time stand-ins (aligned for every dtype; never read)
+
+
+def _probe(arr, name: str, inner: tuple, dtype: str, rows, max_tokens: int, leading_dims=(1,)) -> Tensor:
+    """The eager rule of a per-token argument (validate.token_tensor) applied to a traced
+    array's shape and dtype, through a stand-in Tensor no kernel ever reads."""
+    if arr is None:
+        raise TypeError(f"{name}: expected a tensor, got None")
+    if not (hasattr(arr, "shape") and hasattr(arr, "dtype")):
+        raise TypeError(f"{name}: expected a JAX array, got {type(arr).__name__}")
+    try:
+        dt = as_dtype(np.dtype(arr.dtype))
+    except TypeError:
+        raise TypeError(f"{name}: dtype must be {dtype}, got {arr.dtype}") from None
+    t = Tensor(_PROBE_PTR, tuple(arr.shape), dt, device=(CUDA, 0))
+    return token_tensor(t, name, inner, dtype, rows, 0, ordinal=None, max_tokens=max_tokens,
+                        leading_dims=leading_dims)
+
+
+@jax.tree_util.register_pytree_node_class
+class Dispatched:
+    """What dispatch returns under jit: the received expert ids [ep_size, T^, top_k] and payloads
+    [ep_size, T^, ...] (dispatch_to_experts: the expert-major rows and the counts instead) per
+    rank, the ticket combine takes, and the static step facts (T^, tokens per rank)."""
+
+    def __init__(self, expert_ids, payloads, ticket, *, ops, kind: str, tmax: int, num_tokens: tuple):
+        self.expert_ids, self.payloads, self.ticket = expert_ids, payloads, ticket
+        self.ops, self.kind, self.tmax, self.num_tokens = ops, kind, tmax, num_tokens
+
+    @property
+    def rows(self):
+        """dispatch_to_experts: the gathered rows per rank, [ep_size * T^ * top_k, *row shape]."""
+        return self.payloads
+
+    @property
+    def counts(self):
+        """dispatch_to_experts: int32 [local experts] rows of each local expert, per rank."""
+        return self.expert_ids
+
+    def tree_flatten(self):
+        return (self.expert_ids, self.payloads, self.ticket), (self.ops, self.kind, self.tmax, self.num_tokens)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        ops, kind, tmax, num_tokens = aux
+        return cls(*children, ops=ops, kind=kind, tmax=tmax, num_tokens=num_tokens)
+
+
+def _jdtype(name: str):
+    return jax.numpy.dtype(name)
+
+
+def _on_gpu(buf) -> None:
+    if buf.__dlpack_device__()[0] != DLDeviceType.kDLCUDA:
+        raise RuntimeError("ep_a2a's jit calls run on CUDA GPUs only: this program runs on "
+                           f"{DLDeviceType(buf.__dlpack_device__()[0]).name} (put the arrays on a GPU)")
+
+
+class JaxAlltoAll:
+    """The jit-callable dispatch and combine of a MoeAlltoAll's ranks in this process (module
+    docstring). indexes: rank -> ExpertIndex for dispatch_to_experts (default: made on first
+    use, one per rank, closed by close())."""
+
+    def __init__(self, a2a, indexes: dict = None):
+        self.a2a, self.o = a2a, a2a.options
+        self.by_device = RanksByDevice(a2a.ranks)
+        self.per_device = self.by_device.per_device
+        # the ranks of every GPU's call, by position (the traced shapes follow the first GPU's)
+        self.rank_numbers = tuple(r.rank for r in next(iter(self.by_device.devices.values())).ranks)
+        self._indexes, self._own_indexes = dict(indexes or {}), []
+        self._sites = 0  # each traced call site keeps its own Tensor slots
+
+    @classmethod
+    def traced_only(cls, options, rank_numbers=(0,)) -> "JaxAlltoAll":
+        """The same calls for tracing alone (jax.eval_shape, lowering; no GPU needed) from the
+        checked MoeAlltoAll options (config.Options) and the ranks one call covers: what
+        they produce and refuse is what the real object's calls would. Running one raises."""
+        self = cls.__new__(cls)
+        self.a2a, self.o, self.by_device = None, options, None
+        self.rank_numbers = tuple(int(r) for r in rank_numbers)
+        self.per_device = len(self.rank_numbers)
+        self._indexes, self._own_indexes, self._sites = {}, [], 0
+        return self
+
+    def close(self) -> None:
+        if self.by_device is not None:
+            self.by_device.close()
+        for idx in self._own_indexes:
+            idx.close()
+        self._own_indexes = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- static facts -----------------------------------------------------------------------------
+    def bytes_copied(self, op: str, runtime_max_tokens_per_rank: int) -> int:
+        """Device bytes one call of `op` copies per rank besides its kernels' own traffic."""
+        o, tmax = self.o, int(runtime_max_tokens_per_rank)
+        slots = o.ep_size * tmax
+        if op == "dispatch":
+            return slots * (4 * o.top_k + sum(p.bytes_per_token for p in o.payloads))
+        if op == "combine":
+            return slots * o.combine_hidden_size * o.combine_dtype.itemsize
+        if op == "dispatch_to_experts":
+            return 4 * max(self._num_local(r) for r in self.rank_numbers)
+        if op == "combine_from_experts":
+            return 0
+        raise ValueError(f"op: must be dispatch, combine, dispatch_to_experts or combine_from_experts, got {op!r}")
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _per_rank(self, x, name: str) -> tuple:
+        """(one entry per rank of a GPU, whether the caller passed a bare array for one rank)."""
+        n = self.per_device
+        if n == 1 and not isinstance(x, (list, tuple)):
+            return [x], True
+        if not isinstance(x, (list, tuple)) or len(x) != n:
+            got = f"{len(x)} entries" if isinstance(x, (list, tuple)) else type(x).__name__
+            raise ValueError(f"{name}: needs one entry per rank of this process on a GPU ({n}: a list), got {got}")
+        return list(x), False
+
+    def _site(self) -> int:
+        self._sites += 1
+        return self._sites
+
+    def _num_local(self, rank: int) -> int:
+        return local_experts(self.o.num_experts, self.o.ep_size, rank)[1]
+
+    def _rank_indexes(self) -> list:
+        out = []
+        for r in self.a2a.ranks:
+            idx = self._indexes.get(r.rank)
+            if idx is None:
+                idx = self._indexes[r.rank] = ExpertIndex.for_rank(r)
+                self._own_indexes.append(idx)
+            out.append(idx)
+        return out
+
+    def _check_dispatch(self, token_selected_experts, payloads, tmax) -> tuple:
+        a = self.o
+        check_runtime_max(tmax, a.max_tokens_per_rank)
+        tmax = int(tmax)
+        ids_l, single = self._per_rank(token_selected_experts, "token_selected_experts")
+        pays_l = [payloads] if single else self._per_rank(payloads, "payloads")[0]
+        tokens = []
+        for i, (ids, pays) in enumerate(zip(ids_l, pays_l)):
+            at = "" if single else f"[{i}]"
+            name = f"token_selected_experts{at}"
+            T = _probe(ids, name, (a.top_k,), "int32", None, a.max_tokens_per_rank).shape[0]
+            if T > tmax:
+                require(False, name, f"{T} local tokens exceed runtime_max_tokens_per_rank={tmax}")
+            if not isinstance(pays, (list, tuple)):
+                raise TypeError(f"payloads{at}: expected a list of tensors, got {type(pays).__name__}")
+            if len(pays) != len(a.payloads):
+                require(False, f"payloads{at}", f"expected {len(a.payloads)} tensors "
+                        f"({', '.join(p.name for p in a.payloads)}), got {len(pays)}")
+            for q, (p, spec) in enumerate(zip(pays, a.payloads)):
+                _probe(p, f"payloads{at}[{q}] ({spec.name})", tuple(spec.shape), spec.dtype, T, a.max_tokens_per_rank)
+            tokens.append(T)
+        return tmax, ids_l, [list(p) for p in pays_l], single, tuple(tokens)
+
+    def _call(self, body, outs, *args):
+        return buffer_callback(body, outs)(*args)
+
+    # -- dispatch / combine -----------------------------------------------------------------------
+    def dispatch(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None) -> Dispatched:
+        """RankAlltoAll.dispatch under jit: returns a Dispatched whose expert_ids and payloads
+        are copies of the received views (new XLA arrays; see the copies above)."""
+        a = self.o
+        tmax, ids_l, pays_l, single, tokens = self._check_dispatch(token_selected_experts, payloads,
+                                                                   runtime_max_tokens_per_rank)
+        shapes = [jax.ShapeDtypeStruct((a.ep_size, tmax) + tuple(s.shape), _jdtype(s.dtype)) for s in a.payloads]
+        n = len(ids_l)
+        outs = ([jax.ShapeDtypeStruct((a.ep_size, tmax, a.top_k), np.int32)] * n, [shapes] * n,
+                jax.ShapeDtypeStruct((1,), np.uint32))
+        body = functools.partial(self._dispatch_body, self._site(), tmax, tokens, None)
+        ids_o, pays_o, ticket = self._call(body, outs, ids_l, pays_l)
+        return Dispatched(ids_o[0] if single else ids_o, pays_o[0] if single else pays_o, ticket,
+                          ops=self, kind="dispatch", tmax=tmax, num_tokens=tokens)
+
+    def _launch_dispatch(self, dev, site, tmax, tokens, ids_l, pays_l, streams) -> list:
+        a, views = self.o, []
+        for i, (r, s) in enumerate(zip(dev.ranks, streams)):
+            T = tokens[i]
+            ids_t = dev.slot((site, i, -1), (T, a.top_k), "int32", i).at(ids_l[i])
+            ins = [dev.slot((site, i, q), (T,) + tuple(spec.shape), spec.dtype, i).at(b)
+                   for q, (b, spec) in enumerate(zip(pays_l[i], a.payloads))]
+            views.append(r.dispatch(ids_t, ins, tmax, stream=s))
+        return views
+
+    def _device(self, ticket):
+        _on_gpu(ticket)
+        if self.by_device is None:
+            raise RuntimeError("this JaxAlltoAll was made by traced_only(): it traces, it does not run "
+                               "(make it from a MoeAlltoAll)")
+        return self.by_device.for_buffer(ticket)
+
+    def _dispatch_body(self, site, tmax, tokens, roles, ctx, out, ids_l, pays_l) -> None:
+        dev = self._device(out[2])
+
+        def launch(streams):
+            views = self._launch_dispatch(dev, site, tmax, tokens, ids_l, pays_l, streams)
+            for i, ((ids_v, pays_v), s) in enumerate(zip(views, streams)):
+                if roles is not None:
+                    self._index_and_gather(dev, site, roles, i, ids_v, pays_v, out, s)
+                    continue
+                copy_dtod_async(buffer_ptr(out[0][i]), ids_v.ptr, ids_v.nbytes, s)
+                for v, o in zip(pays_v, out[1][i]):
+                    copy_dtod_async(buffer_ptr(o), v.ptr, v.nbytes, s)
+        dev.run(ctx.stream, launch)
+
+    def combine(self, partial, dispatched: Dispatched):
+        """RankAlltoAll.combine under jit: partial [ep_size, T^, hidden] (or [ep_size * T^,
+        hidden]) of combine_dtype per rank; returns [local tokens, hidden] per rank, written by
+        the combine kernel straight into XLA's result."""
+        a = self.o
+        tmax, single = self._check_ticket(dispatched, "dispatch")
+        parts = self._per_rank(partial, "partial")[0]
+        H, dt = a.combine_hidden_size, a.combine_dtype.name
+        for i, p in enumerate(parts):
+            name = "partial" if single else f"partial[{i}]"
+            t = _probe(p, name, (H,), dt, None, a.max_tokens_per_rank, leading_dims=(1, 2))
+            if t.shape[:-1] not in ((a.ep_size * tmax,), (a.ep_size, tmax)):
+                require(False, name, f"must be [ep_size={a.ep_size}, runtime_max_tokens_per_rank={tmax}, {H}], "
+                        f"got {t.shape}")
+        outs = [jax.ShapeDtypeStruct((T, H), _jdtype(dt)) for T in dispatched.num_tokens]
+        body = functools.partial(self._combine_body, self._site(), tmax, dispatched.num_tokens,
+                                 [tuple(p.shape) for p in parts])
+        res = self._call(body, outs, parts, dispatched.ticket)
+        return res[0] if single else res
+
+    def _check_ticket(self, dispatched, kind: str) -> tuple:
+        if not isinstance(dispatched, Dispatched) or dispatched.ops is not self:
+            raise TypeError(f"dispatched: expected what this JaxAlltoAll's {kind}() returned in this step, "
+                            f"got {type(dispatched).__name__}")
+        if dispatched.kind != kind:
+            raise ValueError(f"dispatched: came from {dispatched.kind}(); this call pairs with {kind}()")
+        return dispatched.tmax, not isinstance(dispatched.expert_ids, list)
+
+    def _combine_body(self, site, tmax, tokens, part_shapes, ctx, out, parts, ticket) -> None:
+        dev = self._device(ticket)
+        a = self.o
+
+        def launch(streams):
+            for i, (r, s) in enumerate(zip(dev.ranks, streams)):
+                part = dev.slot((site, i, 0), part_shapes[i], a.combine_dtype, i).at(parts[i])
+                y = dev.slot((site, i, 1), (tokens[i], a.combine_hidden_size), a.combine_dtype, i).at(out[i])
+                r.combine(part, tmax, stream=s, out=y)
+        dev.run(ctx.stream, launch)
+
+    # -- the MoE pair -------------------------------------------------------------------------------
+    def dispatch_to_experts(self, token_selected_experts, payloads, runtime_max_tokens_per_rank: int, *,
+                            gather: int = 0, weights: int = 1) -> Dispatched:
+        """dispatch, then moe.build_index over the dispatched ids and router weights (payload
+        `weights`: fp32 [top_k]) and moe.gather_rows of payload `gather`, in one call. Returns a
+        Dispatched whose .rows per rank are [ep_size * T^ * top_k, *shape] expert-major (rows
+        past the total are not written) and .counts int32 [local experts]: the grouped GEMM's
+        input and group sizes (jax.lax.ragged_dot). Pair it with combine_from_experts."""
+        a = self.o
+        specs = a.payloads
+        require(isinstance(gather, int) and 0 <= gather < len(specs), "gather",
+                f"must index one of the {len(specs)} payloads, got {gather!r}")
+        require(isinstance(weights, int) and 0 <= weights < len(specs) and (tuple(specs[weights].shape), specs[weights].dtype)
+                == ((a.top_k,), "float32"), "weights", f"must index a float32 [top_k={a.top_k}] payload (the router "
+                f"weights), got {weights!r} of {[(s.name, tuple(s.shape), s.dtype) for s in specs]}")
+        tmax, ids_l, pays_l, single, tokens = self._check_dispatch(token_selected_experts, payloads,
+                                                                   runtime_max_tokens_per_rank)
+        if self.a2a is not None:
+            self._rank_indexes()  # (allocated now, while tracing: never inside a call)
+        g = specs[gather]
+        n = len(ids_l)
+        rows = jax.ShapeDtypeStruct((a.ep_size * tmax * a.top_k,) + tuple(g.shape), _jdtype(g.dtype))
+        counts = [jax.ShapeDtypeStruct((self._num_local(r),), np.int32) for r in self.rank_numbers]
+        outs = (counts, [rows] * n, jax.ShapeDtypeStruct((1,), np.uint32))
+        body = functools.partial(self._dispatch_body, self._site(), tmax, tokens, (gather, weights))
+        counts_o, rows_o, ticket = self._call(body, outs, ids_l, pays_l)
+        return Dispatched(counts_o[0] if single else counts_o, rows_o[0] if single else rows_o, ticket,
+                          ops=self, kind="dispatch_to_experts", tmax=tmax, num_tokens=tokens)
+
+    def _index_and_gather(self, dev, site, roles, i, ids_v, pays_v, out, s) -> None:
+        gather, weights = roles
+        r, a = dev.ranks[i], self.o
+        idx = self._indexes[r.rank]
+        counts = out[0][i]
+        if counts.shape != (idx.num_local_experts,):  # (before the index overwrites anything)
+            raise RuntimeError(f"rank {r.rank} owns {idx.num_local_experts} local experts, but the traced call "
+                               f"expected {counts.shape[0]}: under shard_map every GPU's ranks must own as many")
+        build_index(ids_v, pays_v[weights], num_experts=a.num_experts, ep_size=a.ep_size, rank=r.rank, stream=s, out=idx)
+        g = a.payloads[gather]
+        rows = dev.slot((site, i, "rows"), (idx.capacity,) + tuple(g.shape), g.dtype, i).at(out[1][i])
+        gather_rows(idx, pays_v[gather], rows, stream=s)
+        copy_dtod_async(buffer_ptr(counts), idx.counts.ptr, idx.counts.nbytes, s)
+
+    def combine_from_experts(self, fc2_out, dispatched: Dispatched):
+        """moe.finalize of the experts' output (in the rows' order) into the combine input, then
+        combine, in one call: fc2_out [rows >= ep_size * T^ * top_k, hidden] (bf16, fp16, fp32)
+        per rank. Returns [local tokens, hidden] per rank (combine_dtype), written straight into
+        XLA's result. With combine_quant='fp8', finalize writes the FP8 input (no quantize pass)."""
+        a = self.o
+        tmax, single = self._check_ticket(dispatched, "dispatch_to_experts")
+        fc2 = self._per_rank(fc2_out, "fc2_out")[0]
+        H, cap = a.combine_hidden_size, a.ep_size * tmax * a.top_k
+        for i, x in enumerate(fc2):
+            name = "fc2_out" if single else f"fc2_out[{i}]"
+            if x is None or not hasattr(x, "dtype"):
+                raise TypeError(f"{name}: expected a JAX array, got {type(x).__name__}")
+            require(str(np.dtype(x.dtype)) in ("bfloat16", "float16", "float32"), name,
+                    f"dtype must be one of ('bfloat16', 'float16', 'float32'), got {x.dtype}")
+            require(len(x.shape) == 2 and x.shape[1] == H and x.shape[0] >= cap, name,
+                    f"shape must be [rows >= capacity={cap}, hidden={H}], got {list(x.shape)}")
+        outs = [jax.ShapeDtypeStruct((T, H), _jdtype(a.combine_dtype.name)) for T in dispatched.num_tokens]
+        body = functools.partial(self._finalize_combine_body, self._site(), tmax, dispatched.num_tokens,
+                                 [(tuple(x.shape), str(np.dtype(x.dtype))) for x in fc2])
+        res = self._call(body, outs, fc2, dispatched.ticket)
+        return res[0] if single else res
+
+    def _finalize_combine_body(self, site, tmax, tokens, fc2_geo, ctx, out, fc2, ticket) -> None:
+        dev = self._device(ticket)
+        a = self.o
+        fp8 = a.combine_quant == "fp8"
+
+        def launch(streams):
+            for i, (r, s) in enumerate(zip(dev.ranks, streams)):
+                x = dev.slot((site, i, 0), fc2_geo[i][0], fc2_geo[i][1], i).at(fc2[i])
+                finalize(self._indexes[r.rank], x, r.combine_input(tmax, fp8=fp8), stream=s)
+            for i, (r, s) in enumerate(zip(dev.ranks, streams)):
+                y = dev.slot((site, i, 1), (tokens[i], a.combine_hidden_size), a.combine_dtype, i).at(out[i])
+                r.combine(r.combine_input(tmax, fp8=fp8), tmax, stream=s, out=y)
+        dev.run(ctx.stream, launch)
