@@ -258,6 +258,7 @@ class RankAlltoAll:
         self._dispatched_tmax = None   # runtime_max of the dispatch awaiting its combine
         self._local_tokens = 0
         self._input = CheckedInputs(dev.ordinal, a2a.max_tokens_per_rank)  # remembers what it checked
+        self.validate_expert_ids = a2a.validate_expert_ids  # per rank: the torch ops (ops/torch.py) check their own way
         self._repeat_dispatch = None   # the last call of each phase, when it may be repeated cheaply
         self._repeat_combine = None
         self._out_views = {}           # T -> [T, hidden] view of the internal combine output
@@ -354,7 +355,7 @@ class RankAlltoAll:
                      f"({', '.join(p.name for p in a.payload_specs)}), got {len(payloads)}")
         ins = [self._input(t, name, shape, spec.dtype, T, s)
                for t, spec, name, shape in zip(payloads, a.payload_specs, self._payload_names, self._payload_shapes)]
-        if a.validate_expert_ids and T and not is_capturing(s):  # (a capture cannot sync)
+        if self.validate_expert_ids and T and not is_capturing(s):  # (a capture cannot sync)
             self._check_ids(ids, s)
 
         p = self.params
@@ -410,7 +411,7 @@ class RankAlltoAll:
     def _dispatch_again(self, r: "fastpath.Repeat", ids) -> tuple:
         """dispatch() with the same tensors, T^, stream and state as the last one: only what
         changes from step to step (the ids' values, PDL's trigger, the step count) is redone."""
-        if self.a2a.validate_expert_ids and r.T and not is_capturing(r.s):
+        if self.validate_expert_ids and r.T and not is_capturing(r.s):
             self._check_ids(ids, r.s)
         self.params.trigger_early, self._prev_early = r.early, r.early
         self.device.make_current()
