@@ -169,7 +169,8 @@ class JaxAlltoAll:
         if n == 1 and not isinstance(x, (list, tuple)):
             return [x], True
         if not isinstance(x, (list, tuple)) or len(x) != n:
-            got = f"{len(x)} entries" if isinstance(x, (list, tuple)) else type(x).__name__
+            got = f"{len(x)} entries" if isinstance(x, (list, tuple)) else \
+                "one array" if hasattr(x, "shape") else type(x).__name__
             raise ValueError(f"{name}: needs one entry per rank of this process on a GPU ({n}: a list), got {got}")
         return list(x), False
 
