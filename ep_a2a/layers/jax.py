@@ -215,9 +215,9 @@ class JaxMoeLayer(LayerBase):
         """One step for a rank alone in its process (see TorchMoeLayer.forward). Inside jax.jit
         (x traced) it is moe_forward_traced([self], ...), for a rank alone on its GPU."""
         import jax
-        if isinstance(x, jax.core.Tracer):
-            return moe_forward_traced([self], [x], [router], runtime_max_tokens_per_rank)[0]
         tmax = self.a2a_rank.a2a.max_tokens_per_rank if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
+        if isinstance(x, jax.core.Tracer):
+            return moe_forward_traced([self], [x], [router], tmax)[0]
         self.prepare(x, router, tmax)
         self.dispatch()
         self.compute()
@@ -253,7 +253,8 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
     are gathered straight into XLA's buffer and combine writes straight into the result, so no
     workspace copy remains. layers: one per rank of the all-to-all on that GPU, in a2a.ranks
     order; xs, routers: as moe_forward_all_ranks (T^ defaults to the largest T_r, at least 1).
-    Returns one bf16 [T_r, hidden] array per rank."""
+    Returns one bf16 [T_r, hidden] array per rank. JAX runs a jitted call asynchronously: wait
+    for its results (jax.block_until_ready) before an eager step of the same layers."""
     import jax
     from ..ops.jax import JaxAlltoAll
     if not (len(layers) == len(xs) == len(routers)) or not layers:
