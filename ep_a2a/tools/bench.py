@@ -1,28 +1,63 @@
 """python -m ep_a2a.bench: dispatch/combine latency and bandwidth beside their floors.
 
 Method (paper Appendix B, adapted): each process captures the dispatch and combine
-launches of its ranks into one CUDA graph, `--rounds` rounds per graph so one graph launch
-(~10 µs) is amortised; events sit outside the graph; we report the median over
-`--replays` replays, per round, and the maximum over ranks. Combine = round trip -
-dispatch-only graph (combine cannot be replayed alone: it would not wait for its peers).
-Floors measured in the same run: the same graph with every kernel replaced by an empty
-kernel of the same launch shape (latency), a device-to-device copy of the bytes dispatch
-writes (bandwidth, read + write counted for both) and, when the ranks span several GPUs,
-a copy of the same bytes out of a peer GPU's mapped workspace (NVLink, bytes counted once).
+launches of its ranks into CUDA graphs (rank 0's stream forks to the other ranks' streams
+once at the start and joins them once at the end); events sit outside the graphs; we take
+the median over `--replays` replays and the maximum over ranks.
+
+Per-round time: every measurement captures two graphs, of R = `--rounds` rounds and of 2R,
+replays them alternately and reports (t(2R) - t(R)) / R. What both lengths share cancels:
+the graph launch (a few µs, which divided by R would otherwise land in every per-round
+figure), the fork and join of the streams and, in procs mode, the skew of the host barrier
+every replay starts after (tens of µs, all of it in the first round). Rows state the two
+lengths (`graph_rounds`) and the intercept (`round_trip_graph_overhead_us` = 2 t(R) - t(2R)).
+Every floor below is timed in the same two-length way.
+
+Dispatch and combine: for FENCE, dispatch is a dispatch-only graph and combine = round trip
+- dispatch (combine cannot be replayed alone: it would not wait for its peers). SENTINEL's
+dispatch cannot be replayed alone either (it reuses its landing slots only after combine),
+so for every protocol a third graph of R round trips carries a one-thread timestamp kernel
+(kernels/floors.cu, ep_timestamp) on each rank's stream before the first dispatch and after
+every dispatch and combine; each stamp reads %globaltimer once the kernel before it has
+completed. On each rank, dispatch = stamp after dispatch - stamp before it (the end of the
+previous combine), combine = stamp after combine - stamp after dispatch; round 0 left out,
+means over rounds, replays and ranks (`stamped_*`). The round trip measured without stamps
+is then divided in that proportion (SENTINEL's `dispatch_us` / `combine_us`, `split_method`
+"device timestamps"); FENCE keeps its dispatch-only graph ("dispatch-only graph") and shows
+the stamped split beside it as a check of the method.
+
+Floors, measured in the same run:
+  * latency: the same graphs with every kernel replaced by an empty kernel of the same
+    launch shape (`floor_round_trip_us`, `floor_dispatch_us`, `floor_combine_us`);
+  * bytes (`bytes_floor_*`): kernels that move exactly the bytes each phase moves, one per
+    rank on its stream, no synchronization: dispatch reads each token's row (payloads and
+    ids) once and writes it to its k targets (k = the distinct target ranks of its
+    selection, as the routing gives); combine reads k partial rows (bf16, or FP8 values and
+    scales) and writes one output row. Each phase is reported against its own floor as
+    `dispatch_of_bytes_floor` = floor µs / phase µs (1.0: at the floor). The floors write
+    and read this GPU's memory: the figure for ranks on one GPU; across GPUs it is the HBM
+    part only. With --combine-quant fp8, combine's own quantize pass is not in its floor;
+  * a device-to-device copy of the bytes dispatch writes (`copy_floor_tbps`, read + write
+    counted; the 1:1 copy floor `dispatch_over_copy_bw` compares against) and, when the
+    ranks span several GPUs, a copy of the same bytes out of a peer GPU's mapped workspace
+    (NVLink, bytes counted once).
 Beside the empty-kernel floor, in-process runs also time a barrier floor: two cross-rank
 flag rounds per round trip (release fence, a flag to every rank, acquire polls), the
 synchronization each protocol phase holds, with no data; it shows how much of the gap to
 the empty-kernel floor is crossing ranks at all (launch skew included) and how much is
 the protocols' own work. It does not replace the empty-kernel floor.
 
+Host overhead: eager dispatch + combine host time per rank (`host_overhead`); with torch
+importable and ep_a2a.tools.bench_torch present, also with torch tensors and streams
+(`torch_host_overhead`).
+
 Two modes:
   --mode inproc (default): `--ranks` ranks in this process on `--device`; one graph spans
-    every rank (rank 0's stream forks to the others and joins back), so its time is
-    already the maximum over ranks.
+    every rank, so its time is already the maximum over ranks.
   --mode procs: one process per visible GPU (or `--procs N`, round-robin over the GPUs),
     each a ProcessGroup rank met over a UnixSocketBootstrap, as a deployment runs. Every
     rank captures its own graphs; before each replay all ranks meet at a host barrier,
-    so the barrier's release skew (tens of µs) lands in the first round of a replay.
+    whose release skew the two graph lengths cancel (see above).
     Per-rank medians travel to every rank over the bootstrap; rows take their maximum.
     Processes sharing a GPU time-slice it (without MPS), so their cross-process waits
     cost milliseconds: such runs say `shared_gpu: true` and test the path, not its speed.
@@ -37,6 +72,8 @@ import time
 import numpy as np
 
 from ..layout import Q8_BLOCK
+from .bench_floors import ByteFloors, Stamps
+from .bench_method import per_round, ratio, split_round_trip, stamp_split
 from .bench_report import commit, crossover, gather
 
 PROFILES = {
@@ -46,6 +83,13 @@ PROFILES = {
 }
 MODES = ("inproc", "procs")
 ONE_GPU = "every rank is on one GPU: no NVLink path between ranks to measure"
+PER_ROUND = ("(t(2R) - t(R)) / R: the median replay times of graphs of R and 2R rounds (R = config.rounds), "
+             "so the graph launch, the stream fork/join and a host barrier's skew (procs mode) cancel")
+STAMPS_MEASURE = ("stamped_*: on each rank's stream, a one-thread kernel stores %globaltimer once the kernel before "
+                  "it has completed; dispatch = stamp after dispatch - stamp before it (end of the previous combine), "
+                  "combine = stamp after combine - stamp after dispatch, round 0 left out, means over rounds, "
+                  "replays and ranks; the stamp kernels' own cost is inside these. SENTINEL's dispatch_us / combine_us "
+                  "are round_trip_us divided in the stamped proportion")
 
 
 def _payloads(fmt: str, hidden: int, top_k: int):
@@ -139,8 +183,10 @@ class Bench:
         fp8-epilogue) the FP8 ones an epilogue wrote, so combine skips its quantize pass."""
         return r.combine_input(T, fp8=self.epilogue_fp8)
 
-    def _graph(self, body, streams=None):
-        """`--rounds` calls of body captured into one graph on this process's first stream."""
+    def _graph(self, body, streams=None, rounds=None, before=None):
+        """`rounds` (default --rounds) calls of body captured into one graph on this
+        process's first stream, the other streams forked from it once at the start (then
+        `before()`, if given) and joined once at the end."""
         from ..driver.stream import Event, Graph
         streams = self.streams if streams is None else streams
         s0 = streams[0]
@@ -149,34 +195,83 @@ class Bench:
             fork = Event(self.dev).record(s0)
             for s in streams[1:]:
                 fork.wait_on(s)
-        for _ in range(self.args.rounds):
+        if before is not None:
+            before()
+        for _ in range(self.args.rounds if rounds is None else rounds):
             body()
         for s in streams[1:]:
             Event(self.dev).record(s).wait_on(s0)
         return Graph.end(s0)
 
-    def _time(self, graph) -> float:
-        """Median µs of one graph replay on this process (events outside the graph)."""
+    def _replay(self, graph) -> float:
+        """µs of one replay on this process, after the ranks' host barrier (events outside the graph)."""
         s0 = self.streams[0]
-        graph.launch(s0)  # warm-up
-        self.group.ranks[0].stream.synchronize()  # (s0 is its handle)
-        times = []
+        self.meet()  # rank processes replay together; their previous replays have all ended
+        self.ev0.record(s0)
+        graph.launch(s0)
+        self.ev1.record(s0)
+        self.ev1.synchronize()
+        return self.ev0.elapsed_ms(self.ev1) * 1e3
+
+    def _time(self, graphs) -> list:
+        """Median µs of each graph's replays on this process, the graphs replayed in turn
+        (a drift of the clocks or of the host touches every graph alike)."""
+        for g in graphs:  # warm-up
+            g.launch(self.streams[0])
+        self.group.ranks[0].stream.synchronize()  # (streams[0] is its handle)
+        times = [[] for _ in graphs]
         for _ in range(self.args.replays):
-            self.meet()  # rank processes replay together; their previous replays have all ended
-            self.ev0.record(s0)
-            graph.launch(s0)
-            self.ev1.record(s0)
-            self.ev1.synchronize()
-            times.append(self.ev0.elapsed_ms(self.ev1) * 1e3)
-        return float(np.median(times))
+            for g, t in zip(graphs, times):
+                t.append(self._replay(g))
+        return [float(np.median(t)) for t in times]
+
+    def _time_rounds(self, body, streams=None) -> tuple:
+        """(µs per round, µs outside the rounds) of `body`: graphs of R and 2R rounds
+        (R = --rounds), per round (t(2R) - t(R)) / R (bench_method.per_round)."""
+        R = self.args.rounds
+        gs = []
+        try:
+            for n in (R, 2 * R):
+                gs.append(self._graph(body, streams, n))
+            return per_round(*self._time(gs), R)
+        finally:
+            for g in gs:
+                g.close()
 
     def _time_body(self, body, streams=None) -> float:
-        """Median µs per round of `body` (captured --rounds times, replayed --replays times)."""
-        g = self._graph(body, streams)
+        """µs per round of `body` (two graph lengths, see _time_rounds)."""
+        return self._time_rounds(body, streams)[0]
+
+    def _stamped(self, ins, T: int) -> dict:
+        """The round trip split by device timestamps (bench_method.stamp_split): one graph
+        of --rounds round trips with a stamp on every rank's stream before the first
+        dispatch and after each dispatch and combine, replayed --replays times."""
+        R, ranks = self.args.rounds, self.a2a.ranks
+        st = Stamps(self.group.ranks, 2 * R + 1, pdl=not self.args.no_pdl)
+        n = len(ranks)
+
+        def body():
+            for i, ((x_ids, pays), r) in enumerate(zip(ins, ranks)):
+                r.dispatch(x_ids, pays, T)
+                st.mark(i)
+            for i, r in enumerate(ranks):
+                r.combine(self._combine_input(r, T), T)
+                st.mark(i)
+        g = None
         try:
-            return self._time(g) / self.args.rounds
+            g = self._graph(body, before=lambda: [st.mark(i) for i in range(n)])
+            self._replay(g)  # warm-up (the first replay uploads the graph)
+            out = []
+            for _ in range(self.args.replays):
+                st.poison()
+                self._replay(g)
+                self.group.ranks[0].stream.synchronize()
+                out.append(st.read())
+            return stamp_split(np.stack(out))
         finally:
-            g.close()
+            if g is not None:
+                g.close()
+            st.close()
 
     def _barrier_kernels(self):
         """In-process ranks: one ep_flag_round launch per rank (one block, the protocol
@@ -262,10 +357,16 @@ class Bench:
         roundtrip()  # eager once: sets the grids, checks nothing hangs
         a.synchronize()
         # SENTINEL reuses its landing slots only after combine: dispatch alone cannot be
-        # replayed, so its dispatch/combine split is not measured (round trip only)
+        # replayed, so its split comes from device timestamps only
         split = ranks[0].last_protocol == "fence"
-        bodies = [roundtrip, empty_like(True)] + ([dispatch_all, empty_like(False)] if split else [])
-        t = [self._time_body(b) for b in bodies]
+        m = {}  # name -> this process's figure; reduced over processes below
+        m["rt"], m["rt_overhead"] = self._time_rounds(roundtrip)
+        m["empty_rt"], m["empty_d"] = self._time_body(empty_like(True)), self._time_body(empty_like(False))
+        stamped = self._stamped(ins, T)
+        m["st_d"], m["st_c"] = stamped["dispatch_us"], stamped["combine_us"]
+        m["st_step"] = stamped["smallest_step_ns"]
+        if split:
+            m["d"] = self._time_body(dispatch_all)
         barrier_us = self._barrier_floor() if self._flag_rounds else None
 
         # bytes: what dispatch writes (one copy per distinct target) and reads (once per token)
@@ -281,38 +382,57 @@ class Bench:
         combine_bytes = sum(sends) * pulled
         combine_traffic = combine_bytes + T * self.ep * self.hidden * 2
 
-        # bandwidth floors: this process copies the bytes its ranks' dispatches write
+        # byte floors: exactly those bytes, per phase, for this process's ranks
+        floors = ByteFloors(self.group.ranks, targets, per_token, pulled, self.hidden * 2, pdl=not self.args.no_pdl)
+        try:
+            m["bf_d"], m["bf_c"] = self._time_body(floors.dispatch), self._time_body(floors.combine)
+        finally:
+            floors.close()
+        # the 1:1 copy floor: this process copies the bytes its ranks' dispatches write
         nbytes = max(sum(sends[r.rank] for r in self.group.ranks) * per_token, 1 << 20)
-        copy_us = self._copy_floor(nbytes)
-        peer_us, peer_bytes = self._peer_copy_floor(nbytes) if self.gpus > 1 else (math.nan, 0.0)
-        # max over ranks of the times, sum over processes of the bytes copied
-        g = self.gather(t + [copy_us, nbytes, peer_us, peer_bytes])
-        k = len(t)
-        worst, total = g.max(axis=0), g.sum(axis=0)
-        rt, ert = (float(x) for x in worst[:2])
-        copy_tbps = float(2 * total[k + 1] / worst[k] / 1e6)
-        peer_tbps = None if self.gpus == 1 else float(total[k + 3] / worst[k + 2] / 1e6)
-        row = dict(tokens_per_rank=T, resolved_protocol=ranks[0].last_protocol, round_trip_us=rt,
-                   floor_round_trip_us=ert, round_trip_over_floor=rt / ert,
-                   dispatch_bytes_written=written, dispatch_bytes_read=read, bytes_crossing_gpus=remote * per_token,
-                   # what combine pulls back from other ranks: one partial per remote copy (bf16
-                   # combine; FP8: e4m3 values + a scale per 128, 52% of bf16's)
-                   combine_bytes_crossing_gpus=remote * pulled,
-                   copy_floor_tbps=copy_tbps, peer_copy_floor_tbps=peer_tbps,
-                   round_trip_tbps=(written + read + combine_traffic) / rt / 1e6,
-                   barrier_floor_round_trip_us=barrier_us,
-                   round_trip_over_barrier_floor=None if barrier_us is None else rt / barrier_us,
-                   dispatch_us=None, combine_us=None)
-        if split:
-            d, ed = (float(x) for x in worst[2:4])
-            comb = rt - d
-            disp_tbps = (written + read) / d / 1e6
-            row.update(dispatch_us=d, combine_us=comb, floor_dispatch_us=ed, floor_combine_us=ert - ed,
-                       dispatch_over_floor=d / ed, dispatch_tbps=disp_tbps,
-                       combine_tbps=combine_traffic / max(comb, 1e-9) / 1e6, dispatch_over_copy_bw=disp_tbps / copy_tbps,
-                       logical_dispatch_gbps=T * min(self.ep, self.top_k) * (per_token - 4 * self.top_k) / d / 1e3,
-                       logical_combine_gbps=T * min(self.ep, self.top_k) * self.hidden * 2 / max(comb, 1e-9) / 1e3)
-        return row
+        m["copy"], m["nbytes"] = self._copy_floor(nbytes), nbytes
+        m["peer"], m["peer_bytes"] = self._peer_copy_floor(nbytes) if self.gpus > 1 else (math.nan, 0.0)
+        # times: max over processes; bytes copied: sum; the stamped split: mean (its share is
+        # what matters); the timer's step: smallest
+        names = list(m)
+        g = self.gather([m[k] for k in names])
+        how = dict(nbytes=np.sum, peer_bytes=np.sum, st_d=np.mean, st_c=np.mean, st_step=np.min)
+        w = {k: float(how.get(k, np.max)(g[:, i])) for i, k in enumerate(names)}
+        rt, ert, ed = w["rt"], w["empty_rt"], w["empty_d"]
+        copy_tbps = ratio(2 * w["nbytes"], w["copy"], 1e-6)
+        peer_tbps = None if self.gpus == 1 else ratio(w["peer_bytes"], w["peer"], 1e-6)
+        st_rt = w["st_d"] + w["st_c"]
+        d = w["d"] if split else split_round_trip(rt, w["st_d"], w["st_c"])[0]
+        comb = rt - d
+        disp_tbps = ratio(written + read, d, 1e-6)
+        bf_rt = w["bf_d"] + w["bf_c"]  # the sum of the two phases' floors
+        logical = T * min(self.ep, self.top_k)  # selections' rows one token sends (perfect routing: all distinct)
+        return dict(
+            tokens_per_rank=T, resolved_protocol=ranks[0].last_protocol, graph_rounds=[self.args.rounds, 2 * self.args.rounds],
+            round_trip_us=rt, round_trip_graph_overhead_us=w["rt_overhead"],
+            floor_round_trip_us=ert, round_trip_over_floor=ratio(rt, ert),
+            dispatch_bytes_written=written, dispatch_bytes_read=read, bytes_crossing_gpus=remote * per_token,
+            # what combine reads (one partial per copy: bf16, or FP8 e4m3 values + a scale per
+            # 128, 52% of bf16's) and writes; what of it comes from other ranks
+            combine_bytes_read=combine_bytes, combine_bytes_written=T * self.ep * self.hidden * 2,
+            combine_bytes_crossing_gpus=remote * pulled,
+            copy_floor_tbps=copy_tbps, peer_copy_floor_tbps=peer_tbps,
+            round_trip_tbps=ratio(written + read + combine_traffic, rt, 1e-6),
+            barrier_floor_round_trip_us=barrier_us, round_trip_over_barrier_floor=ratio(rt, barrier_us),
+            split_method="dispatch-only graph" if split else "device timestamps",
+            dispatch_us=d, combine_us=comb, floor_dispatch_us=ed, floor_combine_us=ert - ed,
+            dispatch_over_floor=ratio(d, ed), dispatch_tbps=disp_tbps, combine_tbps=ratio(combine_traffic, comb, 1e-6),
+            dispatch_over_copy_bw=ratio(disp_tbps, copy_tbps),
+            logical_dispatch_gbps=ratio(logical * (per_token - 4 * self.top_k), d, 1e-3),
+            logical_combine_gbps=ratio(logical * self.hidden * 2, comb, 1e-3),
+            bytes_floor_dispatch_us=w["bf_d"], bytes_floor_combine_us=w["bf_c"], bytes_floor_round_trip_us=bf_rt,
+            bytes_floor_dispatch_tbps=ratio(written + read, w["bf_d"], 1e-6),
+            bytes_floor_combine_tbps=ratio(combine_traffic, w["bf_c"], 1e-6),
+            dispatch_of_bytes_floor=ratio(w["bf_d"], d), combine_of_bytes_floor=ratio(w["bf_c"], comb),
+            round_trip_of_bytes_floor=ratio(bf_rt, rt),
+            stamped_dispatch_us=w["st_d"], stamped_combine_us=w["st_c"], stamped_round_trip_us=st_rt,
+            stamped_dispatch_share=ratio(w["st_d"], st_rt), stamp_rounds_used=stamped["rounds_used"],
+            stamp_samples=stamped["samples"], globaltimer_smallest_step_ns=int(w["st_step"]))
 
     def host_overhead(self, T: int, iters: int = None) -> dict:
         """µs of host time per rank per eager dispatch+combine (arguments reused, no sync);
@@ -376,7 +496,9 @@ def sweep(b: Bench) -> dict:
         rows.append(dict(protocol=proto, **b.measure(T)))
         b.say(f"[{i}/{len(plan)}] {proto} T={T}: round trip {rows[-1]['round_trip_us']:.1f} µs")
     b.a2a.use_protocol(b.a2a.built_protocol)  # back to what it was built with ("auto" unless FP8 combine)
-    host = [b.host_overhead(T) for T in sorted({1, min(128, b.a2a.max_tokens_per_rank)})]
+    host_Ts = sorted({1, min(128, b.a2a.max_tokens_per_rank)})
+    host = [b.host_overhead(T) for T in host_Ts]
+    torch_host = torch_host_rows(b, host_Ts)
     if args.profile_host:
         import cProfile
         import pstats
@@ -393,4 +515,20 @@ def sweep(b: Bench) -> dict:
                     payload_bytes_per_token=[s.bytes_per_token for s in b.specs]),
         workspace_bytes_per_rank=b.a2a.workspace_bytes_per_rank,
         expert_major_bytes_per_rank=b.a2a.layout.expert_major_bytes(-(-b.num_experts // b.ep)),
-        method=__doc__, rows=rows, host_overhead=host, measured_sentinel_max_tokens=crossover(rows))
+        method=__doc__, per_round_method=PER_ROUND, graph_rounds=[args.rounds, 2 * args.rounds],
+        stamps_measure=STAMPS_MEASURE, rows=rows, host_overhead=host, torch_host_overhead=torch_host,
+        measured_sentinel_max_tokens=crossover(rows))
+
+
+def torch_host_rows(b: Bench, Ts) -> list:
+    """ep_a2a.tools.bench_torch.torch_host_overhead(b, T) for each T where torch imports and
+    that module exists (written apart from this one), else None. Every rank process
+    decides alike: they share the interpreter's packages."""
+    import importlib.util
+    if importlib.util.find_spec("torch") is None:
+        return None
+    try:
+        from .bench_torch import torch_host_overhead
+    except ImportError:
+        return None
+    return [torch_host_overhead(b, T) for T in Ts]

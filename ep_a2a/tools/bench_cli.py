@@ -55,7 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--protocol", default="fence,sentinel,auto", help="comma list of fence, sentinel, auto")
     ap.add_argument("--sentinel-max", type=_bounded_int(0), default=4096,
                     help="sweep SENTINEL only up to this many tokens")
-    ap.add_argument("--rounds", type=_bounded_int(1), default=20)
+    ap.add_argument("--rounds", type=_bounded_int(1), default=20,
+                    help="R: every figure replays graphs of R and 2R rounds and reports (t(2R) - t(R)) / R, "
+                         "so the graph launch and the host barrier's skew drop out")
     ap.add_argument("--replays", type=_bounded_int(1), default=30)
     ap.add_argument("--combine-quant", choices=["fp8", "fp8-epilogue"], default=None,
                     help="FP8 (e4m3, per-128 scales) combine, FENCE only. fp8: combine quantizes the bf16 "

@@ -88,16 +88,33 @@ def table(res) -> None:
     if res.get("shared_gpu"):
         print(f"shared_gpu: {res['procs']} processes time-slice {res['gpus']} GPU(s): cross-process waits cost "
               "milliseconds, so these times test the path and are NOT performance")
-    print(f"{'proto':>8} {'T':>5} {'rt µs':>8} {'floor':>7} {'x':>5} {'barrier':>7} {'disp µs':>8} {'floor':>7} {'comb µs':>8} "
-          f"{'disp TB/s':>9} {'copy TB/s':>9} {'%copy':>6} {'peer TB/s':>9}")
+    rounds = res.get("graph_rounds")
+    print("per round: " + (f"(t({rounds[1]}) - t({rounds[0]})) / {rounds[0]} rounds (graph launch excluded)" if rounds
+                           else f"t / {res['config'].get('rounds')} rounds (graph launch included)")
+          + "; split: g = dispatch-only graph, ts = device timestamps; %bf = bytes floor µs / phase µs")
+    print(f"{'proto':>8} {'T':>5} {'rt µs':>8} {'empty':>6} {'x':>5} {'barrier':>7} {'disp µs':>8} {'':>2} {'comb µs':>8} "
+          f"{'%bf d':>5} {'%bf c':>5} {'bf d µs':>8} {'bf c µs':>8} {'disp TB/s':>9} {'copy TB/s':>9} {'%copy':>6} "
+          f"{'peer TB/s':>9}")
+
     def f(v, spec):
         return format(v, spec) if v is not None else format("-", ">" + spec.split(".")[0].lstrip("<>^"))
+
+    def pct(v):
+        return None if v is None else 100 * v
     for r in res["rows"]:
-        pct = None if r.get("dispatch_over_copy_bw") is None else 100 * r["dispatch_over_copy_bw"]
-        print(f"{r['protocol']:>8} {r['tokens_per_rank']:>5} {r['round_trip_us']:>8.1f} {r['floor_round_trip_us']:>7.1f} "
-              f"{r['round_trip_over_floor']:>5.2f} {f(r.get('barrier_floor_round_trip_us'), '>7.1f')} {f(r['dispatch_us'], '>8.1f')} {f(r.get('floor_dispatch_us'), '>7.1f')} "
-              f"{f(r['combine_us'], '>8.1f')} {f(r.get('dispatch_tbps'), '>9.2f')} {r['copy_floor_tbps']:>9.2f} "
-              f"{f(pct, '>5.0f')}% {f(r.get('peer_copy_floor_tbps'), '>9.2f')}")
+        how = {"dispatch-only graph": "g", "device timestamps": "ts"}.get(r.get("split_method"), "")
+        print(f"{r['protocol']:>8} {r['tokens_per_rank']:>5} {r['round_trip_us']:>8.1f} {r['floor_round_trip_us']:>6.1f} "
+              f"{f(r.get('round_trip_over_floor'), '>5.2f')} {f(r.get('barrier_floor_round_trip_us'), '>7.1f')} "
+              f"{f(r.get('dispatch_us'), '>8.1f')} {how:>2} {f(r.get('combine_us'), '>8.1f')} "
+              f"{f(pct(r.get('dispatch_of_bytes_floor')), '>5.0f')} {f(pct(r.get('combine_of_bytes_floor')), '>5.0f')} "
+              f"{f(r.get('bytes_floor_dispatch_us'), '>8.1f')} {f(r.get('bytes_floor_combine_us'), '>8.1f')} "
+              f"{f(r.get('dispatch_tbps'), '>9.2f')} {f(r.get('copy_floor_tbps'), '>9.2f')} "
+              f"{f(pct(r.get('dispatch_over_copy_bw')), '>5.0f')}% {f(r.get('peer_copy_floor_tbps'), '>9.2f')}")
+    stamped = [r for r in res["rows"] if r.get("stamped_round_trip_us") is not None]
+    if stamped:
+        print("device timestamps (stamp kernels' cost included): " + ", ".join(
+            f"{r['protocol']} T={r['tokens_per_rank']} {r['stamped_dispatch_us']:.1f}/{r['stamped_combine_us']:.1f}"
+            for r in stamped) + f" µs (timer step >= {min(r['globaltimer_smallest_step_ns'] for r in stamped)} ns)")
     if res.get("peer_copy_floor_reason"):
         print(f"peer copy floor: none ({res['peer_copy_floor_reason']})")
     print(f"measured crossover: SENTINEL faster up to {res['measured_sentinel_max_tokens']} tokens per rank")
@@ -105,6 +122,9 @@ def table(res) -> None:
         print(f"host overhead, T={h['tokens_per_rank']}: {h['host_us_per_rank_step']:.1f} µs per rank per "
               f"eager dispatch+combine = Python {h['python_us_per_rank_step']:.1f} + launches "
               f"(two bare launches: {h['two_bare_launches_us']:.1f} µs)")
+    for h in res.get("torch_host_overhead") or []:  # rows of ep_a2a.tools.bench_torch: printed as they come
+        print("torch host overhead: " + ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
+                                                   for k, v in h.items()))
 
 
 def plot(res, path: str) -> None:

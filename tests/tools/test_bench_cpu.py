@@ -1,5 +1,7 @@
-"""The benchmark's command line, rank placement, cross-process reduction and process
-supervision: everything of `python -m ep_a2a.bench` that runs without a GPU."""
+"""The benchmark's command line, rank placement, cross-process reduction, process
+supervision, the method's arithmetic and the report: everything of `python -m ep_a2a.bench`
+that runs without a GPU."""
+import importlib.util
 import multiprocessing as mp
 import os
 import threading
@@ -9,7 +11,7 @@ import uuid
 import numpy as np
 import pytest
 
-from ep_a2a.tools import bench, bench_cli, bench_procs, bench_report
+from ep_a2a.tools import bench, bench_cli, bench_method, bench_procs, bench_report
 from ep_a2a.bootstrap import UnixSocketBootstrap
 from ep_a2a.driver import device
 from ep_a2a.layout import MAX_RANKS
@@ -182,3 +184,121 @@ def test_table_prints_every_mode(mode, procs, gpus, shared, peer, capsys):
     assert ("peer copy floor: none" in out) == (gpus == 1)
     if peer is not None:
         assert f"{peer:.2f}" in out
+
+
+# -- the method's arithmetic (bench_method) ------------------------------------------------
+
+def test_per_round_takes_what_two_graph_lengths_share_out():
+    rng = np.random.default_rng()
+    for _ in range(20):
+        R, x, shared = int(rng.integers(1, 50)), rng.uniform(0.5, 3000), rng.uniform(0, 80)
+        per, outside = bench_method.per_round(shared + R * x, shared + 2 * R * x, R)
+        assert per == pytest.approx(x, rel=1e-12) and outside == pytest.approx(shared, rel=1e-9, abs=1e-9)
+    for bad in (0, -1, 2.0, None):
+        with pytest.raises(ValueError, match="rounds: must be an int >= 1"):
+            bench_method.per_round(1.0, 2.0, bad)
+
+
+def test_offsets_and_bytes_follow_the_distinct_targets():
+    rng = np.random.default_rng()
+    targets = [list(rng.permutation(8)[:rng.integers(1, 9)]) for _ in range(int(rng.integers(1, 40)))]
+    offs = bench_method.row_offsets(targets)
+    assert offs.dtype == np.int32 and offs[0] == 0 and list(np.diff(offs)) == [len(t) for t in targets]
+    b = bench_method.phase_bytes(targets, 14400, 14336, 14336)
+    sends = sum(map(len, targets))
+    assert b == dict(dispatch_read=len(targets) * 14400, dispatch_written=sends * 14400,
+                     combine_read=sends * 14336, combine_written=len(targets) * 14336)
+    assert [bench_method.padded(n) for n in (1, 16, 17, 14400, 7393)] == [16, 16, 32, 14400, 7408]
+
+
+def _gather_bytewise(partials, offsets, out_bytes):
+    """ep_floor_gather's rule, one byte at a time (independent of gather_reference)."""
+    in_bytes = partials.shape[1]
+    out = np.zeros((len(offsets) - 1, out_bytes), np.uint8)
+    for t in range(len(offsets) - 1):
+        for b in range(out_bytes):
+            j, tail = divmod(b, 16)
+            if b < out_bytes // 16 * 16:  # a vector byte: seed = vector index j, little-endian, in bytes 0..3
+                v, src = (j >> (8 * tail)) & 0xFF if tail < 4 else 0, (b if j < in_bytes // 16 else None)
+            else:  # a tail byte: seed = its index in the tail
+                k = b - out_bytes // 16 * 16
+                v, src = k, (in_bytes // 16 * 16 + k if k < in_bytes % 16 else None)
+            for r in range(offsets[t], offsets[t + 1]):
+                if src is not None:
+                    v ^= int(partials[r, src])
+            out[t, b] = v
+    return out
+
+
+@pytest.mark.parametrize("in_bytes,out_bytes", [(64, 64), (37, 70), (132, 256), (90, 41), (7, 7)])
+def test_gather_reference_is_the_kernels_rule(in_bytes, out_bytes):
+    rng = np.random.default_rng()
+    targets = [list(range(int(rng.integers(0, 12)))) for _ in range(5)]  # up to 11 rows: two load chunks
+    offs = bench_method.row_offsets(targets)
+    partials = rng.integers(0, 256, (int(offs[-1]), in_bytes), dtype=np.uint8)
+    np.testing.assert_array_equal(bench_method.gather_reference(partials, offs, out_bytes),
+                                  _gather_bytewise(partials, offs, out_bytes))
+    src = rng.integers(0, 256, (5, in_bytes), dtype=np.uint8)
+    rep = bench_method.scatter_reference(src, offs)
+    assert rep.shape == (offs[-1], in_bytes)
+    for t in range(5):
+        assert all((rep[r] == src[t]).all() for r in range(offs[t], offs[t + 1]))
+
+
+def _stamps(rng, replays, ranks, rounds, d, c, skew=0.0):
+    """Stamps of streams whose dispatches take d[rank] ns and combines c[rank] (plus up to
+    0.5 ns jitter), round 0's dispatch `skew` longer."""
+    s = np.zeros((replays, ranks, 2 * rounds + 1), np.int64)
+    s[:, :, 0] = rng.integers(10 ** 12, 2 * 10 ** 12, (replays, ranks))
+    for i in range(rounds):
+        s[:, :, 2 * i + 1] = s[:, :, 2 * i] + np.asarray(d) + (skew if i == 0 else 0)
+        s[:, :, 2 * i + 2] = s[:, :, 2 * i + 1] + np.asarray(c)
+    return s
+
+
+def test_stamp_split_leaves_round_zero_out_and_averages_ranks():
+    rng = np.random.default_rng()
+    d, c = rng.integers(2000, 9000, 4), rng.integers(1000, 5000, 4)
+    got = bench_method.stamp_split(_stamps(rng, 3, 4, 5, d, c, skew=50_000))
+    assert got["dispatch_us"] == pytest.approx(d.mean() / 1e3) and got["combine_us"] == pytest.approx(c.mean() / 1e3)
+    assert (got["rounds_used"], got["samples"]) == (4, 3 * 4 * 4)
+    assert got["smallest_step_ns"] == min(d.min(), c.min())
+    one = bench_method.stamp_split(_stamps(rng, 2, 1, 1, [3000], [1000], skew=500))  # one round: kept
+    assert (one["rounds_used"], one["dispatch_us"]) == (1, pytest.approx(3.5))
+    disp, comb = bench_method.split_round_trip(12.0, got["dispatch_us"], got["combine_us"])
+    assert disp + comb == pytest.approx(12.0) and disp / comb == pytest.approx(d.mean() / c.mean())
+
+
+def test_stamp_split_refuses_what_is_not_one_clock():
+    rng = np.random.default_rng()
+    s = _stamps(rng, 2, 2, 3, [100, 100], [100, 100])
+    s[1, 0, 3] = s[1, 0, 2] - 1
+    with pytest.raises(ValueError, match="earlier than the one before it"):
+        bench_method.stamp_split(s)
+    with pytest.raises(ValueError, match=r"expected \[replays, ranks, 2 \* rounds \+ 1\]"):
+        bench_method.stamp_split(s[:, :, :4])
+    with pytest.raises(ValueError, match="nothing to split by"):
+        bench_method.split_round_trip(10.0, 0.0, 0.0)
+
+
+def test_table_prints_the_per_round_method_floors_and_split(capsys):
+    r = _row(4096, 2100.0, 1200.0, None)
+    r.update(split_method="device timestamps", dispatch_of_bytes_floor=0.876, combine_of_bytes_floor=0.912,
+             bytes_floor_dispatch_us=1051.0, bytes_floor_combine_us=820.0, stamped_dispatch_us=1230.0,
+             stamped_combine_us=905.0, stamped_round_trip_us=2135.0, globaltimer_smallest_step_ns=32)
+    res = dict(device="GPU", mode="inproc", ep_size=8, procs=1, gpus=1, shared_gpu=False, peer_copy_floor_reason=None,
+               commit="abc", graph_rounds=[20, 40], config=dict(ranks=8, profile="deepseek-v3", format="bf16",
+                                                               routing="perfect", rounds=20),
+               rows=[r], measured_sentinel_max_tokens=None, host_overhead=[],
+               torch_host_overhead=[dict(tokens_per_rank=1, torch_host_us_per_rank_step=140.5)])
+    bench_report.table(res)
+    out = capsys.readouterr().out
+    assert "(t(40) - t(20)) / 20 rounds" in out and " ts " in out and " 88 " in out and " 91 " in out
+    assert "1230.0/905.0" in out and "timer step >= 32 ns" in out
+    assert "torch host overhead: tokens_per_rank=1, torch_host_us_per_rank_step=140.5" in out
+
+
+def test_no_torch_rows_without_torch():
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is importable here: bench_torch's rows are measured on a GPU")
+    assert bench.torch_host_rows(None, [1, 128]) is None
