@@ -73,6 +73,12 @@ def _jitted():
     return _JIT
 
 
+def traced_functions() -> dict:
+    """The router and expert functions of the layer, unjitted, for callers tracing their own
+    programs: router(logits, top_k, renormalize) -> (ids, weights); ragged_ffn(x, counts, w1t, w2t)."""
+    return _jitted()["traced"]
+
+
 def jax_device(ordinal: int):
     """The JAX GPU device of CUDA ordinal `ordinal`."""
     import jax
@@ -274,7 +280,7 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
             layer._jit_ops = ops
     tokens = [layer.check_inputs(x, router) for layer, x, router in zip(layers, xs, routers)]
     tmax = max([1] + tokens) if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
-    fns = _jitted()["traced"]
+    fns = traced_functions()
     routes = [tuple(router) if isinstance(router, (tuple, list)) else
               fns["router"](router, layer.top_k, layer.renormalize) for layer, router in zip(layers, routers)]
     routes = [(jax.numpy.asarray(i, jax.numpy.int32), jax.numpy.asarray(w, jax.numpy.float32)) for i, w in routes]

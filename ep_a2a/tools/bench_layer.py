@@ -249,6 +249,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--out", help="JSON path (default bench/results/<GPU>-moe-layer-<profile>-<ranks>ranks-<date>.json)")
+    ap.add_argument("--framework", choices=("torch", "jax"), default="torch",
+                    help="jax: the JAX layer jitted against the eager one and a jitted all-gather (tools/bench_layer_jax.py)")
     args = ap.parse_args(argv)
     if args.ranks < 1 or args.iters < 1 or args.warmup < 0:
         ap.error("--ranks and --iters must be >= 1, --warmup >= 0")
@@ -259,12 +261,20 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if no_gpu():
         return 1
+    if args.framework == "jax":
+        from .bench_layer_jax import run as run_jax
+        res = run_jax(args, PROFILES, commit)
+        args.profile += "-jax"
+    else:
+        res = None
     try:
         import torch  # noqa: F401
     except ImportError:
-        print("the layer benchmark needs PyTorch", file=sys.stderr)
-        return 1
-    res = run(args)
+        if res is None:
+            print("the layer benchmark needs PyTorch", file=sys.stderr)
+            return 1
+    if res is None:
+        res = run(args)
     path = args.out or os.path.join(
         os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "results",
         f"{res['device'].replace(' ', '_')}-moe-layer-{args.profile}-{args.ranks}ranks-{res['date'][:10]}.json")

@@ -1,0 +1,127 @@
+"""python -m ep_a2a.bench_layer --framework jax: the JAX MoE layer (ep_a2a/layers/jax.py) on
+in-process ranks of one GPU, jitted (moe_forward_traced: one XLA program for every rank, our
+dispatch and combine as XLA calls on its stream) against the same layer eager
+(moe_forward_all_ranks) and against a jitted all-gather baseline a JAX user would write
+without ep_a2a: every rank's tokens, ids and weights concatenated (the all-gather), each rank's
+local experts over the selections of all tokens (sorted by expert, jax.lax.ragged_dot, the
+router weight applied in fp32 and scattered back per token), the ranks' outputs summed and
+each rank's own rows sliced out (the reduce-scatter).
+
+Method: wall time of a whole step on the host, from the call to the results being ready
+(jax.block_until_ready; the eager layer synchronizes itself), median over --iters after
+--warmup, per token count. Routing: random logits through the router. Prints one line per
+token count and returns the rows (bench_layer.py writes the JSON)."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+
+import numpy as np
+
+
+def all_gather_step(layers):
+    """The jitted all-gather baseline over these layers: f(xs, logits) -> one output per rank."""
+    import jax
+    import jax.numpy as jnp
+    from ..layers.jax import traced_functions
+    router = traced_functions()["router"]
+
+    def step(xs, logits):
+        routes = [router(lg, layer.top_k, layer.renormalize) for layer, lg in zip(layers, logits)]
+        x = jnp.concatenate(xs)                                  # the all-gather
+        ids = jnp.concatenate([r[0] for r in routes])
+        w = jnp.concatenate([r[1] for r in routes])
+        n, k = ids.shape
+        total = jnp.zeros((n, x.shape[1]), jnp.float32)
+        for layer in layers:                                     # each rank's local experts
+            local = ids.reshape(-1) - layer.first_expert
+            mine = (local >= 0) & (local < layer.num_local)
+            key = jnp.where(mine, local, layer.num_local)
+            order = jnp.argsort(key, stable=True)
+            counts = jnp.bincount(key, length=layer.num_local + 1)[:layer.num_local].astype(jnp.int32)
+            rows = x[order // k]
+            h = jax.lax.ragged_dot(rows, layer.w1t, counts)
+            y = jax.lax.ragged_dot(jax.nn.silu(h[:, :layer.inter]) * h[:, layer.inter:], layer.w2t, counts)
+            wt = jnp.where(mine, w.reshape(-1), 0.0)[order]
+            total = total.at[order // k].add(y.astype(jnp.float32) * wt[:, None])   # the reduce-scatter's sum
+        outs, start = [], 0
+        for xr in xs:
+            outs.append(total[start:start + xr.shape[0]].astype(jnp.bfloat16))
+            start += xr.shape[0]
+        return outs
+    return jax.jit(step)
+
+
+def _median_us(fn, iters: int, warmup: int) -> float:
+    import jax
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)
+
+
+def run(args, profiles: dict, commit) -> dict:
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+    import jax.numpy as jnp
+    import ep_a2a
+    from ..layers.jax import JaxMoeLayer, jax_device, jit_forward_all_ranks, moe_forward_all_ranks, payload_specs
+    from ..moe import local_experts
+    from ..testing.layer_oracle import max_relative_error
+    p = dict(profiles[args.profile])
+    for k in ("hidden", "intermediate", "experts", "top_k"):
+        if getattr(args, k) is not None:
+            p[k] = getattr(args, k)
+    H, I, E, top_k, ep = p["hidden"], p["intermediate"], p["experts"], p["top_k"], args.ranks
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    gpu = jax_device(args.device)
+    put = lambda a: jax.device_put(jnp.asarray(a), gpu)  # noqa: E731
+    w1 = put((rng.standard_normal((E, 2 * I, H)) / H ** 0.5).astype(np.float32)).astype(jnp.bfloat16)
+    w2 = put((rng.standard_normal((E, H, I)) / I ** 0.5).astype(np.float32)).astype(jnp.bfloat16)
+    print(f"seed {seed}; {gpu.device_kind}; jax {jax.__version__}; {ep} ranks; hidden {H}, intermediate {I}, "
+          f"{E} experts, top_k {top_k}", file=sys.stderr)
+    protocol = "fence" if args.combine_quant else args.protocol
+    rows = []
+    with ep_a2a.LocalGroup([args.device] * ep) as group, \
+            ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(args.tokens), top_k=top_k, num_experts=E,
+                               payloads=payload_specs(H, top_k), combine_hidden_size=H, protocol=protocol,
+                               combine_quant=args.combine_quant, validate_expert_ids=False, on_timeout="abort") as a2a:
+        layers = []
+        try:
+            for r in a2a.ranks:
+                first, n = local_experts(E, ep, r.rank)
+                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm="ragged"))
+            base = all_gather_step(layers)
+            for T in args.tokens:
+                xs = [put(rng.standard_normal((T, H)).astype(np.float32)).astype(jnp.bfloat16) for _ in range(ep)]
+                logits = [put(rng.standard_normal((T, E)).astype(np.float32)) for _ in range(ep)]
+                jitted = jit_forward_all_ranks(layers, T)
+                ours = [np.asarray(o) for o in jax.block_until_ready(jitted(xs, logits))]
+                eager = [np.asarray(o) for o in moe_forward_all_ranks(layers, xs, logits, T)]
+                theirs = [np.asarray(o) for o in jax.block_until_ready(base(xs, logits))]
+                same = all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(ours, eager))
+                diff = max(max_relative_error(a.astype(np.float32), b.astype(np.float32)) for a, b in zip(ours, theirs))
+                row = dict(tokens_per_rank=T, jit_equals_eager_bitwise=same, max_rel_diff_vs_baseline=diff,
+                           jit_us=_median_us(lambda: jitted(xs, logits), args.iters, args.warmup),
+                           eager_us=_median_us(lambda: moe_forward_all_ranks(layers, xs, logits, T), args.iters, args.warmup),
+                           baseline_us=_median_us(lambda: base(xs, logits), args.iters, args.warmup))
+                rows.append(row)
+                print(f"T={T:5d}  jit {row['jit_us']:9.1f} µs   eager {row['eager_us']:9.1f} µs   all-gather (jit) "
+                      f"{row['baseline_us']:9.1f} µs   x{row['baseline_us'] / row['jit_us']:.2f} vs baseline, "
+                      f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; jit == eager bitwise: {same}; "
+                      f"vs baseline {diff:.2g}", file=sys.stderr, flush=True)
+        finally:
+            for layer in layers:
+                layer.close()
+    return dict(device=gpu.device_kind, jax=jax.__version__, framework="jax",
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit(),
+                config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
+                            device=args.device, tokens=args.tokens, iters=args.iters, warmup=args.warmup, seed=seed,
+                            protocol=protocol, combine_quant=args.combine_quant, gemm="ragged (jax.lax.ragged_dot)"),
+                method=__doc__, rows=rows)
