@@ -24,10 +24,12 @@ over host counts where that is missing or fails on this GPU (checked once, at co
 The grouped path computes the gated activation over all index.capacity rows (it does not
 know the total on the host): rows past the total hold garbage that nothing reads.
 
-Ranks in one process (ep_a2a.LocalGroup): moe_forward_all_ranks() runs a step in phases
-(layers/base.run_phases says why); the layer's buffers are allocated at construction and the
-dispatch and combine phases make no torch call at all. A rank alone in its process
-(ProcessGroup) may simply call forward().
+Every ep_a2a step runs through the registered torch ops (ep_a2a/ops/torch.py: dispatch,
+build_index, gather_rows, finalize, combine) on the rank's stream, with torch tensors: no
+DLPack exchange per call. Ranks in one process (ep_a2a.LocalGroup): moe_forward_all_ranks()
+runs a step in phases (layers/base.run_phases says why); the layer's buffers are allocated
+at construction and the dispatch and combine phases allocate nothing and never block the
+host. A rank alone in its process (ProcessGroup) may simply call forward().
 
 torch is imported inside functions only: `import ep_a2a` never needs it. (This module is
 ep_a2a.layers.torch; `import torch` in it is an absolute import and finds PyTorch itself.)
@@ -38,8 +40,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..interop.tensor import as_tensor
-from ..moe import ExpertIndex
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
 GEMMS = ("auto", "grouped", "loop")
@@ -117,7 +117,11 @@ class TorchMoeLayer(LayerBase):
         self.gemm = "grouped" if self._gmm is not None else "loop"
 
         self.stream = torch.cuda.ExternalStream(self.s, device=self.device)  # torch work of this rank runs here
-        self.index = ExpertIndex.for_rank(a2a_rank)
+        from ..ops import torch as ep_ops
+        self._ops = ep_ops
+        self.tr = ep_ops.bind(a2a_rank)
+        self.tix = ep_ops.expert_index(self.tr)
+        self.index = self.tix.index
         cap, I = self.ep_size * a.max_tokens_per_rank * self.top_k, self.inter
         bf = dict(dtype=torch.bfloat16, device=self.device)
         self._xg = torch.empty(cap, H, **bf)          # expert-major FC1 input (gather_rows)
@@ -125,11 +129,8 @@ class TorchMoeLayer(LayerBase):
         if self.gemm == "loop":
             self._h = torch.empty(cap, 2 * I, **bf)
             self._y = torch.empty(cap, H, **bf)
-            self._y_t = as_tensor(self._y, stream=-1)
         self._out = torch.empty(a.max_tokens_per_rank, H, **bf)
-        self._xg_t = as_tensor(self._xg, stream=-1)   # ep_a2a views: no DLPack exchange per call
-        self._out_t = as_tensor(self._out, stream=-1)
-        self._offsets = torch.from_dlpack(self.index.offsets)  # int32 [E_local + 1] on the device
+        self._offsets = self.tix.offsets  # int32 [E_local + 1] on the device
         self._offs = torch.empty(L, dtype=torch.int32, device=self.device)
         torch.cuda.synchronize(self.device)
         self.output = None
@@ -177,21 +178,27 @@ class TorchMoeLayer(LayerBase):
             # stream (a crash seen on the H200). The step keeps x, ids and w alive until its
             # combine is issued, and the caller's stream then waits for ours, so memory the
             # caller frees is reused only after our reads.
-            # ep_a2a views now (on this stream: no event): the dispatch phase must not call into torch
-            staged = [as_tensor(t, stream=self.s) for t in (ids, x, w)]
-        self._step = dict(T=T, tmax=int(runtime_max_tokens_per_rank), keep=(x, ids, w),
-                          ids=staged[0], x=staged[1], w=staged[2])
+        self._step = dict(T=T, tmax=int(runtime_max_tokens_per_rank), ids=ids, x=x, w=w)
         self.routing = (ids, w)
+
+    def dispatch(self) -> None:
+        """Phase 2: this rank's dispatch, through the torch op on its stream (no host blocking)."""
+        import torch
+        st = self._step
+        with torch.cuda.stream(self.stream):
+            st["views"] = self._ops.dispatch(self.tr, st["ids"], [st["x"], st["w"]], st["tmax"])
 
     def compute(self) -> None:
         """Phase 3: index, gather, FC1, activation, FC2, finalize into the combine input. Call it
         only once every rank of the process has dispatched (the loop GEMM syncs the host)."""
         import torch
         import torch.nn.functional as F
-        s, I = self.s, self.inter
-        idx = self.index_and_gather(self._xg_t)
-        cap = idx.capacity
+        I, ops = self.inter, self._ops
         with torch.cuda.stream(self.stream), torch.no_grad():
+            ids_v, (x_v, w_v) = self._step["views"]
+            ops.build_index(self.tix, ids_v, w_v)
+            ops.gather_rows(self.tix, x_v, self._xg)
+            cap = self.index.capacity
             xg = self._xg[:cap]
             if self.gemm == "grouped":
                 offs = self._offs
@@ -200,8 +207,7 @@ class TorchMoeLayer(LayerBase):
                 gate, up = h[:, :I], h[:, I:]
                 F.silu(gate, inplace=True)
                 act = torch.mul(gate, up, out=self._act[:cap])
-                y = self._gmm(act, self._w2t, offs=offs)
-                y_t = as_tensor(y, stream=s)  # y's memory returns to torch's cache on this stream: reuse waits
+                y = self._gmm(act, self._w2t, offs=offs)  # (freed on this stream: its reuse waits for finalize)
             else:
                 bounds = self._offsets.cpu().tolist()  # blocks until build_index ran (all ranks have dispatched)
                 h, total = self._h, bounds[-1]
@@ -216,15 +222,18 @@ class TorchMoeLayer(LayerBase):
                     a, b = bounds[e], bounds[e + 1]
                     if b > a:
                         torch.matmul(self._act[a:b], self.w_down[e].t(), out=self._y[a:b])
-                y_t = self._y_t
-        self.finalize_partials(idx, y_t)
+                y = self._y
+            tmax = self._step["tmax"]
+            ops.finalize(self.tix, y, ops.combine_input(self.tr, tmax, fp8=self._fp8))
 
     def combine(self):
         """Phase 4: launch this rank's combine into the layer's output buffer (no host blocking).
         Returns the bf16 [T, hidden] output: a view valid until this layer's next step, ready
         on this rank's stream (moe_forward_all_ranks makes the caller's stream wait for it)."""
-        T = self._step["T"]
-        self.combine_into(self._out_t.view(0, (T, self.hidden)))
+        import torch
+        T, tmax = self._step["T"], self._step["tmax"]
+        with torch.cuda.stream(self.stream):
+            self._ops.combine(self.tr, self._ops.combine_input(self.tr, tmax, fp8=self._fp8), tmax, out=self._out[:T])
         self._step = None
         self.output = self._out[:T]
         return self.output
@@ -247,6 +256,7 @@ class TorchMoeLayer(LayerBase):
         self.close_gate()
         if self.index is not None:
             self.a2a_rank.synchronize()
+            self.tix.release()
             self.index.close()
             self.index = None
 

@@ -1,0 +1,90 @@
+"""torch tensors and ep_a2a Tensors without a DLPack exchange per call.
+
+A DLPack exchange costs tens of µs per tensor (torch builds stream objects and records an
+event each time), more than a whole dispatch launch. The torch ops (ep_a2a/ops/torch.py)
+instead keep one ep_a2a Tensor per argument position (`TensorSlot`) and rewrite its fields
+from each torch tensor passed there: data pointer, shape, strides, dtype and device, read
+through torch's cheap accessors. The all-to-all then checks that Tensor by its usual rules
+(and skips them when nothing changed: validate.CheckedInputs, fastpath.Repeat), with the
+usual messages naming the argument. Nothing is ordered between streams here: the ops launch
+on the stream the tensors are used on (torch's current stream), which is what makes that safe.
+
+The other direction, `torch_view`, turns a workspace view into a torch tensor once (one
+DLPack exchange, made when a view is first needed and then cached by the caller).
+torch is imported only when one of these runs.
+"""
+from __future__ import annotations
+
+from .tensor import CPU, CUDA, DTYPES, Tensor
+
+_BY_TORCH = {}   # torch.dtype -> DType (filled on first use: importing this module needs no torch)
+_TO_TORCH = {}   # DType name -> torch.dtype
+
+
+def _tables() -> dict:
+    if not _BY_TORCH:
+        import torch
+        for name, d in DTYPES.items():
+            t = getattr(torch, name, None)
+            if isinstance(t, torch.dtype):
+                _BY_TORCH[t], _TO_TORCH[name] = d, t
+    return _BY_TORCH
+
+
+def torch_dtype(name: str):
+    """The torch.dtype of an ep_a2a dtype name (TypeError when torch has none)."""
+    _tables()
+    t = _TO_TORCH.get(name)
+    if t is None:
+        raise TypeError(f"dtype {name}: this torch has no such dtype")
+    return t
+
+
+class TensorSlot:
+    """One argument position's ep_a2a Tensor, rewritten in place from each torch tensor passed
+    there. The same Tensor object every call lets the all-to-all's repeat fast path recognise
+    a call whose tensors sit where the last call's did (a steady-state engine, where the
+    caching allocator hands out the same blocks); any change of address, shape, strides,
+    dtype or device takes the full checks, as for a Tensor changed in place. The slot holds
+    no reference to the torch tensor: the caller does, for the call, and the kernels run on
+    the stream it is used on."""
+    __slots__ = ("name", "tensor")
+
+    def __init__(self, name: str):
+        self.name, self.tensor = name, None
+
+    def __call__(self, t) -> Tensor:
+        by = _BY_TORCH or _tables()
+        dt = by.get(t.dtype)
+        if dt is None:
+            raise TypeError(f"{self.name}: torch dtype {t.dtype} has no ep_a2a equivalent "
+                            f"(ep_a2a handles {', '.join(DTYPES)})")
+        ordinal = t.get_device()  # -1 on the CPU: the all-to-all's device rule names it
+        device = (CUDA, ordinal) if ordinal >= 0 else (CPU, 0)
+        w = self.tensor
+        if w is None:
+            w = self.tensor = Tensor(t.data_ptr(), tuple(t.shape), dt, device=device, strides=t.stride())
+            return w
+        w.ptr = t.data_ptr()
+        shape = t.shape
+        if shape != w.shape:
+            w.shape = tuple(shape)
+        strides = t.stride()
+        if strides != w.strides:
+            w.strides = strides
+        if dt is not w.dtype:
+            w.dtype = dt
+        if device != w.device:
+            w.device = device
+        return w
+
+
+def torch_view(t: Tensor):
+    """A torch tensor over the memory of a contiguous CUDA ep_a2a Tensor (one DLPack exchange,
+    as bytes, then viewed as its dtype: float8 and the unsigned types cross whatever this
+    torch's DLPack import supports). It keeps `t` (hence its owner) alive."""
+    import torch
+    if not t.is_contiguous:
+        raise ValueError(f"torch_view: needs a contiguous tensor, got strides {t.strides} for shape {t.shape}")
+    raw = Tensor(t.ptr, (t.nbytes,), "uint8", device=t.device, owner=t)
+    return torch.from_dlpack(raw).view(torch_dtype(t.dtype.name)).view(t.shape)

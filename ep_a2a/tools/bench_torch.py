@@ -1,0 +1,180 @@
+"""python -m ep_a2a.tools.bench_torch: host time of eager dispatch + combine through the torch ops.
+
+The same measurement as Bench.host_overhead (µs of host time per rank per eager dispatch +
+combine, arguments reused, no synchronization inside the timed loop, in-process ranks),
+with torch tensors on torch streams through ep_a2a.ops.torch, beside the ep_a2a-Tensor path
+and two bare launches timed in the same run:
+
+  torch_ops_us            ops.dispatch + ops.combine (out=None: a new torch tensor each
+                          step), the same torch tensors every step: what an engine pays
+  torch_ops_moved_us      the same with the inputs alternating between two sets of tensors,
+                          so every call sees new addresses (the all-to-all's full checks)
+  torch_impl_direct_us    the ops' implementations called as Python functions: the rest
+                          of torch_ops_us is the torch dispatcher's share
+  stream_switch_us        torch.cuda.set_stream to each rank's stream (in-process ranks
+                          need one stream each; a rank alone in its process does not pay
+                          it), included in the three above and also given alone
+  ep_a2a_tensors_us       RankAlltoAll.dispatch/combine with ep_a2a Tensors (fast path)
+  two_bare_launches_us    two launches of the prepacked empty kernel per rank
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _torch_inputs(b, T: int, torch):
+    """Per rank: (ids int32 [T, top_k], [payloads]) as torch tensors, random."""
+    from ..testing.formats import routing
+    from ..interop.torch_tensor import torch_dtype
+    a = b.a2a
+    out = []
+    for r in a.ranks:
+        dev = torch.device("cuda", r.device.ordinal)
+        ids = torch.from_numpy(routing("perfect", b.route_rng, T, a.top_k, a.num_experts, a.ep_size, r.rank)).to(dev)
+        pays = []
+        for s in a.payload_specs:
+            raw = torch.randint(0, 256, (T, s.bytes_per_token), dtype=torch.uint8, device=dev)
+            if s.dtype in ("bfloat16", "float16", "float32"):  # finite values (NaN bits are SENTINEL-escaped)
+                raw = torch.randn(T, *s.shape, device=dev).to(torch_dtype(s.dtype)).view(torch.uint8).reshape(T, -1)
+            pays.append(raw.view(torch_dtype(s.dtype)).reshape(T, *s.shape))
+        out.append((ids.to(torch.int32).contiguous(), pays))
+    return out
+
+
+def torch_host_overhead(b, T: int, iters: int = None) -> dict:
+    """µs of host time per rank per eager dispatch + combine through the torch ops (module
+    docstring), for Bench `b` (in-process ranks) at T tokens per rank (T^ = T)."""
+    import torch
+    from ..interop.arrays import from_numpy
+    from ..ops import torch as ops
+    a, ranks = b.a2a, b.a2a.ranks
+    iters = iters or 200
+    fp8 = a.combine_quant == "fp8" and getattr(b, "epilogue_fp8", False)
+    streams = [torch.cuda.ExternalStream(r.default_stream, device=torch.device("cuda", r.device.ordinal)) for r in ranks]
+    binds = [ops.bind(r) for r in ranks]
+    sets = [_torch_inputs(b, T, torch), _torch_inputs(b, T, torch)]
+    for tr in binds:  # finite partial results (bytes below 0x78: no NaN in bf16, e4m3 or fp32)
+        tr.prepare([T])
+        cin = ops.combine_input(tr, T, fp8=fp8)
+        for t in (cin if fp8 else (cin,)):
+            t.view(torch.uint8).copy_(torch.randint(0, 120, t.view(torch.uint8).shape, dtype=torch.uint8))
+    torch.cuda.synchronize()
+    keep = torch.cuda.current_stream()
+
+    def ops_step(inputs):
+        for (ids, pays), tr, st in zip(inputs, binds, streams):
+            torch.cuda.set_stream(st)
+            ops.dispatch(tr, ids, pays, T)
+        for tr, st in zip(binds, streams):
+            torch.cuda.set_stream(st)
+            ops.combine(tr, ops.combine_input(tr, T, fp8=fp8), T)
+        torch.cuda.set_stream(keep)
+
+    def moved_step(i):
+        ops_step(sets[i & 1])
+
+    def direct_step(inputs):
+        for (ids, pays), tr, st in zip(inputs, binds, streams):
+            torch.cuda.set_stream(st)
+            views = tr.dispatch_views(T)
+            ops.dispatch_impl(tr.handle, ids, pays, T, views[0], views[1])
+        for tr, st in zip(binds, streams):
+            torch.cuda.set_stream(st)
+            cin = ops.combine_input(tr, T, fp8=fp8)
+            part, scales = cin if fp8 else (cin, None)
+            out = torch.empty((T, tr.hidden), dtype=tr.combine_dtype, device=tr.device)
+            ops.combine_impl(tr.handle, part, scales, tr.dispatch_views(T)[0], T, out)
+        torch.cuda.set_stream(keep)
+
+    def switch_only():
+        for st in streams:
+            torch.cuda.set_stream(st)
+        for st in streams:
+            torch.cuda.set_stream(st)
+        torch.cuda.set_stream(keep)
+
+    def host(t, itemsize):  # a torch tensor's bytes on the host, as unsigned ints of its element size
+        return t.contiguous().view(torch.uint8).cpu().numpy().view(f"u{itemsize}").reshape(t.shape)
+    ins = [(from_numpy(ids.cpu().numpy(), r.device, "int32"),
+            [from_numpy(host(p, p.element_size()), r.device, s.dtype) for p, s in zip(pays, a.payload_specs)])
+           for (ids, pays), r in zip(sets[0], ranks)]
+    cins = [r.combine_input(T, fp8=fp8) for r in ranks]
+
+    def tensor_step():
+        for (x_ids, pays), r in zip(ins, ranks):
+            r.dispatch(x_ids, pays, T)
+        for c, r in zip(cins, ranks):
+            r.combine(c, T)
+
+    def bare():
+        for r in ranks:
+            r.launch_empty()
+            r.launch_empty()
+
+    def per_rank_us(body, indexed=False) -> float:
+        for i in range(8):  # past the first steps' longer timeouts: the fast path applies from the 6th
+            body(i) if indexed else body()
+        a.synchronize()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i in range(iters):
+            body(i) if indexed else body()
+        t1 = time.perf_counter()
+        a.synchronize()
+        torch.cuda.synchronize()
+        return (t1 - t0) / iters / len(ranks) * 1e6
+
+    res = dict(tokens_per_rank=T, ranks=len(ranks), iters=iters,
+               torch_ops_us=per_rank_us(lambda: ops_step(sets[0])),
+               torch_ops_moved_us=per_rank_us(moved_step, indexed=True),
+               torch_impl_direct_us=per_rank_us(lambda: direct_step(sets[0])),
+               stream_switch_us=per_rank_us(switch_only),
+               ep_a2a_tensors_us=per_rank_us(tensor_step),
+               two_bare_launches_us=per_rank_us(bare))
+    res["torch_ops_copies"] = ops.copies()
+    return res
+
+
+def main(argv=None) -> int:
+    import secrets
+    import ep_a2a
+    from . import bench, bench_cli
+    from .bench_report import no_gpu
+    ap = argparse.ArgumentParser(prog="python -m ep_a2a.tools.bench_torch", description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--tokens", default="1,128")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--profile", default="deepseek-v3", choices=list(bench.PROFILES))
+    ap.add_argument("--protocol", default="fence", choices=["fence", "sentinel", "auto"])
+    ap.add_argument("--out", default=None, help="JSON path")
+    args = ap.parse_args(argv)
+    if no_gpu():
+        return 1
+    tokens = [int(t) for t in args.tokens.split(",")]
+    bargs = bench_cli.parse_args(["--ranks", str(args.ranks), "--tokens", ",".join(map(str, tokens)),
+                                  "--profile", args.profile, "--protocol", args.protocol])
+    rows = []
+    with ep_a2a.LocalGroup([0] * args.ranks) as group:
+        b = bench.Bench(bargs, group, secrets.randbits(63))
+        try:
+            b.a2a.use_protocol(args.protocol)
+            for T in tokens:
+                rows.append(torch_host_overhead(b, T, args.iters))
+        finally:
+            b.close()
+    keys = [k for k in rows[0] if k.endswith("_us")]
+    print("tokens  " + "  ".join(f"{k[:-3]:>20s}" for k in keys))
+    for row in rows:
+        print(f"{row['tokens_per_rank']:6d}  " + "  ".join(f"{row[k]:20.1f}" for k in keys))
+    doc = dict(method=__doc__, profile=args.profile, protocol=args.protocol, rows=rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
