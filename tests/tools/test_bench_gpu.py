@@ -136,14 +136,14 @@ def _common(res, rows_want, rounds):
 @pytest.mark.gpu
 def test_procs_mode_two_rank_processes(tmp_path):
     out = tmp_path / "procs.json"
-    rc = bench_cli.main(["--mode", "procs", "--procs", "2", "--tokens", "1,8", "--rounds", "2", "--replays", "3",
+    rc = bench_cli.main(["--mode", "procs", "--procs", "2", "--tokens", "1,8", "--rounds", "3", "--replays", "3",
                      "--protocol", "fence", "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     gpus = min(2, device.device_count())
     assert (res["mode"], res["procs"], res["ep_size"], res["gpus"]) == ("procs", 2, 2, gpus)
     assert res["shared_gpu"] is (gpus == 1)
-    _common(res, [("fence", 1), ("fence", 8)], 2)
+    _common(res, [("fence", 1), ("fence", 8)], 3)
     if gpus == 1:
         assert all(r["peer_copy_floor_tbps"] is None for r in res["rows"])
         assert "one GPU" in res["peer_copy_floor_reason"]
@@ -155,11 +155,11 @@ def test_procs_mode_two_rank_processes(tmp_path):
 @pytest.mark.gpu
 def test_inproc_mode_smoke(tmp_path):
     out = tmp_path / "inproc.json"
-    rc = bench_cli.main(["--ranks", "2", "--tokens", "1,4", "--rounds", "2", "--replays", "5",
+    rc = bench_cli.main(["--ranks", "2", "--tokens", "1,4", "--rounds", "4", "--replays", "5",
                      "--protocol", "fence,sentinel", "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
     assert (res["mode"], res["procs"], res["ep_size"], res["gpus"], res["shared_gpu"]) == ("inproc", 1, 2, 1, False)
-    _common(res, [("fence", 1), ("fence", 4), ("sentinel", 1), ("sentinel", 4)], 2)
+    _common(res, [("fence", 1), ("fence", 4), ("sentinel", 1), ("sentinel", 4)], 4)
     assert all(r["peer_copy_floor_tbps"] is None for r in res["rows"]) and res["peer_copy_floor_reason"]
     assert res["config"]["ranks"] == 2
