@@ -253,7 +253,6 @@ class RankAlltoAll:
         self._out = DeviceAllocation(dev, a2a.max_tokens_per_rank * L.combine_bytes)
         self.steps = 0
         self._prev_early = False
-        self._prev_step_protocol = None  # every rank computes the same sequence (from T^)
         self._views = {}               # runtime max -> cached workspace views (no per-call objects)
         self._dispatched_tmax = None   # runtime_max of the dispatch awaiting its combine
         self._local_tokens = 0
@@ -368,7 +367,6 @@ class RankAlltoAll:
             d.vec = schedule.vector_bytes(d.bytes_per_token, t.ptr)
         proto = a.protocol_for(tmax)
         launch = self._launches[proto][0]
-        p.wait_prev_combine = int(proto == "fence" and self._prev_step_protocol == "sentinel")
         q = self._quantizing_combine
         sch = self.schedule
         launch.grid = self._grid(sch.dispatch_want(T, tmax, proto),
@@ -482,7 +480,6 @@ class RankAlltoAll:
             copy_dtod_async(*stage, s)
         self._launch(launch, s)
         self._dispatched_tmax = None
-        self._prev_step_protocol = proto
         release_frees_if_safe(s)
         out_t.stream = s
         self._repeat_combine = fastpath.Repeat.of(self, steps_before, early_before, stream, tmax, [partial, out], s, T,
@@ -513,7 +510,6 @@ class RankAlltoAll:
             copy_dtod_async(*stage, r.s)
         self._launch(r.launch, r.s)
         self._dispatched_tmax = None
-        self._prev_step_protocol = r.proto
         release_frees_if_safe(r.s)
         out_t.stream = r.s
         return out_t
@@ -527,7 +523,7 @@ class RankAlltoAll:
 
     def repeat_state(self) -> tuple:
         """What a repeated call's result depends on besides its arguments (fastpath.Repeat)."""
-        return (self._prev_early, self._prev_step_protocol, self.a2a.protocol, self._tag_hi, self._quantizing_combine)
+        return (self._prev_early, self.a2a.protocol, self._tag_hi, self._quantizing_combine)
 
     @property
     def last_grids(self) -> tuple:

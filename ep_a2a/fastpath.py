@@ -5,9 +5,10 @@ byte for byte the same.
 Engines call with the same buffers every step. A call repeats the last one when it gets
 the same ep_a2a Tensor objects (same address, shape, strides, dtype and device) for every
 tensor argument, the same T^ (an int) and stream (None or an int handle), and finds the
-state its result depended on unchanged (RankAlltoAll.repeat_state: PDL's trigger choice before it, the
-previous step's protocol, the protocol setting, the active-rank tag, whether the last
-combine quantized), and the first steps' longer timeouts are over.
+state its result depended on unchanged (RankAlltoAll.repeat_state: PDL's trigger choice before it,
+the protocol setting, the active-rank tag, whether the last combine quantized), and the first
+steps' longer timeouts are over. A Tensor whose `stream` names another stream than the call's
+takes the full path, which orders that stream's work first (as_tensor).
 Framework tensors always take the full path (their DLPack exchange orders streams).
 """
 from __future__ import annotations
@@ -51,6 +52,7 @@ class Repeat:
             if refs[i] is None:
                 if t is not None:
                     return False
-            elif t is None or refs[i]() is not t or (t.ptr, t.shape, t.strides, t.dtype, t.device) != geo[i]:
+            elif t is None or refs[i]() is not t or (t.ptr, t.shape, t.strides, t.dtype, t.device) != geo[i] \
+                    or (t.stream is not None and t.stream != self.s):
                 return False  # (a dead ref reads None; a tensor changed in place takes the full path's checks)
         return True

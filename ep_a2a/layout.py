@@ -16,7 +16,9 @@ sections (each 256-byte aligned; offsets identical on every rank):
               the sender's step tag (T^ and active-set hash) u32[ep_size], combine flags
               u32[ep_size]; the abort word (0, or 1 + the rank that gave up: abort mode
               only, written by whichever rank timed out first). SENTINEL adds nothing here.
-  local       this rank only: step counter (epoch), finished-blocks counter, count of
+  local       this rank only: step counter (epoch) and, in the word after it, which protocol
+              the last combine ran (1: SENTINEL; read by a FENCE dispatch on the device, so
+              that a graph replayed after any other works), finished-blocks counter, count of
               selections dropped because their rank was inactive, slot counters u32[ep_size], and the (target rank, slot) record of every selection
               i32[max_tokens_per_rank][top_k].
   recv[p]     dispatch workspace of payload p: ep_size regions of runtime_max_tokens_per_rank
@@ -148,7 +150,6 @@ class A2AParams(ctypes.Structure):
         ("num_payloads", ctypes.c_int32),
         ("combine_kind", ctypes.c_int32),            # SENTINEL escape of the partial results
         ("combine_slot_bytes", ctypes.c_int32),      # SENTINEL combine slot stride
-        ("wait_prev_combine", ctypes.c_int32),       # FENCE dispatch after a SENTINEL step: wait for peers' combine
         ("trigger_early", ctypes.c_int32),           # PDL: let the next kernel launch at once (small grids)
         ("combine_splits", ctypes.c_int32),          # blocks sharing one token's reduction (small batches)
         ("combine_prequantized", ctypes.c_int32),    # FP8 combine: the MoE epilogue wrote combine_q itself
@@ -162,14 +163,14 @@ class A2AParams(ctypes.Structure):
 class ErrorRecord(ctypes.Structure):
     """What a kernel leaves for the host before it traps (or, in abort mode, returns)."""
     _fields_ = [
-        ("kind", ctypes.c_uint32),       # 0: none, ERR_TIMEOUT, ERR_TMAX_MISMATCH, ERR_PEER_ABORTED
+        ("kind", ctypes.c_uint32),       # 0: none, ERR_*; written last (release): non-zero = complete
         ("rank", ctypes.c_int32),        # the rank that waited
         ("phase", ctypes.c_int32),       # PHASE_NAMES
         ("peer", ctypes.c_int32),        # the rank it waited for
         ("epoch", ctypes.c_uint32),      # the step it waited for
         ("observed", ctypes.c_uint32),   # what it last read
         ("expected", ctypes.c_uint32),
-        ("pad", ctypes.c_uint32),
+        ("claim", ctypes.c_uint32),      # 1 once a failing thread took the record (it alone writes it)
     ]
 
 
@@ -247,7 +248,7 @@ class WorkspaceLayout:
         take("off_dispatch_flags", 8 * P)
         take("off_tmax", 4 * P)
         take("off_combine_flags", 4 * P)
-        take("off_epoch", 4)
+        take("off_epoch", 8)   # u32 epoch, u32 "the last combine was SENTINEL's"
         take("off_done", 4)
         take("off_abort", 4)
         take("off_dropped", 4)

@@ -95,7 +95,7 @@ class CheckedInputs:
         seen = self.seen.get(name)  # (a dead reference reads None: None itself never matches)
         if seen is not None and obj is not None and seen[0]() is obj and seen[1] == (
                 obj.ptr, obj.shape, obj.strides, obj.dtype, obj.device, rows, inner, dtype):
-            return obj
+            return obj if obj.stream is None or obj.stream == stream else as_tensor(obj, stream=stream)
         t = token_tensor(obj, name, inner, dtype, rows, stream, ordinal=self.ordinal, max_tokens=self.max_tokens,
                          leading_dims=leading_dims)
         if type(obj) is Tensor:

@@ -91,9 +91,8 @@ EP_DEVICE void publish_counts(const A2AParams& p, const SlotCounters& cnt, unsig
 }
 
 // Line 11, in every block (the sanitize is spread over the grid): wait for the flags of all
-// active source ranks; C[s][r] into s_count (an inactive rank sent nothing: count 0). After
-// a failed wait (abort mode) the count is the previous step's, bounded by
-// max_tokens_per_rank like every count.
+// active source ranks; C[s][r] into s_count (an inactive rank sent nothing: count 0). Once
+// any rank gave up (abort mode) every count is 0, so that every slot reads as empty.
 EP_DEVICE void wait_counts(const A2AParams& p, unsigned f, unsigned* s_count) {
   const int s = p.rank;
   for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) {
@@ -109,7 +108,10 @@ EP_DEVICE void wait_counts(const A2AParams& p, unsigned f, unsigned* s_count) {
     s_count[r] = min(flag_count(v), static_cast<unsigned>(p.runtime_max_tokens_per_rank));
     check_step_tag(p, EP_PHASE_DISPATCH, r, f, section<const unsigned>(p, s, p.off_tmax)[r]);
   }
-  __syncthreads();
+  if (block_sees_abort(p)) {  // poison: no slot holds a token (protocol.cuh)
+    for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) s_count[r] = 0;
+    __syncthreads();
+  }
 }
 
 // Lines 13-15: slots past each source's count get invalid expert ids.
@@ -203,6 +205,18 @@ EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records) {
     __syncthreads();
   }
 }
+// After an abort (protocol.cuh): the bytes pull_and_reduce would have written, all-ones.
+template <typename T, bool Q8>
+EP_DEVICE void poison_rows(const A2AParams& p) {
+  const int splits = p.combine_splits;
+  const unsigned unit = Q8 ? Q8_UNIT * sizeof(T) : p.combine_vec;  // bytes of one vector v
+  const unsigned nvec = p.combine_bytes / unit;
+  for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
+    const int i = w / splits, part = w % splits;
+    poison_bytes(reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes,
+                 static_cast<size_t>(nvec * part / splits) * unit, static_cast<size_t>(nvec * (part + 1) / splits) * unit);
+  }
+}
 }  // namespace
 
 // Lines 16-23. T: the element type of the partial results (bf16, fp16, fp32); Q8: pull
@@ -214,11 +228,17 @@ __device__ void fence_combine(const A2AParams& p) {
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);
 
+  fence_step_done(p);                                      // (for the next dispatch: protocol.cuh)
   publish_partials<T, Q8>(p, f);                           // lines 17-19
   wait_steps(p, p.off_combine_flags, f, EP_PHASE_COMBINE);  // line 20
   __syncthreads();  // line 21: the pollers' acquires order the whole block's pulls (bar.sync is cumulative)
   if (!p.trigger_early) griddep_launch_dependents();
   pull_and_reduce<T, Q8>(p, records);                      // lines 22-23
+  // After the reduction, not instead of it: no value of it stays live across the branch (a
+  // branch before it cost the FP8 kernels spills). A block whose wait gave up set the abort
+  // word itself, so it always poisons; one that poisons without need only does so in a step
+  // that another rank aborted.
+  if (p.abort_on_timeout && block_sees_abort(p)) poison_rows<T, Q8>(p);
 }
 
 // 512, 2: as fence_dispatch (the FP8 ones too: their reduction holds 8-byte loads for that).

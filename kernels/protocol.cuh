@@ -23,6 +23,10 @@ EP_DEVICE unsigned* abort_word(const A2AParams& p, int r) { return section<unsig
 // every block reads it before the last block of a dispatch moves it on.
 EP_DEVICE unsigned read_epoch(const A2AParams& p) { return ld_volatile(section<unsigned>(p, p.rank, p.off_epoch)); }
 EP_DEVICE void advance_epoch(const A2AParams& p, unsigned f) { *section<unsigned>(p, p.rank, p.off_epoch) = f; }
+// The word after the epoch: 1 when this rank's last combine was SENTINEL's, 0 after FENCE's
+// (the protocol switch below). Kept on the device, not decided by the host from its last
+// call: an engine replays graphs captured in one order in any other.
+EP_DEVICE unsigned* last_combine_sentinel(const A2AParams& p) { return section<unsigned>(p, p.rank, p.off_epoch) + 1; }
 
 // ---- failure record
 // Record why a wait failed where the host can read it even after the context is lost
@@ -35,10 +39,13 @@ EP_DEVICE void advance_epoch(const A2AParams& p, unsigned f) { *section<unsigned
 EP_DEVICE void report_failure(const A2AParams& p, unsigned kind, int phase, int peer,
                              unsigned epoch, unsigned observed, unsigned expected) {
   ErrorRecord* rec = reinterpret_cast<ErrorRecord*>(p.error_record);
-  if (atomicCAS(&rec->kind, 0u, kind) == 0u) {
+  // The host decodes the record as soon as `kind` is non-zero, so `kind` is written last,
+  // with release order after the fields; the claim word decides which thread writes them.
+  if (atomicCAS(&rec->claim, 0u, 1u) == 0u) {
     st_volatile(&rec->rank, p.rank); st_volatile(&rec->phase, phase); st_volatile(&rec->peer, peer);
     st_volatile(&rec->epoch, epoch); st_volatile(&rec->observed, observed); st_volatile(&rec->expected, expected);
-    __threadfence_system();
+    st_release_sys(&rec->kind, kind);
+    fence_release_sys();  // (pushes the record out before a trap)
   }
   if (!p.abort_on_timeout) trap();
   for (int r = 0; r < p.ep_size; ++r)
@@ -48,6 +55,24 @@ EP_DEVICE void report_failure(const A2AParams& p, unsigned kind, int phase, int 
 // A peer's step tag (T^ and active-set hash) differs from ours: the ranks disagree on the step.
 EP_DEVICE void check_step_tag(const A2AParams& p, int phase, int peer, unsigned f, unsigned peer_tag) {
   if (peer_tag != p.step_tag) report_failure(p, EP_ERR_TMAX_MISMATCH, phase, peer, f, peer_tag, p.step_tag);
+}
+
+// ---- after an abort: outputs that say so
+// In abort mode a failed wait returns without the data, so the step's outputs would be
+// whatever the workspace held. Every kernel therefore asks, once its waits are over, whether
+// any rank gave up (our abort word: set before the giving-up rank publishes anything more,
+// and sticky until the all-to-all is rebuilt), and then writes poison instead of results:
+// -1 for every received expert id (no token arrived), all-ones bytes (NaN in every float
+// format) for every combined row. An engine replaying graphs makes no Python call that
+// would raise; it sees NaN, and MoeAlltoAll.error() says why. One block-uniform answer
+// (thread 0 reads the word) also acts as the block barrier the caller needed anyway. Trap
+// mode never gets here with missing data: the answer is false without a load.
+EP_DEVICE bool block_sees_abort(const A2AParams& p) {
+  return __syncthreads_or(p.abort_on_timeout && threadIdx.x == 0 && ld_volatile(abort_word(p, p.rank)) != 0);
+}
+// Bytes [b0, b1) of an output row set to all-ones (a failure path: plain byte stores).
+EP_DEVICE void poison_bytes(char* row, size_t b0, size_t b1) {
+  for (size_t b = b0 + threadIdx.x; b < b1; b += blockDim.x) row[b] = static_cast<char>(0xFF);
 }
 
 // ---- the wait with a deadline
@@ -159,19 +184,27 @@ EP_DEVICE void publish_combine_flag(const A2AParams& p, unsigned f) {
 // publishing its combine flag (release: this rank's reads of its workspace, the SENTINEL
 // dispatch's and the MoE kernels' before us, come first), and a FENCE dispatch that follows
 // a SENTINEL step waits for every rank's flag first. After a FENCE step our own combine
-// already waited for every rank's flag.
+// already waited for every rank's flag. Each combine leaves its protocol in
+// last_combine_sentinel for the dispatch after it (the next kernel of this stream reads it
+// after griddep_wait, so the kernel boundary orders it).
 EP_DEVICE void sentinel_step_done(const A2AParams& p, unsigned f) {
   const FinishedBlocks blocks(p);
   if (blocks.elect_last() && threadIdx.x < 32) {
     blocks.acquire();
     publish_combine_flag(p, f);
     __syncwarp();
-    if (threadIdx.x == 0) blocks.reset();
+    if (threadIdx.x == 0) {
+      blocks.reset();
+      *last_combine_sentinel(p) = 1;
+    }
   }
 }
-// Before a FENCE dispatch of step f writes to any peer; f - 1 was a SENTINEL step.
+EP_DEVICE void fence_step_done(const A2AParams& p) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *last_combine_sentinel(p) = 0;
+}
+// Before a FENCE dispatch of step f writes to any peer, when step f - 1 was SENTINEL's.
 EP_DEVICE void wait_sentinel_step_done(const A2AParams& p, unsigned f) {
-  if (p.wait_prev_combine) {
+  if (ld_volatile(last_combine_sentinel(p))) {
     wait_steps(p, p.off_combine_flags, f - 1, EP_PHASE_DISPATCH);
     __syncthreads();
   }

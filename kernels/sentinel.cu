@@ -165,7 +165,10 @@ EP_DEVICE void send_slot(const A2AParams& p, int i, unsigned f, int* records) {
   for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
     const int r = x / W, k = x % W;
     if (!rank_active(p, r)) continue;
-    const int v = k == K ? static_cast<int>(p.step_tag) : (s_is_target[r] ? ids[k] : -1);
+    int v = k == K ? static_cast<int>(p.step_tag) : (s_is_target[r] ? ids[k] : -1);
+    // An input id equal to the slot's sentinel (invalid anyway: it is negative) would read as
+    // "not arrived" and stall the receiver: it travels as -1, like every invalid id here.
+    if (v == static_cast<int>(EP_SENTINEL_IDS)) v = -1;
     id_slot(p, r, s, i, f)[k] = static_cast<unsigned>(v);
   }
   __syncthreads();
@@ -178,11 +181,11 @@ EP_DEVICE void receive_slot(const A2AParams& p, int r, int i, unsigned f) {
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k, W = p.top_k + 1;
   int* const out_ids = section<int>(p, s, p.payloads[0].recv_offset) + (static_cast<size_t>(r) * tmax + i) * K;
   int has = 0;
-  if (!rank_active(p, r)) {  // an inactive rank sends nothing: its region holds no token
-    if (threadIdx.x < K) out_ids[threadIdx.x] = -1;
-  } else if (threadIdx.x < W) {
+  unsigned v = static_cast<unsigned>(-1);
+  const bool active = rank_active(p, r);  // an inactive rank sends nothing: its region holds no token
+  if (active && threadIdx.x < W) {
     unsigned* const word = id_slot(p, s, r, i, f) + threadIdx.x;
-    unsigned v = ld_volatile_poll(word);
+    v = ld_volatile_poll(word);
     if (v == EP_SENTINEL_IDS) {
       const bool came = wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
         seen = v = ld_volatile_poll(word);
@@ -191,12 +194,12 @@ EP_DEVICE void receive_slot(const A2AParams& p, int r, int i, unsigned f) {
       if (!came) v = static_cast<unsigned>(-1);
     }
     *word = EP_SENTINEL_IDS;
-    if (threadIdx.x == K) {
-      if (v != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, v);
-    } else {
-      out_ids[threadIdx.x] = static_cast<int>(v);
-      has = static_cast<int>(v) != -1;
-    }
+    if (threadIdx.x == K && v != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, v);
+  }
+  if (p.abort_on_timeout && block_sees_abort(p)) v = static_cast<unsigned>(-1);  // poison (protocol.cuh)
+  if (threadIdx.x < K) {
+    out_ids[threadIdx.x] = static_cast<int>(v);
+    has = static_cast<int>(v) != -1;
   }
   if (__syncthreads_or(has)) {
     for (int q = 1; q < p.num_payloads; ++q) {
@@ -248,10 +251,13 @@ EP_DEVICE void poll_and_reduce(const A2AParams& p, unsigned f, const int* record
     for (int k = 0; k < s_n; ++k)
       for (unsigned g = g0 + threadIdx.x; g < g1; g += blockDim.x)
         poll_v4(p, reinterpret_cast<const uint4*>(s_src[k]) + g, EP_PHASE_SENTINEL_COMBINE, s_tgt[k], f);
-    __syncthreads();
+    const bool poison = block_sees_abort(p);  // (also the barrier before the reduction)
     const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
-    reduce_token<T>(p.combine_vec, s_src, s_n,
-                    reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes, v0, v1);
+    char* const out = reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes;
+    if (poison)
+      poison_bytes(out, static_cast<size_t>(v0) * p.combine_vec, static_cast<size_t>(v1) * p.combine_vec);
+    else
+      reduce_token<T>(p.combine_vec, s_src, s_n, out, v0, v1);
     __syncthreads();
     for (int k = 0; k < s_n; ++k)
       for (unsigned g = g0 + threadIdx.x; g < g1; g += blockDim.x)

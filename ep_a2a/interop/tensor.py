@@ -384,8 +384,12 @@ def as_tensor(obj, *, stream=None) -> Tensor:
     `__cuda_array_interface__` (Numba, CuPy). stream: the CUDA stream the caller will use the
     data on; the producer orders its pending work before it, and the result's `stream` is it
     (None: the legacy default stream, per DLPack; -1: no ordering, the caller's job).
+    A Tensor is returned as is; with a stream, the work pending on the Tensor's own `stream`
+    is ordered before that stream first (as its __dlpack__ does).
     """
     if isinstance(obj, Tensor):
+        if stream is not None:
+            obj._order_for(stream)
         return obj
     what = f"as_tensor({type(obj).__name__})"
     if hasattr(obj, "__dlpack__"):

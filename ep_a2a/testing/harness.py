@@ -35,7 +35,7 @@ def read_records(rank_a2a, T: int) -> np.ndarray:
 
 def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_copy=True, verify=True,
              alpha=1.2, invalid_fraction=0.0, payload_fn=None, upload=None, out_fn=None,
-             prequantize=False) -> StepReport:
+             prequantize=False, id_fn=None) -> StepReport:
     """One dispatch/combine step on the ranks of `a2a` that live in this process.
 
     Every process draws the inputs of *all* ranks from `rng` (same seed everywhere in a
@@ -48,6 +48,8 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     prequantize (combine_quant="fp8"): the stand-in MoE writes the FP8 combine input itself
     (reference.q8_quantize of its partial results into combine_input(T^, fp8=True)), as a
     quantizing epilogue does; the expected output is the same.
+    id_fn(ids) -> ids: rewrites each source's drawn expert ids (hostile ids, validation off);
+    what SENTINEL delivers of them follows reference.sentinel_ids.
     """
     ep, top_k, E = a2a.ep_size, a2a.top_k, a2a.num_experts
     active = set(a2a.active_ranks)
@@ -55,6 +57,8 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
     local = {r.rank: r for r in a2a.ranks if r.rank in active}
     rep = StepReport(list(tokens), runtime_max)
     ids_h = rep.expert_ids = [routing(route, rng, tokens[s], top_k, E, ep, s, alpha, invalid_fraction) for s in range(ep)]
+    if id_fn is not None:
+        ids_h = rep.expert_ids = [id_fn(x) for x in ids_h]
     payload_fn = payload_fn or random_payload
     pay_h = [[payload_fn(rng, spec, tokens[s]) for spec in a2a.payload_specs] for s in range(ep)]
     H, cdt = a2a.combine_hidden_size, a2a.combine_dtype.name
@@ -83,7 +87,8 @@ def run_step(a2a, rng, tokens, runtime_max, route="uniform", exact=True, zero_co
         # what the protocol delivers: SENTINEL rewrites sentinel-colliding NaN words (layout.py)
         want_pay = [[ref.sentinel_escape(x, k) for x, k in zip(pay_h[s], a2a.kinds[1:])] for s in range(ep)] \
             if sentinel else pay_h
-        check_dispatch(a2a, rep, ids_h, want_pay, records, views, sentinel)
+        want_ids = [ref.sentinel_ids(x) for x in ids_h] if sentinel else ids_h
+        check_dispatch(a2a, rep, want_ids, want_pay, records, views, sentinel)
     if prequantize:
         for s, r in local.items():
             q = r.combine_input(runtime_max, fp8=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..layout import Q8_BLOCK
+from ..layout import Q8_BLOCK, SENTINEL_IDS
 
 
 def expert_owner(num_experts: int, ep_size: int) -> np.ndarray:
@@ -199,6 +199,12 @@ def from_float32(x: np.ndarray, dtype) -> np.ndarray:
         nan = np.isnan(x)
         return np.where(nan, (b >> 16) | 0x40, rounded).astype(np.uint16)
     return x.astype(np.dtype(dtype))
+
+
+def sentinel_ids(ids: np.ndarray) -> np.ndarray:
+    """What SENTINEL delivers for int32 expert ids: an id equal to the id slots' sentinel
+    (layout.SENTINEL_IDS, negative, so invalid) arrives as -1; every other id as sent."""
+    return np.where(ids.view(np.uint32) == SENTINEL_IDS, np.int32(-1), ids).astype(np.int32)
 
 
 def sentinel_escape(x: np.ndarray, kind: int) -> np.ndarray:

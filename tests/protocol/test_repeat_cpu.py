@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import ep_a2a.alltoall as A
+import ep_a2a.interop.tensor as tensor_module
 from ep_a2a import fastpath, validate
 from ep_a2a.testing.formats import payload_formats
 from ep_a2a.interop.tensor import Tensor, as_dtype
@@ -47,6 +48,9 @@ def recorder(monkeypatch):
     monkeypatch.setattr(A, "occupancy", lambda f, t: 4)
     monkeypatch.setattr(A, "DeviceAllocation", lambda dev, n: types.SimpleNamespace(ptr=1 << 32))
     monkeypatch.setattr(A, "copy_dtod_async", lambda *args: rec.append(("copy", args)))
+    # a Tensor last used on another stream is ordered before the call's (as_tensor): both
+    # paths must make the same waits
+    monkeypatch.setattr(tensor_module, "_wait", lambda consumer, producer, dev: rec.append(("wait", consumer, producer)))
     return rec
 
 
@@ -187,7 +191,7 @@ def test_a_dead_reference_never_matches_a_none_argument():
     class Rank:
         @staticmethod
         def repeat_state():
-            return False, "fence", "fence", 0, False
+            return False, "fence", 0, False
     t = Tensor(1 << 40, (4, H), "bfloat16", device=(2, 0))
     r = fastpath.Repeat.of(Rank, 10, False, None, 4, [t, None], 0, 4, "fence", None, None)
     assert r is not None and r.matches(Rank, t, (None,), 4, None)

@@ -1,0 +1,286 @@
+"""What an engine does for weeks, on one GPU with in-process ranks: graphs captured in one
+order and replayed in another (the cross-step decisions live on the device), the 32-bit step
+counter wrapping, error records read while kernels still write them, and hostile expert ids
+with the host check off."""
+import ctypes
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+H, K = 256, 2
+
+
+def _make(ep, **kw):
+    import ep_a2a
+    from ep_a2a.testing.formats import payload_formats
+    kw.setdefault("timeout_s", 5.0)
+    kw.setdefault("first_timeout_s", 5.0)
+    kw.setdefault("on_timeout", "abort")
+    group = ep_a2a.LocalGroup([0] * ep)
+    a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=16, top_k=K, num_experts=2 * ep,
+                             payloads=payload_formats(H, K)["bf16"], combine_hidden_size=H,
+                             validate_expert_ids=False, **kw)
+    return group, a2a
+
+
+class Step:
+    """One rank's inputs and output buffer for an identity 'MoE' step (the received hidden
+    states copied into the combine input): every token has one target rank, so its combined
+    output equals its hidden state bitwise."""
+
+    def __init__(self, a2a, s, targets, rng, tmax):
+        from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy
+        from ep_a2a.testing.formats import random_payload
+        r = a2a.ranks[s]
+        self.rank, self.tmax = r, tmax
+        T = len(targets)
+        ids = np.full((T, K), -1, np.int32)
+        ids[:, 0] = [2 * t + int(rng.integers(2)) for t in targets]  # rank t owns experts 2t, 2t+1
+        self.x = [random_payload(rng, sp, T) for sp in a2a.payload_specs]
+        self.ids = from_numpy(ids, r.device, "int32")
+        self.pays = [from_numpy(x, r.device, sp.dtype) for x, sp in zip(self.x, a2a.payload_specs)]
+        self.out = empty((T, H), "bfloat16", r.device)
+        copy_from_numpy(self.out, np.full(self.out.nbytes, 0xFF, np.uint8))  # poison (NaN)
+
+    def dispatch(self):
+        self.views = self.rank.dispatch(self.ids, self.pays, self.tmax)
+
+    def moe(self):
+        from cuda.bindings import driver as d
+        hidden = self.views[1][0]
+        d.cuMemcpyDtoDAsync(self.rank.combine_input(self.tmax).ptr, hidden.ptr, hidden.nbytes, self.rank.default_stream)
+
+    def combine(self):
+        self.rank.combine(self.rank.combine_input(self.tmax), self.tmax, out=self.out)
+
+    def check(self, what):
+        from ep_a2a.interop.arrays import to_numpy
+        got = to_numpy(self.out).view(np.uint16)
+        bad = np.flatnonzero((got != self.x[0].view(np.uint16)).any(axis=1))
+        assert not len(bad), f"{what}: rank {self.rank.rank}, {len(bad)} of {len(got)} rows wrong (first {bad[:5]})"
+
+
+def _capture(step):
+    """A graph of one rank's whole step on its own stream (as each process of an engine does)."""
+    from ep_a2a.driver.stream import Graph
+    s = step.rank.default_stream
+    Graph.begin(s)
+    step.dispatch(); step.moe(); step.combine()
+    return Graph.end(s)
+
+
+def test_fence_graph_replayed_after_a_sentinel_step_waits_for_its_readers():
+    """A FENCE step captured after a FENCE step, replayed right after a SENTINEL step in
+    which rank 1 is still reading its dispatch workspace (its stream held by the host): the
+    replayed FENCE dispatch of rank 0 must not overwrite what rank 1 is still to copy. The
+    host decided that wait at capture, from the previous call, and skipped it here; the
+    device decides it now. Rank 0's 16 FENCE tokens (T^=16) cover the bytes that hold rank 2's
+    SENTINEL tokens (T^=4, region 2) on rank 1."""
+    from cuda.bindings import driver as d
+    from ep_a2a.driver.vmm import HostMapped
+    rng = np.random.default_rng()
+    group, a2a = _make(3, protocol="auto", crossover_tokens=4)
+    with group, a2a:
+        warm = [Step(a2a, s, [1] * 16 if s == 0 else [2, 0, 1], rng, 16) for s in range(3)]
+        for f in (Step.dispatch, Step.moe, Step.combine):
+            for st in warm:
+                f(st)
+        a2a.synchronize()
+        graphs = [_capture(st) for st in warm]  # after a FENCE step: the host saw no reason to wait
+        sent = [Step(a2a, 0, [0] * 4, rng, 4), Step(a2a, 1, [1] * 4, rng, 4), Step(a2a, 2, [1] * 4, rng, 4)]
+        hold = HostMapped(4, group.ranks[1].device)
+        try:
+            for st in sent:
+                st.dispatch()
+            h1 = group.ranks[1].stream.handle
+            (err,) = d.cuStreamWaitValue32(h1, hold.device_ptr, 1, d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+            assert err == d.CUresult.CUDA_SUCCESS, err
+            for f in (Step.moe, Step.combine):
+                for st in sent:
+                    f(st)
+            for st, g in zip(warm, graphs):
+                g.launch(st.rank.default_stream)
+            time.sleep(0.3)  # rank 0's SENTINEL step is done: its FENCE dispatch would push now
+            ctypes.c_uint32.from_address(hold.host_ptr).value = 1  # let rank 1 go on
+            a2a.synchronize()
+        finally:
+            hold.close()
+        for st in sent:
+            st.check("SENTINEL step before the replayed FENCE graph")
+        for st in warm:
+            st.check("replayed FENCE graph")
+        for g in graphs:
+            g.close()
+
+
+def test_graphs_of_both_protocols_replayed_in_shuffled_orders():
+    """One graph per T^ (SENTINEL at 2 and 4, FENCE at 8 and 16), captured in one order and
+    replayed in random orders, every output checked after each replay."""
+    from ep_a2a.interop.arrays import copy_from_numpy
+    rng = np.random.default_rng()
+    ep = 4
+    group, a2a = _make(ep, protocol="auto", crossover_tokens=4)
+    with group, a2a:
+        plans = {}
+        for tmax in (2, 4, 8, 16):
+            plans[tmax] = [Step(a2a, s, list(rng.integers(0, ep, int(rng.integers(0, tmax + 1)))), rng, tmax)
+                           for s in range(ep)]
+        for tmax in (16, 2, 8, 4, 16):  # eager steps of both kinds first
+            for f in (Step.dispatch, Step.moe, Step.combine):
+                for st in plans[tmax]:
+                    f(st)
+        a2a.synchronize()
+        graphs = {tmax: [_capture(st) for st in steps] for tmax, steps in plans.items()}
+        order = [t for t in (2, 4, 8, 16) for _ in range(6)]
+        rng.shuffle(order)
+        for tmax in order:
+            for st in plans[tmax]:
+                copy_from_numpy(st.out, np.full(st.out.nbytes, 0xFF, np.uint8))
+            for st, g in zip(plans[tmax], graphs[tmax]):
+                g.launch(st.rank.default_stream)
+            a2a.synchronize()
+            for st in plans[tmax]:
+                st.check(f"graph T^={tmax} in order {order}")
+        for gs in graphs.values():
+            for g in gs:
+                g.close()
+
+
+def _set_epochs(a2a, e):
+    """Put every rank's step counter, and the flags its peers left it, at step e (what a job
+    that has run e steps holds), so that the next steps cross the 32-bit wrap."""
+    from ep_a2a.interop.arrays import copy_from_numpy
+    from ep_a2a.interop.tensor import Tensor
+    L, ep = a2a.layout, a2a.ep_size
+    a2a.synchronize()
+    for r in a2a.ranks:
+        def put(off, arr):
+            copy_from_numpy(Tensor(r.base + off, arr.shape, str(arr.dtype), device=(2, r.device.ordinal)), arr)
+        put(L.off_epoch, np.array([e], np.uint32))
+        put(L.off_dispatch_flags, np.full(ep, e << 32, np.uint64))
+        put(L.off_combine_flags, np.full(ep, e, np.uint32))
+    a2a.synchronize()
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel", "auto"])
+def test_steps_across_the_32_bit_step_wrap(protocol):
+    from ep_a2a.testing.harness import run_step
+    rng = np.random.default_rng()
+    group, a2a = _make(4, protocol=protocol, crossover_tokens=4)
+    with group, a2a:
+        _set_epochs(a2a, 2 ** 32 - 5)
+        for step in range(10):  # steps 2^32-4 .. 5
+            tmax = (3, 16, 4, 9)[step % 4]
+            rep = run_step(a2a, rng, list(rng.integers(0, tmax + 1, 4)), tmax)
+            assert not rep.mismatches, (step, rep.mismatches[:3])
+        a2a.check_errors()
+        from ep_a2a.interop.arrays import to_numpy
+        from ep_a2a.interop.tensor import Tensor
+        r = a2a.ranks[0]
+        epoch = to_numpy(Tensor(r.base + a2a.layout.off_epoch, (1,), "uint32", device=(2, r.device.ordinal)))
+        assert int(epoch[0]) == 5, f"the step counter went from 2^32-5 through 10 steps to {int(epoch[0])}"
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_an_id_equal_to_the_slot_sentinel_is_an_invalid_id(protocol):
+    """With the host check off, an input id equal to SENTINEL's id-slot sentinel (0x88888888,
+    negative as int32) is dropped like any invalid id, on both protocols, and the step ends
+    (it used to read as 'not arrived' and stall the receiver until the timeout)."""
+    from ep_a2a.layout import SENTINEL_IDS
+    from ep_a2a.testing.harness import run_step
+    bad = np.int32(np.uint32(SENTINEL_IDS).view(np.int32))
+
+    def hostile(ids):
+        ids = ids.copy()
+        ids[::2, -1] = bad
+        return ids
+    group, a2a = _make(4, protocol=protocol, timeout_s=2.0, first_timeout_s=2.0)
+    with group, a2a:
+        for _ in range(3):
+            rep = run_step(a2a, np.random.default_rng(), [5, 8, 0, 3], 8, id_fn=hostile)
+            assert not rep.mismatches, rep.mismatches[:3]
+        assert a2a.error() is None
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_an_error_record_read_while_kernels_run_is_complete(protocol):
+    """The host polls the error record while the kernels that fail are running: whenever it
+    reads a kind, the fields that go with it are there (the kind is published last). Ranks
+    pass different T^: every rank records RuntimeMaxMismatchError, never one with zero fields."""
+    import ep_a2a
+    from ep_a2a.interop.arrays import from_numpy
+    for _ in range(5):
+        group, a2a = _make(2, protocol=protocol)
+        with group, a2a:
+            ids = [from_numpy(np.array([[0, 3]], np.int32), r.device) for r in group.ranks]
+            x = [[from_numpy(np.ones((1, H), np.uint16), r.device, "bfloat16"),
+                  from_numpy(np.ones((1, K), np.float32), r.device)] for r in group.ranks]
+            seen = []
+            a2a.ranks[0].dispatch(ids[0], x[0], 4)
+            a2a.ranks[1].dispatch(ids[1], x[1], 8)
+            end = time.monotonic() + 10
+            while len(seen) < 2 and time.monotonic() < end:
+                for r in a2a.ranks:
+                    e = r.recorded_error()
+                    if e is not None and r.rank not in [s for s, _ in seen]:
+                        seen.append((r.rank, e))
+            assert len(seen) == 2, f"only {seen} recorded an error"
+            for rank, e in seen:
+                # (a rank may stop on its peer's abort before it reads the tag: PeerAbortedError)
+                assert isinstance(e, (ep_a2a.RuntimeMaxMismatchError, ep_a2a.PeerAbortedError)) \
+                    and e.rank == rank and e.peer == 1 - rank, f"rank {rank}: torn record read as {e!r}: {e}"
+            with pytest.raises(ep_a2a.PeerError):
+                a2a.synchronize()
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_an_aborted_step_under_graph_replay_poisons_its_outputs(protocol):
+    """An engine replays per-rank graphs and makes no Python call that could raise. One
+    replay runs without rank 2 (a stalled process): ranks 0 and 1 give up after their
+    timeout, and their outputs say so (every combined byte 0xFF, NaN; every received id -1)
+    instead of holding stale data; error() reports it without raising. Every later replay,
+    rank 2's too, ends at once and only poisons."""
+    import ep_a2a
+    from ep_a2a.interop.arrays import copy_from_numpy, to_numpy
+    rng = np.random.default_rng()
+    group, a2a = _make(3, protocol=protocol, timeout_s=0.5, first_timeout_s=0.5)
+    with group, a2a:
+        steps = [Step(a2a, s, list(rng.integers(0, 3, 6)), rng, 8) for s in range(3)]
+        graphs = [_capture(st) for st in steps]
+        sync = [r.stream.synchronize for r in group.ranks]
+
+        def replay(ranks):
+            for st in steps:
+                copy_from_numpy(st.out, np.full(st.out.nbytes, 0x11, np.uint8))
+            for s in ranks:
+                graphs[s].launch(steps[s].rank.default_stream)
+            t0 = time.monotonic()
+            for s in ranks:
+                sync[s]()
+            return time.monotonic() - t0
+
+        for _ in range(3):
+            replay([0, 1, 2])
+            for st in steps:
+                st.check("healthy replay")
+        assert a2a.error() is None
+        replay([0, 1])
+        err = a2a.error()
+        assert isinstance(err, ep_a2a.PeerError), f"error() after the aborted replay: {err!r}"
+        for st in steps[:2]:
+            got = to_numpy(st.out).view(np.uint8)
+            assert (got == 0xFF).all(), f"rank {st.rank.rank}: the aborted step's output is not all poison"
+            ids = to_numpy(st.rank.dispatch_views(8)[0])
+            assert (ids == -1).all(), f"rank {st.rank.rank}: an aborted dispatch left expert ids {np.unique(ids)[:8]}"
+        for _ in range(2):
+            took = replay([0, 1, 2])
+            assert took < 0.4, f"a replay after the abort took {took:.2f} s (it must not wait out a timeout)"
+            for st in steps:
+                assert (to_numpy(st.out).view(np.uint8) == 0xFF).all(), f"rank {st.rank.rank}: not poisoned"
+        with pytest.raises(ep_a2a.PeerError):
+            a2a.check_errors()
+        for g in graphs:
+            g.close()
