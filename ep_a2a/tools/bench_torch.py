@@ -46,7 +46,8 @@ def _torch_inputs(b, T: int, torch):
 
 def torch_host_overhead(b, T: int, iters: int = None) -> dict:
     """µs of host time per rank per eager dispatch + combine through the torch ops (module
-    docstring), for Bench `b` (in-process ranks) at T tokens per rank (T^ = T)."""
+    docstring), at T tokens per rank (T^ = T). b: an ep_a2a.tools.bench.Bench, or anything
+    with its `a2a` (in-process ranks) and `route_rng`."""
     import torch
     from ..interop.arrays import from_numpy
     from ..ops import torch as ops
@@ -139,37 +140,43 @@ def torch_host_overhead(b, T: int, iters: int = None) -> dict:
 
 
 def main(argv=None) -> int:
+    """The standalone table: its own all-to-all (bench's layout: payloads of the bf16 format,
+    validation off, PDL on), deepseek-v3 shapes unless told otherwise."""
     import secrets
+    import types
+    import numpy as np
     import ep_a2a
-    from . import bench, bench_cli
+    from ..testing.formats import payload_formats
     from .bench_report import no_gpu
     ap = argparse.ArgumentParser(prog="python -m ep_a2a.tools.bench_torch", description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--tokens", default="1,128")
     ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--profile", default="deepseek-v3", choices=list(bench.PROFILES))
+    ap.add_argument("--hidden", type=int, default=7168)      # deepseek-v3
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--protocol", default="fence", choices=["fence", "sentinel", "auto"])
     ap.add_argument("--out", default=None, help="JSON path")
     args = ap.parse_args(argv)
     if no_gpu():
         return 1
     tokens = [int(t) for t in args.tokens.split(",")]
-    bargs = bench_cli.parse_args(["--ranks", str(args.ranks), "--tokens", ",".join(map(str, tokens)),
-                                  "--profile", args.profile, "--protocol", args.protocol])
+    seed = secrets.randbits(63)
     rows = []
-    with ep_a2a.LocalGroup([0] * args.ranks) as group:
-        b = bench.Bench(bargs, group, secrets.randbits(63))
-        try:
-            b.a2a.use_protocol(args.protocol)
-            for T in tokens:
-                rows.append(torch_host_overhead(b, T, args.iters))
-        finally:
-            b.close()
+    with ep_a2a.LocalGroup([0] * args.ranks) as group, \
+            ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(tokens), top_k=args.top_k, num_experts=args.experts,
+                               payloads=payload_formats(args.hidden, args.top_k)["bf16"],
+                               combine_hidden_size=args.hidden, protocol=args.protocol,
+                               validate_expert_ids=False) as a2a:
+        b = types.SimpleNamespace(a2a=a2a, route_rng=np.random.default_rng(seed))
+        for T in tokens:
+            rows.append(torch_host_overhead(b, T, args.iters))
     keys = [k for k in rows[0] if k.endswith("_us")]
     print("tokens  " + "  ".join(f"{k[:-3]:>20s}" for k in keys))
     for row in rows:
         print(f"{row['tokens_per_rank']:6d}  " + "  ".join(f"{row[k]:20.1f}" for k in keys))
-    doc = dict(method=__doc__, profile=args.profile, protocol=args.protocol, rows=rows)
+    doc = dict(method=__doc__, ranks=args.ranks, hidden=args.hidden, top_k=args.top_k, experts=args.experts,
+               protocol=args.protocol, seed=seed, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(doc, f, indent=1)
