@@ -388,8 +388,8 @@ def as_tensor(obj, *, stream=None) -> Tensor:
     is ordered before that stream first (as its __dlpack__ does).
     """
     if isinstance(obj, Tensor):
-        if stream is not None:
-            obj._order_for(stream)
+        if stream is not None and stream != -1:
+            obj._order_for(_as_stream(stream))  # (a driver handle: 0, the NULL stream, is DLPack's 1)
         return obj
     what = f"as_tensor({type(obj).__name__})"
     if hasattr(obj, "__dlpack__"):

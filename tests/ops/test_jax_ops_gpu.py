@@ -47,9 +47,11 @@ def _inputs(rng, tokens, E, dev):
 
 def check_step(ops, a2a, rng, tokens, tmax, dev, step_fn, msg):
     """One jitted dispatch + combine of every rank against the reference: each (source, target)
-    region holds the reference's tokens as a set (FENCE fills slots in any order), empty slots
-    carry id -1, and combine of partial = the received hidden states is bitwise the reference."""
+    region holds the reference's tokens as a set (FENCE fills slots in any order; SENTINEL puts
+    token i in slot i), empty slots carry id -1, and combine of partial = the received hidden
+    states is bitwise the reference."""
     ep, E = a2a.ep_size, a2a.num_experts
+    fence = a2a.protocol_for(tmax) == "fence"
     ids, xs, ws, jids, jxs, jws = _inputs(rng, tokens, E, dev)
     got_ids, got_pays, ys = step_fn(jids, [[x, w] for x, w in zip(jxs, jws)])
     received, records = ref.dispatch(ids, [[x, w] for x, w in zip(xs, ws)], ep, E, tmax)
@@ -58,10 +60,12 @@ def check_step(ops, a2a, rng, tokens, tmax, dev, step_fn, msg):
         r = received[t]
         for s in range(ep):
             n = int(r["counts"][s])
+            slots = np.arange(n) if fence else np.asarray(r["tokens"][s], np.int64)
             want = rows_of(r["expert_ids"][s, :n], r["payloads"][0][s, :n], r["payloads"][1][s, :n])
-            got = rows_of(gi[s, :n], gx[s, :n], gw[s, :n])
+            got = rows_of(gi[s, slots], gx[s, slots], gw[s, slots])
             assert np.array_equal(np.sort(got), np.sort(want)), f"{msg}: rank {t} region {s}: received tokens differ"
-            assert (gi[s, n:] == -1).all(), f"{msg}: rank {t} region {s}: slots past {n} must carry id -1"
+            empty = np.setdiff1d(np.arange(tmax), slots)
+            assert (gi[s, empty] == -1).all(), f"{msg}: rank {t} region {s}: slots without a token must carry id -1"
     partials = [r["payloads"][0] for r in received]
     want_y = ref.combine(partials, records, "bfloat16")
     for s in range(ep):
