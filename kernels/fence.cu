@@ -91,8 +91,9 @@ EP_DEVICE void publish_counts(const A2AParams& p, const SlotCounters& cnt, unsig
 }
 
 // Line 11, in every block (the sanitize is spread over the grid): wait for the flags of all
-// active source ranks; C[s][r] into s_count (an inactive rank sent nothing: count 0). Once
-// any rank gave up (abort mode) every count is 0, so that every slot reads as empty.
+// active source ranks; C[s][r] into s_count (an inactive rank sent nothing: count 0, and so
+// does a rank whose flag never came). Once any rank gave up (abort mode) every count is 0,
+// so that every slot reads as empty.
 EP_DEVICE void wait_counts(const A2AParams& p, unsigned f, unsigned* s_count) {
   const int s = p.rank;
   for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) {
@@ -100,11 +101,12 @@ EP_DEVICE void wait_counts(const A2AParams& p, unsigned f, unsigned* s_count) {
     if (!rank_active(p, r)) continue;
     const uint64_t* F = section<const uint64_t>(p, s, p.off_dispatch_flags) + r;
     uint64_t v;
-    wait_until(p, EP_PHASE_DISPATCH, r, f, f, [&](unsigned& seen) {
+    const bool came = wait_until(p, EP_PHASE_DISPATCH, r, f, f, [&](unsigned& seen) {
       v = ld_acquire_sys(F);
       seen = flag_step(v);
       return static_cast<int>(seen - f) >= 0;
     });
+    if (!came) continue;  // (abort mode) r's region holds nothing of this step: count 0
     s_count[r] = min(flag_count(v), static_cast<unsigned>(p.runtime_max_tokens_per_rank));
     check_step_tag(p, EP_PHASE_DISPATCH, r, f, section<const unsigned>(p, s, p.off_tmax)[r]);
   }

@@ -10,9 +10,12 @@ import pytest
 from ep_a2a.tools import bench_cli, bench_method
 from ep_a2a.driver import device
 
-MEASURED = ("round_trip_us", "floor_round_trip_us", "copy_floor_tbps", "round_trip_tbps",
+MEASURED = ("round_trip_us", "copy_floor_tbps", "round_trip_tbps",
             "bytes_floor_dispatch_us", "bytes_floor_combine_us", "dispatch_of_bytes_floor",
-            "stamped_dispatch_us", "stamped_combine_us", "dispatch_us", "floor_dispatch_us", "dispatch_tbps")
+            "stamped_dispatch_us", "stamped_combine_us", "dispatch_us", "dispatch_tbps")
+# Empty kernels chained under PDL overlap almost entirely: their per-round difference is a
+# fraction of a µs, and a smoke run's few rounds can put it on either side of zero.
+NEAR_ZERO = ("floor_round_trip_us", "floor_dispatch_us")
 SPLIT = {"fence": "dispatch-only graph", "sentinel": "device timestamps"}
 
 
@@ -122,6 +125,8 @@ def _common(res, rows_want, rounds):
             assert all(k in r and (r[k] is None or isinstance(r[k], float)) for k in MEASURED), r
         else:
             _positive(r, MEASURED)
+            bad = {k: r.get(k) for k in NEAR_ZERO if not (isinstance(r.get(k), float) and r[k] > -1.0)}
+            assert not bad, f"T={r['tokens_per_rank']}: an empty-kernel floor below -1 µs or missing: {bad}"
         assert r["resolved_protocol"] == r["protocol"] and r["split_method"] == SPLIT[r["protocol"]]
         assert r["dispatch_us"] + r["combine_us"] == pytest.approx(r["round_trip_us"])
         assert r["graph_rounds"] == [rounds, 2 * rounds] and math.isfinite(r["round_trip_graph_overhead_us"])
