@@ -4,6 +4,9 @@ dispatch/combine through the torch ops, every byte checked against the NumPy ref
     torchrun --nproc-per-node=2 examples/torch_distributed.py [--steps 3] [--tokens 16]
     mpirun -n 2 python examples/torch_distributed.py --mpi         # the same through mpi4py
 
+As root (containers), Open MPI's mpirun refuses to start unless OMPI_ALLOW_RUN_AS_ROOT=1 and
+OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 are set in its environment.
+
 Ranks take GPUs round-robin (LOCAL_RANK % visible GPUs): two processes on one GPU time-slice
 it, so keep --steps small there (each wait across processes costs milliseconds). Prints one
 line per step from rank 0 and exits non-zero if any rank saw a mismatch.

@@ -48,23 +48,18 @@ class TensorSlot:
     dtype or device takes the full checks, as for a Tensor changed in place. The slot holds
     no reference to the torch tensor: the caller does, for the call, and the kernels run on
     the stream it is used on."""
-    __slots__ = ("name", "tensor")
+    __slots__ = ("name", "tensor", "torch_dtype", "ordinal")
 
     def __init__(self, name: str):
-        self.name, self.tensor = name, None
+        self.name, self.tensor, self.torch_dtype, self.ordinal = name, None, None, None
 
     def __call__(self, t) -> Tensor:
-        by = _BY_TORCH or _tables()
-        dt = by.get(t.dtype)
-        if dt is None:
-            raise TypeError(f"{self.name}: torch dtype {t.dtype} has no ep_a2a equivalent "
-                            f"(ep_a2a handles {', '.join(DTYPES)})")
-        ordinal = t.get_device()  # -1 on the CPU: the all-to-all's device rule names it
-        device = (CUDA, ordinal) if ordinal >= 0 else (CPU, 0)
+        # (hot path: five accessor calls when the dtype and device are the last call's; the slot
+        # alone writes its Tensor, so its dtype and device fields still hold what they were set to)
         w = self.tensor
-        if w is None:
-            w = self.tensor = Tensor(t.data_ptr(), tuple(t.shape), dt, device=device, strides=t.stride())
-            return w
+        dt, ordinal = t.dtype, t.get_device()
+        if w is None or dt is not self.torch_dtype or ordinal != self.ordinal:
+            return self._refill(t, dt, ordinal)
         w.ptr = t.data_ptr()
         shape = t.shape
         if shape != w.shape:
@@ -72,10 +67,20 @@ class TensorSlot:
         strides = t.stride()
         if strides != w.strides:
             w.strides = strides
-        if dt is not w.dtype:
-            w.dtype = dt
-        if device != w.device:
-            w.device = device
+        return w
+
+    def _refill(self, t, dt, ordinal: int) -> Tensor:
+        d = (_BY_TORCH or _tables()).get(dt)
+        if d is None:
+            raise TypeError(f"{self.name}: torch dtype {dt} has no ep_a2a equivalent "
+                            f"(ep_a2a handles {', '.join(DTYPES)})")
+        device = (CUDA, ordinal) if ordinal >= 0 else (CPU, 0)  # -1 on the CPU: the all-to-all's device rule names it
+        w = self.tensor
+        if w is None:
+            w = self.tensor = Tensor(t.data_ptr(), tuple(t.shape), d, device=device, strides=t.stride())
+        else:
+            w.ptr, w.shape, w.strides, w.dtype, w.device = t.data_ptr(), tuple(t.shape), t.stride(), d, device
+        self.torch_dtype, self.ordinal = dt, ordinal
         return w
 
 

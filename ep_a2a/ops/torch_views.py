@@ -62,7 +62,7 @@ class StreamUse:
 
     def pick(self, stream: int) -> tuple:
         """(handle to launch on, whether it is an explicit other stream)."""
-        cur = current_stream_handle(self.ordinal)
+        cur = _raw_stream(self.ordinal) if _raw_stream is not None else current_stream_handle(self.ordinal)
         if stream == -1 or stream == cur:
             return cur, False
         if self.fork is None:
@@ -154,7 +154,9 @@ class TorchRank:
     def partial_arg(self, partial, scales, tmax: int):
         """combine's partial as the all-to-all takes it: this rank's own workspace view when
         `partial` is the torch combine_input(T^) (zero copy, and the same Tensor object every
-        step), an FP8 input only as this rank's own views, else a slot (staged by combine)."""
+        step; the view object itself is checked by its address alone: changing its shape or
+        strides in place is not supported), an FP8 input only as this rank's own views, else
+        a slot (staged by combine)."""
         if scales is not None:
             got = self._fp8.get(tmax)
             if got is None or partial.data_ptr() != got[1].values.ptr or scales.data_ptr() != got[1].scales.ptr:
@@ -162,9 +164,11 @@ class TorchRank:
                                  "(values and scales, as that call returned them)")
             return got[1]
         own = self._combine.get(tmax)
-        if own is not None and partial.data_ptr() == own[1].ptr and partial.shape == own[0].shape \
-                and partial.dtype == own[0].dtype and partial.is_contiguous():
-            return own[1]
+        if own is not None:
+            ptr = partial.data_ptr()
+            if ptr == own[1].ptr and (partial is own[0] or (partial.shape == own[0].shape
+                                                           and partial.dtype == own[0].dtype and partial.is_contiguous())):
+                return own[1]  # (the view itself, as combine_input made it: only set_ could have moved it)
         return self.partial_slot(partial)
 
     def check_ids(self, ids) -> None:

@@ -7,15 +7,20 @@ and two bare launches timed in the same run:
 
   torch_ops_us            ops.dispatch + ops.combine (out=None: a new torch tensor each
                           step), the same torch tensors every step: what an engine pays
-  torch_ops_moved_us      the same with the inputs alternating between two sets of tensors,
-                          so every call sees new addresses (the all-to-all's full checks)
-  torch_impl_direct_us    the ops' implementations called as Python functions: the rest
-                          of torch_ops_us is the torch dispatcher's share
+                          (eager calls run the implementations without the dispatcher)
+  torch_ops_out_us        the same with combine's out= given (a tensor per rank kept by the
+                          caller): what an engine that keeps its output buffer pays
+  torch_ops_moved_us      the same as torch_ops_us with the inputs alternating between two
+                          sets of tensors, so every call sees new addresses (the
+                          all-to-all's full checks)
+  torch_dispatcher_us     the same as torch_ops_us through the torch dispatcher
+                          (ops.EAGER_DIRECT = False), as torch.ops.ep_a2a.* calls pay
   stream_switch_us        torch.cuda.set_stream to each rank's stream (in-process ranks
                           need one stream each; a rank alone in its process does not pay
-                          it), included in the three above and also given alone
+                          it), included in the four above and also given alone
   ep_a2a_tensors_us       RankAlltoAll.dispatch/combine with ep_a2a Tensors (fast path)
   two_bare_launches_us    two launches of the prepacked empty kernel per rank
+  torch_ops_copies        times an op was handed a copy of its own view during this run (0)
 """
 from __future__ import annotations
 
@@ -65,30 +70,26 @@ def torch_host_overhead(b, T: int, iters: int = None) -> dict:
     torch.cuda.synchronize()
     keep = torch.cuda.current_stream()
 
-    def ops_step(inputs):
+    outs = [torch.empty((T, tr.hidden), dtype=tr.combine_dtype, device=tr.device) for tr in binds]
+
+    def ops_step(inputs, out_given=False):
         for (ids, pays), tr, st in zip(inputs, binds, streams):
             torch.cuda.set_stream(st)
             ops.dispatch(tr, ids, pays, T)
-        for tr, st in zip(binds, streams):
+        for tr, st, out in zip(binds, streams, outs):
             torch.cuda.set_stream(st)
-            ops.combine(tr, ops.combine_input(tr, T, fp8=fp8), T)
+            ops.combine(tr, ops.combine_input(tr, T, fp8=fp8), T, out=out if out_given else None)
         torch.cuda.set_stream(keep)
 
     def moved_step(i):
         ops_step(sets[i & 1])
 
-    def direct_step(inputs):
-        for (ids, pays), tr, st in zip(inputs, binds, streams):
-            torch.cuda.set_stream(st)
-            views = tr.dispatch_views(T)
-            ops.dispatch_impl(tr.handle, ids, pays, T, views[0], views[1])
-        for tr, st in zip(binds, streams):
-            torch.cuda.set_stream(st)
-            cin = ops.combine_input(tr, T, fp8=fp8)
-            part, scales = cin if fp8 else (cin, None)
-            out = torch.empty((T, tr.hidden), dtype=tr.combine_dtype, device=tr.device)
-            ops.combine_impl(tr.handle, part, scales, tr.dispatch_views(T)[0], T, out)
-        torch.cuda.set_stream(keep)
+    def dispatcher_step():
+        direct, ops.EAGER_DIRECT = ops.EAGER_DIRECT, False
+        try:
+            ops_step(sets[0])
+        finally:
+            ops.EAGER_DIRECT = direct
 
     def switch_only():
         for st in streams:
@@ -128,14 +129,16 @@ def torch_host_overhead(b, T: int, iters: int = None) -> dict:
         torch.cuda.synchronize()
         return (t1 - t0) / iters / len(ranks) * 1e6
 
+    copies_before = ops.copies()  # (the count is the process's: other callers' copies are not this run's)
     res = dict(tokens_per_rank=T, ranks=len(ranks), iters=iters,
                torch_ops_us=per_rank_us(lambda: ops_step(sets[0])),
+               torch_ops_out_us=per_rank_us(lambda: ops_step(sets[0], out_given=True)),
                torch_ops_moved_us=per_rank_us(moved_step, indexed=True),
-               torch_impl_direct_us=per_rank_us(lambda: direct_step(sets[0])),
+               torch_dispatcher_us=per_rank_us(dispatcher_step),
                stream_switch_us=per_rank_us(switch_only),
                ep_a2a_tensors_us=per_rank_us(tensor_step),
                two_bare_launches_us=per_rank_us(bare))
-    res["torch_ops_copies"] = ops.copies()
+    res["torch_ops_copies"] = ops.copies() - copies_before
     return res
 
 

@@ -168,3 +168,42 @@ def test_dtype_tables_agree_with_torch():
 def test_cuda_device_is_read_without_a_gpu():
     meta = torch.empty(2, 3, device="meta")  # (get_device() is -1 off CUDA: CPU in the slot)
     assert TensorSlot("x")(meta).device == (CPU, 0) != (CUDA, 0)
+
+
+def test_eager_calls_skip_the_dispatcher_only_where_it_would_do_nothing_else():
+    """plain_eager(): True in plain eager code; False under every way torch has of seeing
+    an op call (dynamo, export, dispatch modes, function modes, functorch transforms, jit
+    tracing), where the functions must call the registered ops."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.utils.flop_counter import FlopCounterMode
+    assert ops.plain_eager()
+    for mode in (FakeTensorMode(), FunctionalTensorMode(), FlopCounterMode(display=False), torch.device("meta")):
+        with mode:
+            assert not ops.plain_eager(), type(mode).__name__
+    seen = []
+
+    def f(x):
+        seen.append(ops.plain_eager())
+        return x + 1
+    x = torch.zeros(2, 2)
+    make_fx(f)(x)
+    torch.func.functionalize(f)(x)
+    torch.func.vmap(f)(x)
+    torch.jit.trace(f, x, check_trace=False)
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            return f(x)
+    torch.export.export(M(), (x,), strict=False)
+    assert seen == [False] * 5, seen
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: t + (0 if ops.plain_eager() else 1), backend="eager", fullgraph=True)
+    assert compiled(x).tolist() == [[1, 1], [1, 1]], "dynamo must trace the op path"
+    assert ops.plain_eager()
+    ops.EAGER_DIRECT = False
+    try:
+        assert not ops.plain_eager()
+    finally:
+        ops.EAGER_DIRECT = True
