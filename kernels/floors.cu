@@ -97,10 +97,9 @@ extern "C" __global__ void ep_floor_gather(const unsigned char* __restrict__ src
 
 // Launched with one block of 32 threads. The dependents may launch at once: the next phase's
 // kernel still waits (its own griddep_wait) for this one, which completes after the stamp.
-// No early trigger: the kernel after a stamp starts only once the stamp (and so the kernel
-// before it) has completed. An early trigger let a protocol kernel launch beside its still
-// running predecessor at a grid the host had sized for a launch that follows a completed
-// one; with every rank's kernels co-resident on one GPU, that deadlocked at 128 tokens.
+// No early trigger: the kernel after a stamp starts once the stamp has completed. The
+// benchmark launches stamps without PDL, so they never wait resident beside the protocol
+// kernels, whose grids fill the GPU exactly (bench.py says why).
 extern "C" __global__ void ep_timestamp(uint64_t* out) {
   griddep_wait();
   if (threadIdx.x == 0) *out = globaltimer_ns();

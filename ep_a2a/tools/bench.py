@@ -247,7 +247,10 @@ class Bench:
         of --rounds round trips with a stamp on every rank's stream before the first
         dispatch and after each dispatch and combine, replayed --replays times."""
         R, ranks = self.args.rounds, self.a2a.ranks
-        st = Stamps(self.group.ranks, 2 * R + 1, pdl=not self.args.no_pdl)
+        # Stamps launch without PDL: a PDL stamp would sit resident, waiting for its phase, in
+        # a GPU that the ranks' grids fill exactly (every rank's kernels must be co-resident),
+        # and the last block of a peer's dispatch then found no room (deadlock at 128 tokens).
+        st = Stamps(self.group.ranks, 2 * R + 1, pdl=False)
         n = len(ranks)
 
         def body():

@@ -286,3 +286,67 @@ def test_an_aborted_step_under_graph_replay_poisons_its_outputs(protocol):
             a2a.check_errors()
         for g in graphs:
             g.close()
+
+
+def _replay_child(rank, name, base_dir, seed, q):
+    """One rank of a two-process job: graphs per T^ of both protocols, captured in one order
+    and replayed in a shuffled one (the same in both processes: T^ is every rank's)."""
+    try:
+        import ep_a2a
+        from ep_a2a.bootstrap import UnixSocketBootstrap
+        from ep_a2a.testing.formats import payload_formats
+        bs = UnixSocketBootstrap(rank, 2, name=name, base_dir=base_dir, timeout=60)
+        g = ep_a2a.ProcessGroup(bs, 0)
+        a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=16, top_k=K, num_experts=4, payloads=payload_formats(H, K)["bf16"],
+                               combine_hidden_size=H, validate_expert_ids=False, protocol="auto", crossover_tokens=4,
+                               timeout_s=30.0, first_timeout_s=60.0)
+        rng = np.random.default_rng([seed, rank])  # this rank's own inputs
+        plans = {t: Step(a, 0, list(rng.integers(0, 2, int(rng.integers(1, t + 1)))), rng, t) for t in (2, 4, 8, 16)}
+        for t in (16, 2, 8, 4):  # eager steps of both protocols first
+            plans[t].dispatch(); plans[t].moe(); plans[t].combine()
+        a.synchronize()
+        graphs = {t: _capture(st) for t, st in plans.items()}
+        order = [t for t in (2, 4, 8, 16) for _ in range(4)]
+        np.random.default_rng(seed).shuffle(order)
+        bad = []
+        from ep_a2a.interop.arrays import copy_from_numpy
+        for t in order:
+            st = plans[t]
+            copy_from_numpy(st.out, np.full(st.out.nbytes, 0xFF, np.uint8))
+            graphs[t].launch(st.rank.default_stream)
+            a.synchronize()
+            try:
+                st.check(f"process rank {rank}, graph T^={t} in order {order}")
+            except AssertionError as e:
+                bad.append(str(e))
+        for gr in graphs.values():
+            gr.close()
+        a.close()
+        g.close()
+        q.put((rank, bad, None))
+    except BaseException as e:  # report, never hang the parent
+        q.put((rank, None, repr(e)))
+
+
+def test_graphs_replayed_in_shuffled_orders_by_two_processes(tmp_path):
+    """The same as the in-process shuffled replay, with each rank a process of its own on
+    the one GPU (time-sliced), capturing its own graphs as an engine's processes do."""
+    import multiprocessing as mp
+    import os
+    os.chmod(tmp_path, 0o700)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    seed = int(np.random.default_rng().integers(2 ** 31))
+    procs = [ctx.Process(target=_replay_child, args=(r, f"g{os.getpid()}", str(tmp_path), seed, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = [q.get(timeout=240) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank, bad, exc in sorted(got):
+        assert exc is None, f"rank {rank} (seed {seed}): {exc}"
+        assert not bad, f"rank {rank} (seed {seed}): {bad[:3]}"
