@@ -69,7 +69,6 @@ def torch_host_overhead(b, T: int, iters: int = None) -> dict:
             t.view(torch.uint8).copy_(torch.randint(0, 120, t.view(torch.uint8).shape, dtype=torch.uint8))
     torch.cuda.synchronize()
     keep = torch.cuda.current_stream()
-
     outs = [torch.empty((T, tr.hidden), dtype=tr.combine_dtype, device=tr.device) for tr in binds]
 
     def ops_step(inputs, out_given=False):

@@ -423,6 +423,7 @@ def test_torch_host_overhead_runs_and_reports():
     from ep_a2a.tools import bench, bench_cli
     from ep_a2a.tools.bench_torch import torch_host_overhead
     _cuda()
+    assert ops.plain_eager(), "eager calls would take the dispatcher on this torch (a TLS check is missing)"
     args = bench_cli.parse_args(["--ranks", "8", "--tokens", "1,128", "--protocol", "fence"])
     with ep_a2a.LocalGroup([0] * 8) as group:
         b = bench.Bench(args, group, 1234)
