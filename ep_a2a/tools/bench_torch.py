@@ -177,6 +177,7 @@ def main(argv=None) -> int:
     print("tokens  " + "  ".join(f"{k[:-3]:>20s}" for k in keys))
     for row in rows:
         print(f"{row['tokens_per_rank']:6d}  " + "  ".join(f"{row[k]:20.1f}" for k in keys))
+    print("torch_ops_copies per T: " + ", ".join(f"{row['tokens_per_rank']}: {row['torch_ops_copies']}" for row in rows))
     doc = dict(method=__doc__, ranks=args.ranks, hidden=args.hidden, top_k=args.top_k, experts=args.experts,
                protocol=args.protocol, seed=seed, rows=rows)
     if args.out:
