@@ -13,7 +13,7 @@ __version__ = "0.1.0"   # the one version number: pyproject.toml reads it from h
 
 _EXPORTS = {
     ".errors": ["CudaError", "EpA2AError", "NoDriverError", "DriverTooOldError", "UnsupportedDeviceError", "ForkedProcessError",
-                "StateError", "PeerError", "PeerTimeoutError", "PeerAbortedError", "RuntimeMaxMismatchError",
+                "StateError", "PeerError", "PeerTimeoutError", "PeerAbortedError", "PeerRejectedError", "RuntimeMaxMismatchError",
                 "ActiveRanksMismatchError", "BootstrapError", "BootstrapTimeout", "TopologyError"],
     ".group": ["LocalGroup", "ProcessGroup", "Rank"],
     ".alltoall": ["MoeAlltoAll"],

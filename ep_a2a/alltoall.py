@@ -23,14 +23,21 @@ from .driver.lifetime import Owned
 from .driver.launch import Launch, launch_once, occupancy
 from .driver.memory import DeviceAllocation, copy_dtod_async, copy_dtoh, memset_d8_async, release_held
 from .driver.module import load
-from .driver.stream import is_capturing, stream_handle, synchronize_stream
+from .driver.stream import is_capturing, stream_handle
 from .driver.vmm import HostMapped
 from .errors import StateError, error_from_record
 from .group import hold_frees_for, release_frees_if_safe
 from .interop.tensor import CUDA, Tensor, as_dtype as lookup_dtype
 from .layout import A2AParams, ErrorRecord, Q8_BLOCK, TAG_TMAX_BITS, WorkspaceLayout, landing_bytes, sentinel_kind
+from .rejection import RejectedStep
 from .symmetric import SymmetricWorkspace
-from .validate import CheckedInputs, check_fp8_partial, check_runtime_max, expert_id_error, require
+from .validate import CheckedInputs, check_expert_ids_on_host, check_fp8_partial, check_runtime_max, require
+
+
+def _between_steps(a2a, what: str) -> None:
+    for r in a2a.ranks:
+        if r.mid_step:
+            raise StateError(f"rank {r.rank}: {what} between dispatch and combine")
 
 
 class MoeAlltoAll(Owned):
@@ -59,13 +66,13 @@ class MoeAlltoAll(Owned):
         magnitude (e4m3 keeps 3 mantissa bits). FENCE only.
       on_timeout: "trap" (default): the kernel then traps; the CUDA context of the process is
         lost and the next CUDA call raises, as PeerTimeoutError. "abort": the kernel tells
-        every peer to stop waiting too and returns; the context survives. The error is
-        raised by the next call on this object (dispatch, combine, synchronize,
-        check_errors) and every call after it: close the object and build a new one (the
-        workspace of an aborted step is not reusable). Results of the aborted step are
-        garbage. validate_expert_ids: copy the ids to the host and check their range
-        before launching (skipped while a graph is being captured; off, out-of-range ids
-        are dropped by the kernel).
+        every peer to stop waiting too and returns; the context survives, the step's outputs
+        are poisoned (NaN rows, -1 ids: README) and every later call raises (error() polls
+        without raising): build a new all-to-all. validate_expert_ids: copy the ids to the
+        host and check their range before launching (skipped under graph capture; off,
+        out-of-range ids are dropped by the kernel). A rank alone in its process that
+        rejects its input still runs the step without tokens, so that its peers never wait
+        in vain (rejection.py).
     """
     _kind = "alltoalls"
 
@@ -148,9 +155,7 @@ class MoeAlltoAll(Owned):
         built = PROTOCOLS if self.built_protocol == "auto" else (self.built_protocol,)
         require(protocol in built, "protocol", f"must be one of {built} for an all-to-all built with "
                  f"protocol={self.built_protocol!r}, got {protocol!r}")
-        for r in self.ranks:
-            if r.mid_step:
-                raise StateError(f"rank {r.rank}: use_protocol between dispatch and combine")
+        _between_steps(self, "use_protocol")
         self.protocol = protocol
 
     def set_active_ranks(self, ranks) -> None:
@@ -168,9 +173,7 @@ class MoeAlltoAll(Owned):
                  f"must be a non-empty set of ranks in 0..{self.ep_size - 1}, got {ranks!r}")
         require(set(new) <= set(self.active_ranks), "ranks",
                  f"can only remove ranks (active now: {list(self.active_ranks)}); rebuild to add {sorted(set(new) - set(self.active_ranks))}")
-        for r in self.ranks:
-            if r.mid_step:
-                raise StateError(f"rank {r.rank}: set_active_ranks between dispatch and combine")
+        _between_steps(self, "set_active_ranks")
         self.active_ranks = new
         for r in self.ranks:
             r._set_active(new)
@@ -210,7 +213,7 @@ class MoeAlltoAll(Owned):
             raise first
 
 
-class RankAlltoAll:
+class RankAlltoAll(RejectedStep):
     """Dispatch and combine of one rank; all state lives on the device except a phase check."""
 
     def __init__(self, a2a: MoeAlltoAll, index: int, rank):
@@ -267,6 +270,7 @@ class RankAlltoAll:
         self._descs = [p.payloads[q] for q in range(p.num_payloads)]  # (indexing makes a new wrapper)
         self._payload_names = [f"payloads[{q}] ({spec.name})" for q, spec in enumerate(a2a.payload_specs)]
         self._payload_shapes = [tuple(spec.shape) for spec in a2a.payload_specs]
+        self._tells_peers, self.rejected = not a2a.group.is_local and a2a.ep_size > 1, None  # (rejection.py)
 
     def _set_active(self, ranks) -> None:
         words = [0] * len(self.params.active)
@@ -274,7 +278,7 @@ class RankAlltoAll:
             words[r >> 5] |= 1 << (r & 31)
         self.params.active[:] = words
         # 8 bits of the mask's hash ride above T^ in the step tag peers compare (bit 31 stays
-        # clear, so a tag never equals an id sentinel or -1)
+        # clear: it marks a rejecting rank's tag, layout.TAG_REJECT)
         self._tag_hi = (zlib.crc32(np.array(words, np.uint32).tobytes()) & 0xFF) << TAG_TMAX_BITS
         self.is_active = self.rank in ranks
 
@@ -337,6 +341,10 @@ class RankAlltoAll:
         rep = self._repeat_dispatch  # an engine's steady state: the same call as the last one
         if rep is not None and rep.matches(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
             return self._dispatch_again(rep, token_selected_experts)
+        return self._dispatch_or_reject(token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
+
+    def _dispatch_checked(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
+        a = self.a2a
         steps_before, early_before = self.steps, self._prev_early
         tmax = runtime_max_tokens_per_rank
         check_runtime_max(tmax, a.max_tokens_per_rank)
@@ -355,7 +363,7 @@ class RankAlltoAll:
         ins = [self._input(t, name, shape, spec.dtype, T, s)
                for t, spec, name, shape in zip(payloads, a.payload_specs, self._payload_names, self._payload_shapes)]
         if self.validate_expert_ids and T and not is_capturing(s):  # (a capture cannot sync)
-            self._check_ids(ids, s)
+            check_expert_ids_on_host(ids, s, a.num_experts)
 
         p = self.params
         p.local_num_tokens, p.runtime_max_tokens_per_rank = T, tmax
@@ -410,7 +418,7 @@ class RankAlltoAll:
         """dispatch() with the same tensors, T^, stream and state as the last one: only what
         changes from step to step (the ids' values, PDL's trigger, the step count) is redone."""
         if self.validate_expert_ids and r.T and not is_capturing(r.s):
-            self._check_ids(ids, r.s)
+            check_expert_ids_on_host(ids, r.s, self.a2a.num_experts)
         self.params.trigger_early, self._prev_early = r.early, r.early
         self.device.make_current()
         self._launch(r.launch, r.s)
@@ -540,16 +548,10 @@ class RankAlltoAll:
     def _check_open(self) -> None:
         if self.params is None:
             raise StateError(f"rank {self.rank}: this all-to-all is closed")
-        if self.record.kind:  # a kernel gave up (abort mode): refuse every call from then on
+        if self.rejected:
+            raise StateError(self.rejected)
+        if self._refuses():  # a kernel gave up (abort mode) or a peer rejected: every call from then on
             self.raise_recorded()
-
-    def _check_ids(self, ids: Tensor, stream: int) -> None:
-        host = np.empty(ids.shape, np.int32)
-        synchronize_stream(stream)
-        copy_dtoh(host.ctypes.data, ids.ptr, host.nbytes)
-        err = expert_id_error(host, self.a2a.num_experts)
-        if err is not None:
-            raise err
 
     # -- errors --------------------------------------------------------------------------------
     def _launch(self, launch: Launch, stream: int) -> None:
@@ -569,13 +571,15 @@ class RankAlltoAll:
             raise err from cause
 
     def synchronize(self) -> None:
-        """Wait for this rank's GPU; raise the PeerError a kernel recorded, if any."""
+        """Wait for this rank's GPU; raise the PeerError a kernel recorded, if any (a peer's
+        rejection only once this rank's step is complete: its combine must still run)."""
         try:
             self.device.synchronize()
         except CudaError as e:
             self.raise_recorded(e)
             raise
-        self.raise_recorded()
+        if self._refuses():
+            self.raise_recorded()
 
     def close(self) -> None:
         if self.params is None:

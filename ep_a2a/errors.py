@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .driver.errors import (CudaError, DriverTooOldError, EpA2AError, ForkedProcessError,  # noqa: F401 (re-exported)
                             NoDriverError, UnsupportedDeviceError)
-from .layout import ERR_PEER_ABORTED, ERR_TIMEOUT, ERR_TMAX_MISMATCH, PHASE_NAMES, TAG_TMAX_BITS
+from .layout import ERR_PEER_ABORTED, ERR_PEER_REJECTED, ERR_TIMEOUT, ERR_TMAX_MISMATCH, PHASE_NAMES, TAG_TMAX_BITS
 
 
 class StateError(EpA2AError):
@@ -56,6 +56,12 @@ class RuntimeMaxMismatchError(PeerError):
     """Ranks passed different runtime_max_tokens_per_rank in one step."""
 
 
+class PeerRejectedError(PeerError):
+    """Rank `peer` (in another process) rejected its input at step `epoch` and ran that step
+    without tokens: every token of ours that chose one of its experts combined to NaN. No
+    context was lost; build a new all-to-all on every rank (ep_a2a/rejection.py)."""
+
+
 class ActiveRanksMismatchError(PeerError):
     """Ranks used different active-rank sets (set_active_ranks) in one step."""
 
@@ -68,6 +74,10 @@ def error_from_record(rec):
     if rec.kind == ERR_PEER_ABORTED:
         return PeerAbortedError(rec, f"rank {rec.rank} stopped waiting in {phase} at step {rec.epoch}: "
                                 f"rank {rec.peer} gave up on a peer (on_timeout='abort')")
+    if rec.kind == ERR_PEER_REJECTED:
+        return PeerRejectedError(rec, f"rank {rec.peer} rejected its input at step {rec.epoch} and took part without "
+                                 f"tokens (its dispatch raised there): rank {rec.rank}'s tokens routed to it "
+                                 "combined to NaN; build a new all-to-all on every rank")
     if rec.kind == ERR_TMAX_MISMATCH:  # observed/expected are step tags: T^ | mask hash above
         low = (1 << TAG_TMAX_BITS) - 1
         theirs, ours = rec.observed & low, rec.expected & low

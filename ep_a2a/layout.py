@@ -74,12 +74,16 @@ def landing_bytes(bytes_per_token: int, kind: int) -> int:
     return 2 * b if kind == KIND_RAW16 else b
 
 # error-record kinds and phases (host-mapped memory, read after a trap)
-ERR_TIMEOUT, ERR_TMAX_MISMATCH, ERR_PEER_ABORTED = 1, 2, 3
+ERR_TIMEOUT, ERR_TMAX_MISMATCH, ERR_PEER_ABORTED, ERR_PEER_REJECTED = 1, 2, 3, 4
 # SENTINEL's id slots and FENCE's T^ words carry a step tag: T^ (< 2**23) in the low bits and
 # 8 bits of the active-rank mask's CRC above (bit 31 stays clear, so a tag never equals the id
 # sentinel or -1), so a rank can tell both mismatches apart. A different mask is caught with
 # probability 255/256; a missed one ends as a timeout on the rank that waits for too many.
 TAG_TMAX_BITS = 23
+# A step tag with bit 31 set says "this rank rejected its input and runs the step without
+# tokens" (TAG_REJECT | its rank: never the id sentinel, never -1): peers record
+# ERR_PEER_REJECTED, never trap, and complete the step (alltoall.RankAlltoAll.dispatch).
+TAG_REJECT = 1 << 31
 Q8_BLOCK = 128  # FP8 combine: values per fp32 scale
 # the kernel phase an error record names (the kernels use the EP_PHASE_* constants)
 PHASE_DISPATCH, PHASE_COMBINE, PHASE_SENTINEL_DISPATCH, PHASE_SENTINEL_COMBINE = 1, 2, 3, 4
@@ -335,7 +339,8 @@ def c_header() -> str:
               "MAX_RANKS": MAX_RANKS, "MAX_PAYLOADS": MAX_PAYLOADS, "MAX_TOP_K": MAX_TOP_K,
               "SENTINEL_WORD": f"0x{SENTINEL_WORD:08X}u", "SENTINEL_IDS": f"0x{SENTINEL_IDS:08X}u",
               "ERR_TIMEOUT": ERR_TIMEOUT, "ERR_TMAX_MISMATCH": ERR_TMAX_MISMATCH,
-              "ERR_PEER_ABORTED": ERR_PEER_ABORTED, "TAG_TMAX_BITS": TAG_TMAX_BITS, "Q8_BLOCK": Q8_BLOCK,
+              "ERR_PEER_ABORTED": ERR_PEER_ABORTED, "ERR_PEER_REJECTED": ERR_PEER_REJECTED,
+              "TAG_TMAX_BITS": TAG_TMAX_BITS, "TAG_REJECT": f"0x{TAG_REJECT:08X}u", "Q8_BLOCK": Q8_BLOCK,
               "PHASE_DISPATCH": PHASE_DISPATCH, "PHASE_COMBINE": PHASE_COMBINE,
               "PHASE_SENTINEL_DISPATCH": PHASE_SENTINEL_DISPATCH, "PHASE_SENTINEL_COMBINE": PHASE_SENTINEL_COMBINE,
               "RECORD_TARGET_BITS": RECORD_TARGET_BITS, "RECORD_TARGET_MASK": f"0x{RECORD_TARGET_MASK:X}"}

@@ -9,6 +9,8 @@ import weakref
 
 import numpy as np
 
+from .driver.memory import copy_dtoh
+from .driver.stream import synchronize_stream
 from .interop.tensor import CUDA, Tensor, as_dtype as lookup_dtype, as_tensor
 
 
@@ -113,6 +115,17 @@ def expert_id_error(host_ids, num_experts: int):
     i, k = map(int, np.argwhere(bad)[0])
     return ValueError(f"token_selected_experts: ids must be in 0..num_experts-1={num_experts - 1} "
                       f"or -1 (no expert); token {i}, selection {k} is {int(host_ids[i, k])}")
+
+
+def check_expert_ids_on_host(ids: Tensor, stream: int, num_experts: int) -> None:
+    """validate_expert_ids: copy the ids to the host once `stream` is done with them (a
+    synchronization) and raise expert_id_error's ValueError, if any."""
+    host = np.empty(ids.shape, np.int32)
+    synchronize_stream(stream)
+    copy_dtoh(host.ctypes.data, ids.ptr, host.nbytes)
+    err = expert_id_error(host, num_experts)
+    if err is not None:
+        raise err
 
 
 def check_fp8_partial(partial, tmax: int, combine_quant, fp8_input) -> None:

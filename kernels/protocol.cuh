@@ -36,7 +36,7 @@ EP_DEVICE unsigned* last_combine_sentinel(const A2AParams& p) { return section<u
 // stop waiting at once, and return: the caller carries on without the data it waited for
 // (every index it uses stays within this rank's own workspace), and the host refuses the
 // all-to-all from then on.
-EP_DEVICE void report_failure(const A2AParams& p, unsigned kind, int phase, int peer,
+EP_DEVICE void write_record(const A2AParams& p, unsigned kind, int phase, int peer,
                              unsigned epoch, unsigned observed, unsigned expected) {
   ErrorRecord* rec = reinterpret_cast<ErrorRecord*>(p.error_record);
   // The host decodes the record as soon as `kind` is non-zero, so `kind` is written last,
@@ -47,14 +47,25 @@ EP_DEVICE void report_failure(const A2AParams& p, unsigned kind, int phase, int 
     st_release_sys(&rec->kind, kind);
     fence_release_sys();  // (pushes the record out before a trap)
   }
+}
+EP_DEVICE void report_failure(const A2AParams& p, unsigned kind, int phase, int peer,
+                             unsigned epoch, unsigned observed, unsigned expected) {
+  write_record(p, kind, phase, peer, epoch, observed, expected);
   if (!p.abort_on_timeout) trap();
   for (int r = 0; r < p.ep_size; ++r)
     if (rank_active(p, r)) atomicCAS(abort_word(p, r), 0u, static_cast<unsigned>(p.rank) + 1);
 }
 
 // A peer's step tag (T^ and active-set hash) differs from ours: the ranks disagree on the step.
+// A peer that rejected its input takes part without tokens and says so in its tag: that is
+// recorded (the host raises it at the next dispatch) and the step goes on, in either mode.
+// The rejecting rank itself checks nothing: its host has raised already.
 EP_DEVICE void check_step_tag(const A2AParams& p, int phase, int peer, unsigned f, unsigned peer_tag) {
-  if (peer_tag != p.step_tag) report_failure(p, EP_ERR_TMAX_MISMATCH, phase, peer, f, peer_tag, p.step_tag);
+  if (peer_tag == p.step_tag || (p.step_tag & EP_TAG_REJECT)) return;
+  if (peer_tag & EP_TAG_REJECT)
+    write_record(p, EP_ERR_PEER_REJECTED, phase, peer, f, peer_tag, p.step_tag);
+  else
+    report_failure(p, EP_ERR_TMAX_MISMATCH, phase, peer, f, peer_tag, p.step_tag);
 }
 
 // ---- after an abort: outputs that say so

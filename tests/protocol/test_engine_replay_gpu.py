@@ -350,3 +350,96 @@ def test_graphs_replayed_in_shuffled_orders_by_two_processes(tmp_path):
     for rank, bad, exc in sorted(got):
         assert exc is None, f"rank {rank} (seed {seed}): {exc}"
         assert not bad, f"rank {rank} (seed {seed}): {bad[:3]}"
+
+
+def _rejecting_child(rank, name, base_dir, protocol, q):
+    """Rank 1 of two processes gets expert ids out of range at step 3 and rejects them after
+    rank 0 has launched that step: rank 1 raises at once; rank 0 finishes the step well inside
+    its timeout without a trap, its tokens routed to rank 1 combine to NaN, the others are
+    exact, and it raises PeerRejectedError at its next call; rank 1 refuses every later call."""
+    try:
+        import ep_a2a
+        from ep_a2a.bootstrap import UnixSocketBootstrap
+        from ep_a2a.interop.arrays import from_numpy, to_numpy
+        from ep_a2a.testing.formats import payload_formats
+        bs = UnixSocketBootstrap(rank, 2, name=name, base_dir=base_dir, timeout=60)
+        g = ep_a2a.ProcessGroup(bs, 0)
+        a = ep_a2a.MoeAlltoAll(g, max_tokens_per_rank=16, top_k=K, num_experts=4, payloads=payload_formats(H, K)["bf16"],
+                               combine_hidden_size=H, protocol=protocol, timeout_s=30.0, first_timeout_s=30.0)
+        rng = np.random.default_rng([rank, 5])
+        report = {}
+        for _ in range(2):  # healthy steps
+            st = Step(a, 0, list(rng.integers(0, 2, 8)), rng, 8)
+            st.dispatch(); st.moe(); st.combine()
+            a.synchronize()
+            st.check("healthy step")
+        targets = [0, 1] * 4
+        st = Step(a, 0, targets, rng, 8)
+        t0 = time.monotonic()
+        if rank == 1:
+            st.ids = from_numpy(np.full((8, K), 99, np.int32), st.rank.device, "int32")  # out of range
+            try:
+                st.dispatch()
+                report["raised"] = None
+            except ValueError as e:
+                report["raised"] = str(e)
+            try:
+                st.dispatch()
+            except ep_a2a.StateError as e:
+                report["later"] = str(e)
+        else:
+            st.dispatch(); st.moe(); st.combine()
+            try:
+                a.synchronize()
+                report["peer_error"] = None
+            except ep_a2a.PeerRejectedError as e:
+                report["peer_error"] = (e.peer, str(e))
+            report["waited"] = time.monotonic() - t0
+            y = to_numpy(st.out).view(np.uint16)
+            x = st.x[0].view(np.uint16)
+            to1 = np.array(targets) == 1
+            as_float = y.astype(np.uint32) << 16
+            report["nan_rows"] = bool(np.isnan(as_float.view(np.float32)[to1]).all())
+            report["exact_rows"] = bool(np.array_equal(y[~to1], x[~to1]))
+            try:
+                st.dispatch()
+                report["next"] = None
+            except ep_a2a.PeerRejectedError as e:
+                report["next"] = type(e).__name__
+        bs.barrier()
+        a.close()
+        g.close()
+        q.put((rank, report, None))
+    except BaseException:  # report, never hang the parent
+        import traceback
+        q.put((rank, None, traceback.format_exc()))
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_a_rank_that_rejects_its_input_tells_its_peers(protocol, tmp_path):
+    import multiprocessing as mp
+    import os
+    os.chmod(tmp_path, 0o700)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_rejecting_child, args=(r, f"j{os.getpid()}{protocol[0]}", str(tmp_path), protocol, q))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict((rank, (rep, exc)) for rank, rep, exc in (q.get(timeout=200) for _ in procs))
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for rank, (rep, exc) in got.items():
+        assert exc is None, f"rank {rank}: {exc}"
+    r0, r1 = got[0][0], got[1][0]
+    assert r1["raised"] and "token_selected_experts" in r1["raised"], r1
+    assert "rejected its input" in r1["later"], r1
+    assert r0["peer_error"] and r0["peer_error"][0] == 1, r0
+    assert r0["waited"] < 10.0, f"rank 0 took {r0['waited']:.1f} s to finish the rejected step (timeout 30 s)"
+    assert r0["nan_rows"] and r0["exact_rows"], r0
+    assert r0["next"] == "PeerRejectedError", r0
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]

@@ -54,7 +54,7 @@ def recorder(monkeypatch):
     return rec
 
 
-def _rank(combine_quant=None):
+def _rank(combine_quant=None, local=True):
     specs = payload_formats(H, 8)["bf16"]
     kinds = (0,) + tuple(sentinel_kind(s.dtype) for s in specs)
     pbytes = (32,) + tuple(s.bytes_per_token for s in specs)
@@ -65,6 +65,7 @@ def _rank(combine_quant=None):
         ep_size=EP, top_k=8, num_experts=256, max_tokens_per_rank=TMAX, payload_specs=tuple(specs),
         combine_hidden_size=H, combine_dtype=as_dtype("bfloat16"), protocol="auto", layout=L, kinds=kinds,
         workspace=types.SimpleNamespace(base=lambda i: 1 << 40, peers=lambda i: [1 << 40] * EP), on_timeout="trap",
+        group=types.SimpleNamespace(is_local=local),
         active_ranks=tuple(range(EP)), combine_quant=combine_quant, threads=256, pdl=True, validate_expert_ids=False,
         first_timeout_s=60, timeout_s=10, crossover_tokens=0)
     a2a.protocol_for = lambda t: a2a.protocol if a2a.protocol != "auto" else ("sentinel" if t <= 8 else "fence")
