@@ -339,9 +339,9 @@ class RankAlltoAll(RejectedStep):
         if not self.is_active:
             raise StateError(f"rank {self.rank}: not an active rank (set_active_ranks({list(a.active_ranks)}))")
         rep = self._repeat_dispatch  # an engine's steady state: the same call as the last one
-        if rep is not None and rep.matches(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
-            return self._dispatch_again(rep, token_selected_experts)
-        return self._dispatch_or_reject(token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
+        again = rep is not None and rep.matches(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
+        return self._dispatch_or_reject(rep if again else None, token_selected_experts, payloads, runtime_max_tokens_per_rank,
+                                        stream)
 
     def _dispatch_checked(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
         a = self.a2a

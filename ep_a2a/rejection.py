@@ -28,8 +28,12 @@ from .validate import check_runtime_max
 class RejectedStep:
     """RankAlltoAll's part of the rule above (a mixin: it runs the rank's own launches)."""
 
-    def _dispatch_or_reject(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
+    def _dispatch_or_reject(self, repeat, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
+        """dispatch() after its state checks: the repeat of the last call (`repeat`: its host
+        id check may still reject) or the full path."""
         try:
+            if repeat is not None:
+                return self._dispatch_again(repeat, token_selected_experts)
             return self._dispatch_checked(token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
         except (TypeError, ValueError) as e:
             if self._tells_peers:  # peers in other processes may have launched
