@@ -400,8 +400,8 @@ class RankAlltoAll(RejectedStep):
 
     def abandon_dispatch(self) -> None:
         """Forget the dispatch awaiting its combine, so that the next call may be a dispatch:
-        for dispatch-only CUDA graphs (the benchmark times dispatch alone). The device state
-        needs nothing: a dispatch never waits for the combine before it."""
+        for dispatch-only CUDA graphs of one protocol (the benchmark times dispatch alone). The
+        device needs nothing: a FENCE dispatch waits for a combine only after a SENTINEL one."""
         self._dispatched_tmax = None
 
     def dispatch_records(self, num_tokens: int) -> Tensor:

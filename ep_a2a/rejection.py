@@ -36,8 +36,7 @@ class RejectedStep:
                 return self._dispatch_again(repeat, token_selected_experts)
             return self._dispatch_checked(token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
         except (TypeError, ValueError) as e:
-            if self._tells_peers:  # peers in other processes may have launched
-                self._reject_step(runtime_max_tokens_per_rank, stream, e)
+            self.reject_step(runtime_max_tokens_per_rank, stream, e)
             raise
 
     def _refuses(self) -> bool:
@@ -45,8 +44,14 @@ class RejectedStep:
         that completes a step the peers of a rejecting rank are in (its flags must go out)."""
         return bool(self.record.kind) and not (self.record.kind == ERR_PEER_REJECTED and self.mid_step)
 
-    def _reject_step(self, tmax, stream, err) -> None:
-        a = self.a2a
+    def reject_step(self, runtime_max_tokens_per_rank, stream, err) -> None:
+        """This rank rejects its input for the next step (`err`, which the caller raises):
+        on a rank alone in its process, run that step without tokens as above; on ranks of
+        one process, nothing. dispatch() does this itself; a framework layer that refuses
+        its arguments before it calls dispatch() calls this first."""
+        if not self._tells_peers or self.rejected or self.mid_step:
+            return
+        a, tmax = self.a2a, runtime_max_tokens_per_rank
         try:
             check_runtime_max(tmax, a.max_tokens_per_rank)
             s = self.default_stream if stream is None else stream_handle(stream)
@@ -54,6 +59,9 @@ class RejectedStep:
             return
         tmax, p, L, sch = int(tmax), self.params, a.layout, self.schedule
         proto = a.protocol_for(tmax)
+        self.rejected = (f"rank {self.rank} rejected its input at a step its peers took part in "
+                         f"({type(err).__name__}: {err}); it ran that step without tokens and every peer raises "
+                         "PeerRejectedError: build a new all-to-all on every rank")
         dispatch, combine = self._launches[proto]
         p.local_num_tokens, p.runtime_max_tokens_per_rank, p.step_tag = 0, tmax, TAG_REJECT | self.rank
         self.device.make_current()
@@ -72,6 +80,3 @@ class RejectedStep:
         self._launch(combine, s)
         self.steps += 1
         self._repeat_dispatch = self._repeat_combine = None
-        self.rejected = (f"rank {self.rank} rejected its input at a step its peers took part in "
-                         f"({type(err).__name__}: {err}); it ran that step without tokens and every peer raises "
-                         "PeerRejectedError: build a new all-to-all on every rank")

@@ -86,6 +86,9 @@ EP_DEVICE void publish_counts(const A2AParams& p, const SlotCounters& cnt, unsig
     if (threadIdx.x == 0) {
       if (!cnt.one_block) blocks.reset();
       advance_epoch(p, f);
+      // (every block read it before the election): the wait it asked for is done, so a
+      // dispatch-only repeat of this kernel does not wait for a combine that never ran
+      *last_combine_sentinel(p) = 0;
     }
   }
 }
@@ -232,15 +235,20 @@ __device__ void fence_combine(const A2AParams& p) {
 
   fence_step_done(p);                                      // (for the next dispatch: protocol.cuh)
   publish_partials<T, Q8>(p, f);                           // lines 17-19
-  wait_steps(p, p.off_combine_flags, f, EP_PHASE_COMBINE);  // line 20
-  __syncthreads();  // line 21: the pollers' acquires order the whole block's pulls (bar.sync is cumulative)
+  __shared__ int s_missing;
+  const bool came = wait_steps(p, p.off_combine_flags, f, EP_PHASE_COMBINE);  // line 20
+  // line 21: the pollers' acquires order the whole block's pulls (the barrier is cumulative)
+  const bool missing = __syncthreads_or(!came);
+  if (threadIdx.x == 0) s_missing = missing;
   if (!p.trigger_early) griddep_launch_dependents();
   pull_and_reduce<T, Q8>(p, records);                      // lines 22-23
-  // After the reduction, not instead of it: no value of it stays live across the branch (a
-  // branch before it cost the FP8 kernels spills). A block whose wait gave up set the abort
-  // word itself, so it always poisons; one that poisons without need only does so in a step
-  // that another rank aborted.
-  if (p.abort_on_timeout && block_sees_abort(p)) poison_rows<T, Q8>(p);
+  // Poison after the reduction, not instead of it, and from shared memory: a value live
+  // across the reduction cost the FP8 kernels spills. A block whose wait gave up poisons;
+  // so does, in abort mode, one that sees the abort word at its end (its inputs may come
+  // from a peer that gave up earlier in the step).
+  const bool poison = __syncthreads_or(threadIdx.x == 0 &&
+                                       (s_missing || (p.abort_on_timeout && ld_volatile(abort_word(p, p.rank)) != 0)));
+  if (poison) poison_rows<T, Q8>(p);
 }
 
 // 512, 2: as fence_dispatch (the FP8 ones too: their reduction holds 8-byte loads for that).

@@ -62,9 +62,13 @@ EP_DEVICE void report_failure(const A2AParams& p, unsigned kind, int phase, int 
 // The rejecting rank itself checks nothing: its host has raised already.
 EP_DEVICE void check_step_tag(const A2AParams& p, int phase, int peer, unsigned f, unsigned peer_tag) {
   if (peer_tag == p.step_tag || (p.step_tag & EP_TAG_REJECT)) return;
-  if (peer_tag & EP_TAG_REJECT)
+  if (peer_tag & EP_TAG_REJECT) {
     write_record(p, EP_ERR_PEER_REJECTED, phase, peer, f, peer_tag, p.step_tag);
-  else
+    // The rejecting rank never launches again, and our host may have queued more steps
+    // before it reads the record: our abort word makes their waits give up (Deadline),
+    // in trap mode too, and their outputs poisoned, instead of waiting out the timeout.
+    atomicCAS(abort_word(p, p.rank), 0u, static_cast<unsigned>(peer) + 1);
+  } else
     report_failure(p, EP_ERR_TMAX_MISMATCH, phase, peer, f, peer_tag, p.step_tag);
 }
 
@@ -89,17 +93,22 @@ EP_DEVICE void poison_bytes(char* row, size_t b0, size_t b1) {
 // ---- the wait with a deadline
 // `give_up` is called once per failed poll: the deadline is set on first use (a wait that
 // succeeds at once never reads the timer); every 16th poll also looks at our abort word,
-// so that in abort mode one rank's failure ends every rank's waits.
+// so that in abort mode one rank's failure ends every rank's waits, and in either mode a
+// peer's rejected step ends the waits of the steps queued after it (check_step_tag). Only
+// the rank's own timeout traps (trap mode).
 // Returns true when the caller must stop waiting (only ever in abort mode).
 struct Deadline {
   uint64_t end = 0;
   unsigned polls = 0;
   EP_DEVICE bool give_up(const A2AParams& p, int phase, int peer, unsigned epoch, unsigned observed,
                          unsigned expected) {
-    if (p.abort_on_timeout && (++polls & 15) == 0) {
+    if ((++polls & 15) == 0) {
       const unsigned a = ld_volatile(abort_word(p, p.rank));
       if (a != 0) {
-        report_failure(p, EP_ERR_PEER_ABORTED, phase, static_cast<int>(a) - 1, epoch, observed, expected);
+        if (p.abort_on_timeout)
+          report_failure(p, EP_ERR_PEER_ABORTED, phase, static_cast<int>(a) - 1, epoch, observed, expected);
+        else
+          write_record(p, EP_ERR_PEER_ABORTED, phase, static_cast<int>(a) - 1, epoch, observed, expected);
         return true;
       }
     }
@@ -134,11 +143,13 @@ EP_DEVICE uint32_t wait_step(const A2AParams& p, const uint32_t* flag, uint32_t 
 }
 
 // "wait until all F[s][r] = f", thread-strided over the active ranks only: an inactive
-// rank is never waited for.
-EP_DEVICE void wait_steps(const A2AParams& p, unsigned long long off_flags, uint32_t f, int phase) {
+// rank is never waited for. False when one of this thread's waits gave up.
+EP_DEVICE bool wait_steps(const A2AParams& p, unsigned long long off_flags, uint32_t f, int phase) {
   const unsigned* flags = section<const unsigned>(p, p.rank, off_flags);
+  bool all = true;
   for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x)
-    if (rank_active(p, r)) wait_step(p, flags + r, f, phase, r);
+    if (rank_active(p, r)) all &= static_cast<int>(wait_step(p, flags + r, f, phase, r) - f) >= 0;
+  return all;
 }
 
 // ---- the last-block election: one system-scope fence per rank and step

@@ -44,10 +44,11 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from ..driver.memory import copy_dtod_async
+from ..driver.stream import is_capturing
 from ..interop.dlpack import DLDeviceType
 from ..interop.tensor import CUDA, Tensor, as_dtype
 from ..moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
-from ..validate import check_runtime_max, require, token_tensor
+from ..validate import check_expert_ids_on_host, check_runtime_max, require, token_tensor
 from .jax_calls import RanksByDevice, buffer_ptr
 
 _PROBE_PTR = 256  # the address of the trace-time stand-ins (aligned for every dtype; never read)
@@ -234,14 +235,20 @@ class JaxAlltoAll:
                           ops=self, kind="dispatch", tmax=tmax, num_tokens=tokens)
 
     def _launch_dispatch(self, dev, site, tmax, tokens, ids_l, pays_l, streams) -> list:
-        a, views = self.o, []
+        a, args = self.o, []
         for i, (r, s) in enumerate(zip(dev.ranks, streams)):
             T = tokens[i]
             ids_t = dev.slot((site, i, -1), (T, a.top_k), "int32", i).at(ids_l[i])
             ins = [dev.slot((site, i, q), (T,) + tuple(spec.shape), spec.dtype, i).at(b)
                    for q, (b, spec) in enumerate(zip(pays_l[i], a.payloads))]
-            views.append(r.dispatch(ids_t, ins, tmax, stream=s))
-        return views
+            args.append((r, ids_t, ins, s))
+        # Every rank's ids are checked before any rank launches: the ranks of this process
+        # spin on each other, so a rank refusing its ids after another launched would leave
+        # that one waiting until its timeout.
+        for r, ids_t, _, s in args:
+            if r.validate_expert_ids and ids_t.shape[0] and not is_capturing(s):
+                check_expert_ids_on_host(ids_t, s, r.a2a.num_experts)
+        return [r.dispatch(ids_t, ins, tmax, stream=s) for r, ids_t, ins, s in args]
 
     def _device(self, ticket):
         _on_gpu(ticket)

@@ -53,10 +53,11 @@ from __future__ import annotations
 import torch
 
 from ..config import Fp8Partial
-from ..driver.stream import stream_handle
+from ..driver.stream import is_capturing, stream_handle
 from ..errors import StateError
 from ..interop.torch_tensor import TensorSlot
 from ..moe import ExpertIndex, build_index as moe_build_index, finalize as moe_finalize, gather_rows as moe_gather_rows
+from ..validate import check_expert_ids_on_host
 from .torch_views import INDEXES, RANKS, TorchIndex, TorchRank, bind, lookup
 
 __all__ = ["bind", "dispatch", "combine", "combine_input", "expert_index", "build_index", "gather_rows", "finalize",
@@ -101,14 +102,18 @@ def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tok
     """The dispatch itself, into b's own views: what the op runs, and what an eager call runs
     without the dispatcher."""
     s, explicit = b.streams.pick(stream)
-    ids = b.ids_slot(token_selected_experts)
-    slots = b.payload_slots
-    if len(payloads) == len(slots):
-        pays = [fill(t) for fill, t in zip(slots, payloads)]
-    else:  # (the all-to-all names the count it expects)
-        pays = [(slots[q] if q < len(slots) else TensorSlot(f"payloads[{q}]"))(t) for q, t in enumerate(payloads)]
-    if b.validate_expert_ids:
-        b.check_ids(token_selected_experts)
+    try:
+        ids = b.ids_slot(token_selected_experts)
+        slots = b.payload_slots
+        if len(payloads) == len(slots):
+            pays = [fill(t) for fill, t in zip(slots, payloads)]
+        else:  # (the all-to-all names the count it expects)
+            pays = [(slots[q] if q < len(slots) else TensorSlot(f"payloads[{q}]"))(t) for q, t in enumerate(payloads)]
+        if b.validate_expert_ids and ids.shape[0] and not is_capturing(s):
+            check_expert_ids_on_host(ids, s, b.a2a.num_experts)
+    except (TypeError, ValueError) as e:  # refused here, before the all-to-all saw it:
+        b.r.reject_step(runtime_max_tokens_per_rank, s, e)  # peers in other processes may have launched
+        raise
     b.r.dispatch(ids, pays, runtime_max_tokens_per_rank, stream=s)
     b.local_tokens = ids.shape[0]
     if explicit:

@@ -19,7 +19,7 @@ import torch
 from ..driver.stream import Event
 from ..interop.torch_tensor import TensorSlot, torch_view
 from ..moe import ExpertIndex
-from ..validate import check_runtime_max, expert_id_error
+from ..validate import check_runtime_max
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (absent from CPU-only builds)
 _HANDLES = itertools.count(1)
@@ -170,13 +170,6 @@ class TorchRank:
                                                            and partial.dtype == own[0].dtype and partial.is_contiguous())):
                 return own[1]  # (the view itself, as combine_input made it: only set_ could have moved it)
         return self.partial_slot(partial)
-
-    def check_ids(self, ids) -> None:
-        if not self.validate_expert_ids or ids.numel() == 0 or torch.cuda.is_current_stream_capturing():
-            return
-        err = expert_id_error(ids.cpu().numpy(), self.a2a.num_experts)  # (.cpu(): the host sync asked for)
-        if err is not None:
-            raise err
 
     def release(self) -> None:
         RANKS.pop(self.handle, None)

@@ -108,3 +108,14 @@ def test_lazy_package_exports_every_public_name():
     assert ep_a2a.bootstrap.UnixSocketBootstrap is ep_a2a.UnixSocketBootstrap
     with pytest.raises(AttributeError):
         ep_a2a.no_such_name
+
+
+def test_every_package_folder_is_listed_for_the_wheel():
+    """pyproject's explicit package list names every folder of ep_a2a that has an
+    __init__.py (a folder missing there ships without its modules: the wheel check in
+    .ci/run caught ep_a2a/ops)."""
+    root = Path(__file__).resolve().parents[2]
+    listed = set(re.search(r"^packages = \[(.*)\]$", (root / "pyproject.toml").read_text(), re.M).group(1)
+                 .replace('"', "").replace(" ", "").split(","))
+    found = {".".join(p.parent.relative_to(root).parts) for p in (root / "ep_a2a").rglob("__init__.py")}
+    assert found == listed, (sorted(found - listed), sorted(listed - found))

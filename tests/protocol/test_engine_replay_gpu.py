@@ -356,7 +356,9 @@ def _rejecting_child(rank, name, base_dir, protocol, q):
     """Rank 1 of two processes gets expert ids out of range at step 3 and rejects them after
     rank 0 has launched that step: rank 1 raises at once; rank 0 finishes the step well inside
     its timeout without a trap, its tokens routed to rank 1 combine to NaN, the others are
-    exact, and it raises PeerRejectedError at its next call; rank 1 refuses every later call."""
+    exact, and it raises PeerRejectedError at its next call; rank 1 refuses every later call.
+    Rank 0 queues one more step before it synchronizes (an engine's host runs ahead): that
+    step must end at once too, not wait out the timeout for a rank that never launches."""
     try:
         import ep_a2a
         from ep_a2a.bootstrap import UnixSocketBootstrap
@@ -375,6 +377,7 @@ def _rejecting_child(rank, name, base_dir, protocol, q):
             st.check("healthy step")
         targets = [0, 1] * 4
         st = Step(a, 0, targets, rng, 8)
+        extra = Step(a, 0, targets, rng, 8)  # (made before the launches: its uploads synchronize)
         t0 = time.monotonic()
         if rank == 1:
             st.ids = from_numpy(np.full((8, K), 99, np.int32), st.rank.device, "int32")  # out of range
@@ -389,6 +392,11 @@ def _rejecting_child(rank, name, base_dir, protocol, q):
                 report["later"] = str(e)
         else:
             st.dispatch(); st.moe(); st.combine()
+            try:  # the record may not be written yet: then this step launches and must end at once
+                extra.dispatch(); extra.moe(); extra.combine()
+                report["queued"] = "launched"
+            except ep_a2a.PeerRejectedError:
+                report["queued"] = "refused"
             try:
                 a.synchronize()
                 report["peer_error"] = None

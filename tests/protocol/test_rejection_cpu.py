@@ -58,3 +58,35 @@ def test_an_invalid_runtime_max_forms_no_step(recorder, monkeypatch):
     with pytest.raises(ValueError, match="runtime_max_tokens_per_rank"):
         r.dispatch(*_inputs(), 0)
     assert _launches(recorder) == [] and r.rejected is None
+
+
+def test_a_repeated_call_refused_by_the_host_id_check_also_runs_the_rejected_step(recorder, monkeypatch):
+    """The repeat fast path's host id check can refuse too (same tensors, new values): the
+    peers are told the same way."""
+    import ep_a2a.alltoall as A
+    from ep_a2a import fastpath
+    monkeypatch.setattr(rejection, "memset_d8_async", lambda *args: None)
+    refuse = []
+
+    def check(ids, stream, num_experts):
+        if refuse:
+            raise ValueError("token_selected_experts: ids must be in 0..num_experts-1 or -1")
+    monkeypatch.setattr(A, "check_expert_ids_on_host", check)
+    monkeypatch.setattr(A, "is_capturing", lambda stream: False)
+    a2a, r, _ = _rank(local=False)
+    a2a.protocol = "fence"
+    r.validate_expert_ids = True
+    ids, pays = _inputs()
+    repeats = []
+    again = r._dispatch_again
+    monkeypatch.setattr(r, "_dispatch_again", lambda *args: repeats.append(1) or again(*args))
+    for _ in range(fastpath.FIRST_STEPS + 2):
+        r.dispatch(ids, pays, 8)
+        r.combine(r.combine_input(8), 8)
+    assert repeats, "the warm-up never reached the repeat fast path"
+    refuse.append(1)
+    n = len(_launches(recorder))
+    with pytest.raises(ValueError, match="token_selected_experts"):
+        r.dispatch(ids, pays, 8)
+    new = _launches(recorder)[n:]
+    assert [p.step_tag for _, p in new] == [layout.TAG_REJECT | r.rank] * 2 and r.rejected
