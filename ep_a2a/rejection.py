@@ -7,9 +7,13 @@ step, without tokens and under a step tag that says so (layout.TAG_REJECT | rank
 raises the error:
   - every peer completes the step: our dispatch sends nothing and receives what they send;
     our combine serves the slots they routed here from a combine input set to all-ones
-    (NaN), so each of their tokens that chose one of our experts combines to NaN;
-  - each peer's kernels record ERR_PEER_REJECTED (never a trap, never an abort); its combine
-    of that step still runs, and its next dispatch raises PeerRejectedError naming us;
+    (NaN), so each of their tokens that chose one of our experts combines to NaN (and a
+    block of theirs whose wait on us gave up poisons its other rows too: exact or NaN,
+    never garbage);
+  - each peer's kernels record ERR_PEER_REJECTED, never trap, and set the peer's own abort
+    word, so that every later wait of that peer gives up at once (its host may have queued
+    more steps before it reads the record); its combine of that step still runs, and its
+    next call raises PeerRejectedError naming us;
   - this rank refuses every later call with a StateError. Build a new all-to-all everywhere.
 A runtime_max_tokens_per_rank that is itself invalid forms no step: nothing runs then, and
 the peers wait until their timeout. Ranks of one process (LocalGroup) raise before any

@@ -16,15 +16,17 @@ Every floor below is timed in the same two-length way.
 Dispatch and combine: for FENCE, dispatch is a dispatch-only graph and combine = round trip
 - dispatch (combine cannot be replayed alone: it would not wait for its peers). SENTINEL's
 dispatch cannot be replayed alone either (it reuses its landing slots only after combine),
-so for every protocol a third graph of R round trips carries a one-thread timestamp kernel
-(kernels/floors.cu, ep_timestamp) on each rank's stream before the first dispatch and after
+so with --stamps, for every protocol a third graph of R round trips carries a one-thread
+timestamp kernel (kernels/floors.cu, ep_timestamp) on each rank's stream before the first
+dispatch and after
 every dispatch and combine; each stamp reads %globaltimer once the kernel before it has
 completed. On each rank, dispatch = stamp after dispatch - stamp before it (the end of the
 previous combine), combine = stamp after combine - stamp after dispatch; round 0 left out,
 means over rounds, replays and ranks (`stamped_*`). The round trip measured without stamps
 is then divided in that proportion (SENTINEL's `dispatch_us` / `combine_us`, `split_method`
 "device timestamps"); FENCE keeps its dispatch-only graph ("dispatch-only graph") and shows
-the stamped split beside it as a check of the method.
+the stamped split beside it as a check of the method. Without --stamps (the default, see
+its help: that graph failed at some sizes) SENTINEL rows give the round trip only.
 
 Floors, measured in the same run:
   * latency: the same graphs with every kernel replaced by an empty kernel of the same
@@ -365,9 +367,10 @@ class Bench:
         m = {}  # name -> this process's figure; reduced over processes below
         m["rt"], m["rt_overhead"] = self._time_rounds(roundtrip)
         m["empty_rt"], m["empty_d"] = self._time_body(empty_like(True)), self._time_body(empty_like(False))
-        stamped = self._stamped(ins, T)
-        m["st_d"], m["st_c"] = stamped["dispatch_us"], stamped["combine_us"]
-        m["st_step"] = stamped["smallest_step_ns"]
+        stamped = self._stamped(ins, T) if self.args.stamps else None  # (--stamps says why not by default)
+        nan = float("nan")
+        m["st_d"], m["st_c"], m["st_step"] = ((stamped["dispatch_us"], stamped["combine_us"], stamped["smallest_step_ns"])
+                                              if stamped else (nan, nan, nan))
         if split:
             m["d"] = self._time_body(dispatch_all)
         barrier_us = self._barrier_floor() if self._flag_rounds else None
@@ -404,9 +407,9 @@ class Bench:
         rt, ert, ed = w["rt"], w["empty_rt"], w["empty_d"]
         copy_tbps = ratio(2 * w["nbytes"], w["copy"], 1e-6)
         peer_tbps = None if self.gpus == 1 else ratio(w["peer_bytes"], w["peer"], 1e-6)
-        st_rt = w["st_d"] + w["st_c"]
-        d = w["d"] if split else split_round_trip(rt, w["st_d"], w["st_c"])[0]
-        comb = rt - d
+        st_rt = w["st_d"] + w["st_c"] if stamped else None
+        d = w["d"] if split else split_round_trip(rt, w["st_d"], w["st_c"])[0] if stamped else None
+        comb = None if d is None else rt - d
         disp_tbps = ratio(written + read, d, 1e-6)
         bf_rt = w["bf_d"] + w["bf_c"]  # the sum of the two phases' floors
         logical = T * min(self.ep, self.top_k)  # selections' rows one token sends (perfect routing: all distinct)
@@ -422,7 +425,7 @@ class Bench:
             copy_floor_tbps=copy_tbps, peer_copy_floor_tbps=peer_tbps,
             round_trip_tbps=ratio(written + read + combine_traffic, rt, 1e-6),
             barrier_floor_round_trip_us=barrier_us, round_trip_over_barrier_floor=ratio(rt, barrier_us),
-            split_method="dispatch-only graph" if split else "device timestamps",
+            split_method="dispatch-only graph" if split else "device timestamps" if stamped else None,
             dispatch_us=d, combine_us=comb, floor_dispatch_us=ed, floor_combine_us=ert - ed,
             dispatch_over_floor=ratio(d, ed), dispatch_tbps=disp_tbps, combine_tbps=ratio(combine_traffic, comb, 1e-6),
             dispatch_over_copy_bw=ratio(disp_tbps, copy_tbps),
@@ -433,9 +436,11 @@ class Bench:
             bytes_floor_combine_tbps=ratio(combine_traffic, w["bf_c"], 1e-6),
             dispatch_of_bytes_floor=ratio(w["bf_d"], d), combine_of_bytes_floor=ratio(w["bf_c"], comb),
             round_trip_of_bytes_floor=ratio(bf_rt, rt),
-            stamped_dispatch_us=w["st_d"], stamped_combine_us=w["st_c"], stamped_round_trip_us=st_rt,
-            stamped_dispatch_share=ratio(w["st_d"], st_rt), stamp_rounds_used=stamped["rounds_used"],
-            stamp_samples=stamped["samples"], globaltimer_smallest_step_ns=int(w["st_step"]))
+            stamped_dispatch_us=w["st_d"] if stamped else None, stamped_combine_us=w["st_c"] if stamped else None,
+            stamped_round_trip_us=st_rt, stamped_dispatch_share=ratio(w["st_d"], st_rt) if stamped else None,
+            stamp_rounds_used=stamped["rounds_used"] if stamped else None,
+            stamp_samples=stamped["samples"] if stamped else None,
+            globaltimer_smallest_step_ns=int(w["st_step"]) if stamped else None)
 
     def host_overhead(self, T: int, iters: int = None) -> dict:
         """µs of host time per rank per eager dispatch+combine (arguments reused, no sync);

@@ -64,6 +64,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "partial results itself; fp8-epilogue: the MoE epilogue wrote them as FP8 "
                          "(combine_input(T^, fp8=True), as moe.finalize can), so combine only pulls and reduces")
     ap.add_argument("--no-pdl", action="store_true")
+    ap.add_argument("--stamps", action="store_true",
+                    help="also time a graph with device timestamps between the phases (SENTINEL's dispatch / "
+                         "combine split, and FENCE's as a check); off by default: on the H200 with 8 in-process "
+                         "ranks that graph ended in a launch failure at FENCE 128 and SENTINEL 16 tokens per rank "
+                         "(cause not found yet), while 1 and 4 tokens ran")
     ap.add_argument("--threads", type=int, default=256, help="threads per block of the protocol kernels")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<device>-<date>.json)")
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")

@@ -141,7 +141,7 @@ def _common(res, rows_want, rounds):
 @pytest.mark.gpu
 def test_procs_mode_two_rank_processes(tmp_path):
     out = tmp_path / "procs.json"
-    rc = bench_cli.main(["--mode", "procs", "--procs", "2", "--tokens", "1,8", "--rounds", "3", "--replays", "3",
+    rc = bench_cli.main(["--mode", "procs", "--procs", "2", "--tokens", "1,8", "--rounds", "3", "--stamps", "--replays", "3",
                      "--protocol", "fence", "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
@@ -160,7 +160,7 @@ def test_procs_mode_two_rank_processes(tmp_path):
 @pytest.mark.gpu
 def test_inproc_mode_smoke(tmp_path):
     out = tmp_path / "inproc.json"
-    rc = bench_cli.main(["--ranks", "2", "--tokens", "1,4", "--rounds", "4", "--replays", "5",
+    rc = bench_cli.main(["--ranks", "2", "--tokens", "1,4", "--rounds", "4", "--stamps", "--replays", "5",
                      "--protocol", "fence,sentinel", "--out", str(out)])
     assert rc == 0
     res = json.loads(out.read_text())
