@@ -80,8 +80,10 @@ EP_DEVICE void check_step_tag(const A2AParams& p, int phase, int peer, unsigned 
 // -1 for every received expert id (no token arrived), all-ones bytes (NaN in every float
 // format) for every combined row. An engine replaying graphs makes no Python call that
 // would raise; it sees NaN, and MoeAlltoAll.error() says why. One block-uniform answer
-// (thread 0 reads the word) also acts as the block barrier the caller needed anyway. Trap
-// mode never gets here with missing data: the answer is false without a load.
+// (thread 0 reads the word) also acts as the block barrier the caller needed anyway. In trap
+// mode the answer is false without a load: there only a peer's rejection makes a wait give
+// up, and the data that did not come poisons by itself (FENCE: a count of 0 and the
+// combine's failed wait; SENTINEL: a slot never written still holds its all-ones sentinel).
 EP_DEVICE bool block_sees_abort(const A2AParams& p) {
   return __syncthreads_or(p.abort_on_timeout && threadIdx.x == 0 && ld_volatile(abort_word(p, p.rank)) != 0);
 }
@@ -96,7 +98,7 @@ EP_DEVICE void poison_bytes(char* row, size_t b0, size_t b1) {
 // so that in abort mode one rank's failure ends every rank's waits, and in either mode a
 // peer's rejected step ends the waits of the steps queued after it (check_step_tag). Only
 // the rank's own timeout traps (trap mode).
-// Returns true when the caller must stop waiting (only ever in abort mode).
+// Returns true when the caller must stop waiting (never on a trap-mode timeout: that traps).
 struct Deadline {
   uint64_t end = 0;
   unsigned polls = 0;
