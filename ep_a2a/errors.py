@@ -58,8 +58,9 @@ class RuntimeMaxMismatchError(PeerError):
 
 class PeerRejectedError(PeerError):
     """Rank `peer` (in another process) rejected its input at step `epoch` and ran that step
-    without tokens: every token of ours that chose one of its experts combined to NaN. No
-    context was lost; build a new all-to-all on every rank (ep_a2a/rejection.py)."""
+    without tokens: every token of ours that chose one of its experts combined to NaN (others
+    of that step may have too, never to anything else). No context was lost; build a new
+    all-to-all on every rank (ep_a2a/rejection.py)."""
 
 
 class ActiveRanksMismatchError(PeerError):
@@ -77,7 +78,8 @@ def error_from_record(rec):
     if rec.kind == ERR_PEER_REJECTED:
         return PeerRejectedError(rec, f"rank {rec.peer} rejected its input at step {rec.epoch} and took part without "
                                  f"tokens (its dispatch raised there): rank {rec.rank}'s tokens routed to it "
-                                 "combined to NaN; build a new all-to-all on every rank")
+                                 "combined to NaN, others of that step may have too; build a new all-to-all on "
+                                 "every rank")
     if rec.kind == ERR_TMAX_MISMATCH:  # observed/expected are step tags: T^ | mask hash above
         low = (1 << TAG_TMAX_BITS) - 1
         theirs, ours = rec.observed & low, rec.expected & low
