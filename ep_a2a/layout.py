@@ -16,9 +16,10 @@ sections (each 256-byte aligned; offsets identical on every rank):
               the sender's step tag (T^ and active-set hash) u32[ep_size], combine flags
               u32[ep_size]; the abort word (0, or 1 + the rank that gave up: abort mode
               only, written by whichever rank timed out first). SENTINEL adds nothing here.
-  local       this rank only: step counter (epoch) and, in the word after it, which protocol
-              the last combine ran (1: SENTINEL; read by a FENCE dispatch on the device, so
-              that a graph replayed after any other works), finished-blocks counter, count of
+  local       this rank only: step counter (epoch) and, in the word after it, 1 while a
+              FENCE dispatch must first wait for the readers of a SENTINEL step (set by a
+              SENTINEL combine, cleared by FENCE's kernels: decided on the device, so that a
+              graph replayed after any other works), finished-blocks counter, count of
               selections dropped because their rank was inactive, slot counters u32[ep_size], and the (target rank, slot) record of every selection
               i32[max_tokens_per_rank][top_k].
   recv[p]     dispatch workspace of payload p: ep_size regions of runtime_max_tokens_per_rank
@@ -82,7 +83,7 @@ ERR_TIMEOUT, ERR_TMAX_MISMATCH, ERR_PEER_ABORTED, ERR_PEER_REJECTED = 1, 2, 3, 4
 TAG_TMAX_BITS = 23
 # A step tag with bit 31 set says "this rank rejected its input and runs the step without
 # tokens" (TAG_REJECT | its rank: never the id sentinel, never -1): peers record
-# ERR_PEER_REJECTED, never trap, and complete the step (alltoall.RankAlltoAll.dispatch).
+# ERR_PEER_REJECTED, never trap, and complete the step (rejection.py).
 TAG_REJECT = 1 << 31
 Q8_BLOCK = 128  # FP8 combine: values per fp32 scale
 # the kernel phase an error record names (the kernels use the EP_PHASE_* constants)
