@@ -73,6 +73,7 @@ import time
 
 import numpy as np
 
+from ..driver.errors import CudaError
 from ..layout import Q8_BLOCK
 from .bench_floors import ByteFloors, Stamps
 from .bench_method import per_round, ratio, split_round_trip, stamp_split
@@ -212,7 +213,12 @@ class Bench:
         self.ev0.record(s0)
         graph.launch(s0)
         self.ev1.record(s0)
-        self.ev1.synchronize()
+        try:
+            self.ev1.synchronize()
+        except CudaError as e:  # a kernel trapped: say why (its rank's record), not only that it did
+            for r in self.a2a.ranks:
+                r.raise_recorded(e)
+            raise
         return self.ev0.elapsed_ms(self.ev1) * 1e3
 
     def _time(self, graphs) -> list:
