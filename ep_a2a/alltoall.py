@@ -189,9 +189,8 @@ class MoeAlltoAll(Owned):
             r.raise_recorded()
 
     def error(self):
-        """The PeerError a kernel of this process recorded, or None: a cheap, non-raising poll
-        (host-mapped memory, no driver call) for an engine replaying CUDA graphs, after each
-        synchronize."""
+        """The PeerError a kernel of this process recorded, or None: a cheap poll (host-mapped
+        memory, no driver call) for an engine replaying CUDA graphs, after each synchronize."""
         return next((e for e in (r.recorded_error() for r in self.ranks) if e is not None), None)
 
     @property
@@ -247,7 +246,8 @@ class RankAlltoAll(RejectedStep):
         # kernels of every rank sharing this GPU spin on each other: all must be resident
         self.max_grid = max(1, occ * dev.sm_count // rank.ranks_on_device)
         self.schedule = schedule.Schedule(a2a.ep_size, a2a.top_k, a2a.threads, a2a.combine_hidden_size,
-                                          L.combine_bytes, bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid)
+                                          L.combine_bytes, bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid,
+                                          dispatch_bytes=sum(L.payload_bytes))
         self._launches = {pr: (Launch(dev, fd, [p], 1, a2a.threads, pdl=a2a.pdl),
                                Launch(dev, fc, [p], 1, a2a.threads, pdl=a2a.pdl)) for pr, (fd, fc) in fns.items()}
         self._empty = Launch(dev, load("util", dev).function("ep_empty"), [p], 1, a2a.threads, pdl=a2a.pdl)
@@ -332,14 +332,16 @@ class RankAlltoAll(RejectedStep):
         slot j of region s holds the j-th token source s sent here; slots past its count
         carry expert id -1. The views stay valid until the next dispatch.
         """
-        a = self.a2a
-        self._check_open()
+        if self.params is None or self.rejected or self.record.kind:  # (hot path: one test, then the reasons)
+            self._check_open()
         if self._dispatched_tmax is not None:
             raise StateError(f"rank {self.rank}: dispatch called twice without combine")
         if not self.is_active:
-            raise StateError(f"rank {self.rank}: not an active rank (set_active_ranks({list(a.active_ranks)}))")
+            raise StateError(f"rank {self.rank}: not an active rank (set_active_ranks({list(self.a2a.active_ranks)}))")
         rep = self._repeat_dispatch  # an engine's steady state: the same call as the last one
         again = rep is not None and rep.matches(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
+        if again and not self.validate_expert_ids:  # (nothing left that could reject the step)
+            return self._dispatch_again(rep, token_selected_experts)
         return self._dispatch_or_reject(rep if again else None, token_selected_experts, payloads, runtime_max_tokens_per_rank,
                                         stream)
 
@@ -415,8 +417,7 @@ class RankAlltoAll(RejectedStep):
         return self._view(self.a2a.layout.off_records, (num_tokens, self.a2a.top_k), "int32", None)
 
     def _dispatch_again(self, r: "fastpath.Repeat", ids) -> tuple:
-        """dispatch() with the same tensors, T^, stream and state as the last one: only what
-        changes from step to step (the ids' values, PDL's trigger, the step count) is redone."""
+        """dispatch() as the last one (fastpath): only the ids' check, PDL's trigger and the count redone."""
         if self.validate_expert_ids and r.T and not is_capturing(r.s):
             check_expert_ids_on_host(ids, r.s, self.a2a.num_experts)
         self.params.trigger_early, self._prev_early = r.early, r.early
@@ -439,8 +440,8 @@ class RankAlltoAll(RejectedStep):
         the epilogue has written it (then combine does not quantize). Returns `out` or a
         [local_num_tokens, hidden] view of an internal buffer valid until the next combine.
         """
-        a = self.a2a
-        self._check_open()
+        if self.params is None or self.rejected or self.record.kind:
+            self._check_open()
         tmax = runtime_max_tokens_per_rank
         if self._dispatched_tmax is None:
             raise StateError(f"rank {self.rank}: combine called without a dispatch before it")
@@ -448,6 +449,7 @@ class RankAlltoAll(RejectedStep):
         if (rep is not None and type(tmax) is int and tmax == self._dispatched_tmax and self._local_tokens == rep.T
                 and self.last_protocol == rep.proto and rep.matches(self, partial, (out,), tmax, stream)):
             return self._combine_again(rep)
+        a = self.a2a
         steps_before, early_before = self.steps, self._prev_early
         check_runtime_max(tmax, a.max_tokens_per_rank)
         tmax = int(tmax)  # (a NumPy integer would keep its width in the byte counts below)
@@ -509,8 +511,7 @@ class RankAlltoAll(RejectedStep):
         return got
 
     def _combine_again(self, r: "fastpath.Repeat") -> Tensor:
-        """combine() with the same tensors, T^, stream and state as the last one (see
-        _dispatch_again): the staging copy, if any, and the launch."""
+        """combine() as the last one (fastpath): the staging copy, if any, and the launch."""
         out_t, stage = r.extra
         self.params.trigger_early, self._prev_early = r.early, r.early
         self.device.make_current()
@@ -536,8 +537,7 @@ class RankAlltoAll(RejectedStep):
     @property
     def last_grids(self) -> tuple:
         """(dispatch, combine) grids of the last step's protocol (the benchmark's floor shape)."""
-        d, c = self._launches[self.last_protocol]
-        return d.grid, c.grid
+        return tuple(launch.grid for launch in self._launches[self.last_protocol])
 
     def launch_empty(self, stream=None, grid: int = 1) -> None:
         """The benchmark's latency floor: an empty kernel of the protocol kernels' shape."""
