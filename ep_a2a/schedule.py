@@ -97,15 +97,19 @@ class Schedule:
         """(blocks, splits) of a combine of T tokens whose output takes vectors of `vec` bytes.
 
         Small batches spread each token over `splits` blocks until a thread issues one round
-        of loads (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16
-        bytes). SENTINEL pushes every received slot (a block each); the FP8 quantize pass
+        of loads. SENTINEL polls and reduces 16-byte groups whatever the output's vectors, and
+        pushes every received slot (a block each, or parts of one); its grid has one block
+        more than that work, which publishes the combine flag (kernels/sentinel.cu: its
+        system-scope fence stays off every working block's path). The FP8 quantize pass
         spreads its 128-value blocks over the whole grid, which this sizes by the slots too
         (quantize=False: the epilogue quantized, combine_input(T^, fp8=True))."""
+        if proto == "sentinel":
+            units = -(-self.combine_bytes // 16)
+            splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
+            return max(T * splits, self.ep_size * tmax) + 1, splits
         units = self.combine_hidden_size // 8 if self.fp8_combine else self.combine_bytes // vec
         splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
-        if proto == "sentinel" and vec != 16:
-            splits = 1
-        slots = proto == "sentinel" or (self.fp8_combine and quantize)
+        slots = self.fp8_combine and quantize
         return max(T * splits, self.ep_size * tmax if slots else 0), splits
 
     def grid(self, want: int, successor_want: int, prev_early: bool, successor_fills: bool = False) -> tuple:
