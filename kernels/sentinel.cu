@@ -5,7 +5,9 @@
 // Memory model. Every word a peer polls is pushed with a strong store (st.relaxed.sys) and
 // polled with a strong load (ld.relaxed.sys): only strong accesses promise that each aligned
 // 32-bit word is seen whole and that a poll eventually sees the store. Data is copied or
-// reduced from the registers the successful poll returned, never from a second load.
+// reduced from the registers the successful poll returned, never from a second load by
+// another thread (more than 8 combine targets: a strong reload by the polling thread itself,
+// which read-read coherence orders after its own successful poll).
 //
 // No fence orders these stores. A slot is reused only after a message the peer sends in a
 // later kernel (paper §4.2): landing slots after the combine data of the step, combine slots
@@ -528,11 +530,19 @@ __device__ void sentinel_combine(const A2AParams& p) {
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
 
   const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
-  const unsigned groups = (p.combine_bytes + 15) / 16;
-  const int C = max(1, min(static_cast<int>(gridDim.x) / slots, static_cast<int>((groups + 31) / 32)));
-  for (int w = blockIdx.x; w < slots * C; w += gridDim.x) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
-  const int splits = p.combine_splits;
-  for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x)  // lines 15-19
+  const int G = gridDim.x, reduces = p.local_num_tokens * p.combine_splits, splits = p.combine_splits;
+  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
+  // Small batches (the host sizes the grid for it): the reducing blocks are not the pushing
+  // ones, so they collect their sources and start polling at once; blocks [0, spare) push,
+  // [spare, spare + reduces) reduce, the last publishes. Otherwise both grid-stride.
+  const int spare = G - 1 - reduces;
+  const bool apart = spare >= slots;
+  const int C = max(1, min((apart ? spare : G) / slots, cap));
+  const int push_stride = apart ? spare : G;
+  if (!apart || blockIdx.x < spare)
+    for (int w = blockIdx.x; w < slots * C; w += push_stride) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
+  const int r0 = apart ? static_cast<int>(blockIdx.x) - spare : static_cast<int>(blockIdx.x);
+  for (int w = r0; w >= 0 && w < reduces; w += apart ? reduces : G)  // lines 15-19
     reduce_part<T>(p, f, records, w / splits, w % splits, s_src, s_tgt, &s_n);
   if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
 }
