@@ -23,9 +23,8 @@ EP_DEVICE uint32_t ld_acquire_gpu(const uint32_t* p) {
 }
 
 // ---- volatile loads: read memory on every call (never a value the compiler kept), no
-// ordering. For counters written by an earlier kernel of this stream, for SENTINEL's shared
-// memory hand-over inside a block, and for the abort word (advisory: it only ends a wait
-// sooner). SENTINEL's data polls use the strong loads below.
+// ordering. For counters written by an earlier kernel of this stream and for the abort word
+// (advisory: it only ends a wait sooner). SENTINEL's data polls use the strong loads below.
 EP_DEVICE uint32_t ld_volatile(const uint32_t* p) { return *reinterpret_cast<const volatile uint32_t*>(p); }
 EP_DEVICE uint64_t ld_volatile(const uint64_t* p) { return *reinterpret_cast<const volatile uint64_t*>(p); }
 // ---- strong (relaxed, system scope) loads and stores: SENTINEL's data words

@@ -223,9 +223,11 @@ EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int*
 // Warp 0 polls the expert-id slot while every thread already polls its landing groups; the
 // ids' verdict (a token comes, or none) reaches the landing pollers through shared memory,
 // tagged with the work item so that an earlier item's verdict is never taken for this one.
+// Shared-memory atomics, not plain or volatile accesses: the word is written and read
+// concurrently on purpose, and racecheck reports no hazard between atomics.
 enum Verdict : unsigned { UNKNOWN = 0, TOKEN = 1, NONE = 2 };
-EP_DEVICE unsigned verdict(const unsigned* s_state, unsigned tag) {
-  const unsigned v = ld_volatile(s_state);
+EP_DEVICE unsigned verdict(unsigned* s_state, unsigned tag) {
+  const unsigned v = atomicOr(s_state, 0u);
   return (v >> 2) == tag ? (v & 3) : UNKNOWN;
 }
 EP_DEVICE const uint4* landing_ptr(const A2AParams& p, int r, int i, unsigned x) {
@@ -294,7 +296,7 @@ EP_DEVICE void receive_slot(const A2AParams& p, unsigned* s_state, int r, int i,
     if (lane < K) out_ids[lane] = static_cast<int>(id);
     if (lane == 0) {
       *has_slot(p, r, i) = has;
-      st_volatile(s_state, tag << 2 | (has ? TOKEN : NONE));
+      atomicExch(s_state, tag << 2 | (has ? TOKEN : NONE));
     }
   }
   // Line 8, every thread: the groups still missing, until they come or the verdict is "none".
