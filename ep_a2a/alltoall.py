@@ -246,8 +246,7 @@ class RankAlltoAll(RejectedStep):
         # kernels of every rank sharing this GPU spin on each other: all must be resident
         self.max_grid = max(1, occ * dev.sm_count // rank.ranks_on_device)
         self.schedule = schedule.Schedule(a2a.ep_size, a2a.top_k, a2a.threads, a2a.combine_hidden_size,
-                                          L.combine_bytes, bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid,
-                                          dispatch_bytes=sum(L.payload_bytes))
+                                          L.combine_bytes, bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid)
         self._launches = {pr: (Launch(dev, fd, [p], 1, a2a.threads, pdl=a2a.pdl),
                                Launch(dev, fc, [p], 1, a2a.threads, pdl=a2a.pdl)) for pr, (fd, fc) in fns.items()}
         self._empty = Launch(dev, load("util", dev).function("ep_empty"), [p], 1, a2a.threads, pdl=a2a.pdl)

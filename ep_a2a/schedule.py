@@ -24,20 +24,6 @@ from dataclasses import dataclass
 SENTINEL_MAX_TOKENS_H200 = 0
 
 
-# FENCE dispatch at small batches shares each token between several blocks, so that its
-# pushes (bytes x targets: 115 KB for a deepseek-v3 bf16 token going to 8 ranks) leave from
-# several SMs instead of one. Only up to DISPATCH_TABLE_TOKENS tokens per rank, where the
-# kernel takes slots from a table that gives every block of a token the same slots
-# (kernels/fence.cu SLOT_TABLE_TOKENS; the kernel derives the split from the grid, so a
-# mismatch costs speed, never correctness). A block pushes about DISPATCH_BYTES_PER_BLOCK; a
-# single token below DISPATCH_SPLIT_MIN_BYTES stays in one block, whose one-block grid skips
-# the last-block election (one gpu-scope atomic round trip, worth more than a few KB).
-DISPATCH_TABLE_TOKENS = 128
-DISPATCH_MAX_SPLITS = 8
-DISPATCH_BYTES_PER_BLOCK = 16 * 1024
-DISPATCH_SPLIT_MIN_BYTES = 64 * 1024
-
-
 def sentinel_max_tokens() -> int:
     v = os.environ.get("EP_A2A_SENTINEL_MAX_TOKENS")
     return int(v) if v else SENTINEL_MAX_TOKENS_H200
@@ -70,50 +56,27 @@ class Schedule:
     fp8_combine: bool
     pdl: bool
     max_grid: int        # this rank's share of its GPU: every co-resident rank's blocks must fit
-    dispatch_bytes: int = 0  # bytes per token of every dispatch payload together (expert ids too)
-
-    def dispatch_splits(self, T: int) -> int:
-        """Blocks that share one token's FENCE pushes (see DISPATCH_TABLE_TOKENS): enough that
-        each pushes about DISPATCH_BYTES_PER_BLOCK, at most DISPATCH_MAX_SPLITS, and never more
-        than keep the grid within half the rank's share, where it may still trigger its
-        successor early (grid)."""
-        if not 0 < T <= DISPATCH_TABLE_TOKENS:
-            return 1
-        pushed = self.dispatch_bytes * min(self.top_k, self.ep_size)
-        if T == 1 and pushed < DISPATCH_SPLIT_MIN_BYTES:
-            return 1
-        want = -(-pushed // DISPATCH_BYTES_PER_BLOCK)
-        return max(1, min(DISPATCH_MAX_SPLITS, want, (self.max_grid // 2) // T))
 
     def dispatch_want(self, T: int, tmax: int, proto: str) -> int:
-        """Blocks a dispatch would use: a block per token (FENCE: dispatch_splits per token at
-        small batches, and at least enough to sanitize the received ids in one pass;
-        SENTINEL: one per (source, slot) to receive)."""
+        """Blocks a dispatch would use: a block per token (FENCE: at least enough to sanitize
+        the received ids in one pass; SENTINEL: one per (source, slot) to receive)."""
         if proto == "fence":
-            return max(T * self.dispatch_splits(T), -(-self.ep_size * tmax * self.top_k // (self.threads * 8)))
+            return max(T, -(-self.ep_size * tmax * self.top_k // (self.threads * 8)))
         return self.ep_size * tmax
 
     def combine_want(self, T: int, tmax: int, proto: str, vec: int, quantize: bool = True) -> tuple:
         """(blocks, splits) of a combine of T tokens whose output takes vectors of `vec` bytes.
 
         Small batches spread each token over `splits` blocks until a thread issues one round
-        of loads. SENTINEL polls and reduces 16-byte groups whatever the output's vectors, and
-        pushes every received slot (a block each, or parts of one). At small batches its
-        pushing and reducing blocks are apart (the reducers poll at once) while the grid
-        stays within half the share (PDL's early trigger); either way the grid has one block
-        more than its work, which publishes the combine flag (kernels/sentinel.cu: its
-        system-scope fence stays off every working block's path). The FP8 quantize pass
+        of loads (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16
+        bytes). SENTINEL pushes every received slot (a block each); the FP8 quantize pass
         spreads its 128-value blocks over the whole grid, which this sizes by the slots too
         (quantize=False: the epilogue quantized, combine_input(T^, fp8=True))."""
-        if proto == "sentinel":
-            units = -(-self.combine_bytes // 16)
-            splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
-            slots = self.ep_size * tmax
-            apart = slots + T * splits + 1  # pushing and reducing blocks apart (sentinel.cu), if it fits half
-            return (apart if apart <= max(1, self.max_grid // 2) else max(T * splits, slots) + 1), splits
         units = self.combine_hidden_size // 8 if self.fp8_combine else self.combine_bytes // vec
         splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
-        slots = self.fp8_combine and quantize
+        if proto == "sentinel" and vec != 16:
+            splits = 1
+        slots = proto == "sentinel" or (self.fp8_combine and quantize)
         return max(T * splits, self.ep_size * tmax if slots else 0), splits
 
     def grid(self, want: int, successor_want: int, prev_early: bool, successor_fills: bool = False) -> tuple:

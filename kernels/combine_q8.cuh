@@ -134,9 +134,8 @@ EP_DEVICE void reduce_q8(const char* const* q, const char* const* sc_ptr, int n,
 // blocks of those rows are spread over every half-warp of the grid, so no block idles on
 // a short row list.
 // Returns whether this block is the last to finish, which publishes (FinishedBlocks: its
-// thread 0 acquired every other block's increment with its atom.acq_rel, and bar.sync orders
-// that before the publishing lanes' fence, so a peer that acquires our flag sees every
-// block's rows; a second acquire by thread 0 would only add a round trip).
+// thread 0 acquired every other block's increment, and bar.sync orders that before the
+// publishing lanes' fence, so a peer that acquires our flag sees every block's rows).
 template <typename T>
 EP_DEVICE bool quantize_partials(const A2AParams& p, char* ws, int tmax) {
   __shared__ unsigned s_rows[EP_MAX_RANKS + 1];  // prefix sums of the received slot counts
@@ -183,5 +182,8 @@ EP_DEVICE bool quantize_partials(const A2AParams& p, char* ws, int tmax) {
                       scales + (live ? at[k] / EP_Q8_BLOCK : 0));
     }
   }
-  return FinishedBlocks(p).elect_last();
+  const FinishedBlocks blocks(p);
+  const bool last = blocks.elect_last();
+  if (last && threadIdx.x == 0) blocks.acquire();
+  return last;
 }

@@ -1,8 +1,7 @@
 // NVLinkOneSided, FENCE protocol (paper §4.1, Algorithm 1).
 //
-// One thread block per token, or several per token at small batches (grid-stride over
-// tokens: grids are capped so that the kernels of every rank sharing a GPU are co-resident,
-// since they spin on each other).
+// One thread block per token (grid-stride over tokens: grids are capped so that the
+// kernels of every rank sharing a GPU are co-resident, since they spin on each other).
 // Names as in Algorithm 1: s this rank, f the step, D the target ranks of a token, cnt[t]
 // the slot counters, done the finished blocks, C[r][s] and F[r][s] the slot count and flag
 // source s leaves on rank r, Wd / Wc the dispatch and combine workspaces.
@@ -15,142 +14,60 @@ EP_DEVICE uint64_t dispatch_flag(unsigned f, unsigned count) { return (static_ca
 EP_DEVICE unsigned flag_step(uint64_t v) { return static_cast<unsigned>(v >> 32); }
 EP_DEVICE unsigned flag_count(uint64_t v) { return static_cast<unsigned>(v); }
 
-// cnt[t], two ways. Small batches (T <= SLOT_TABLE_TOKENS) take no counters at all: every
-// block reads all T tokens' expert ids (one round of loads, the same round trip as its own
-// token's) and marks in shared memory which tokens reach which rank; the slot of token i on
-// t is then the number of tokens before i that reach t, and C for t the number of all. So
-// the slot atomic (a dependent gpu-scope round trip before each push) and the last block's
-// reads of the counters go off the critical path, and the slots are the same in every
-// block, which lets several blocks share one token's push (below). FENCE's slot order in a
-// source region was never promised (the tests compare slots as sets); it is token order
-// here. Larger batches count with atomics: in shared memory for a grid of one block (which
-// also skips the last-block election: its bar.sync alone orders every thread's pushes
-// before the publishing lanes' fence), else in the local section's counters.
-constexpr int SLOT_TABLE_TOKENS = 128;  // (schedule.py DISPATCH_TABLE_TOKENS: splits only below it)
-constexpr int TABLE_WORDS = SLOT_TABLE_TOKENS / 32;
-struct Slots {
-  unsigned* cnt;                  // the local section's counters (atomic path, several blocks), 0 between kernels
-  unsigned* local;                // shared memory (atomic path, one-block grids)
-  unsigned (*reach)[TABLE_WORDS]; // shared, [EP_MAX_RANKS]: bit i % 32 of word i / 32 is set when token i reaches t
-  bool one_block, table;
-  int tokens;                     // T
-  int words;                      // table words in use: ceil(T / 32)
-  EP_DEVICE Slots(const A2AParams& p, unsigned* s_cnt, unsigned (*s_reach)[TABLE_WORDS])
-      : cnt(section<unsigned>(p, p.rank, p.off_counters)), local(s_cnt), reach(s_reach), one_block(gridDim.x == 1),
-        table(p.local_num_tokens <= SLOT_TABLE_TOKENS), tokens(p.local_num_tokens), words((p.local_num_tokens + 31) / 32) {}
-  // Blocks that share a token: all the grid has for it (the host sizes the grid for that,
-  // schedule.py). Only on the table path, where every block takes the same slots.
-  EP_DEVICE int splits() const { return table ? max(1, static_cast<int>(gridDim.x) / max(1, tokens)) : 1; }
-  // Before griddep_wait (shared memory only): the barrier after it is off the critical path.
-  EP_DEVICE void zero(const A2AParams& p) const {
-    if (table) {
-      for (int x = threadIdx.x; x < p.ep_size * TABLE_WORDS; x += blockDim.x) reach[x / TABLE_WORDS][x % TABLE_WORDS] = 0;
-      __syncthreads();
-    } else if (one_block && threadIdx.x < 32) {  // warp 0 alone takes these slots and publishes them
+// cnt[t]. The one-block fast path: a grid of one block (small batches) keeps its slot
+// counters in shared memory and skips the last-block election: the global counter atomics
+// and the election's two dependent gpu-scope round trips sat on the 1-token critical path,
+// and one block's bar.sync alone orders every thread's pushes before the publishing lanes'
+// fence. Warp 0 alone takes the slots and publishes the counts, so it zeroes them itself.
+struct SlotCounters {
+  unsigned* cnt;    // the local section's counters (grids of several blocks), 0 between kernels
+  unsigned* local;  // shared memory, one-block grids
+  bool one_block;
+  EP_DEVICE SlotCounters(const A2AParams& p, unsigned* shared)
+      : cnt(section<unsigned>(p, p.rank, p.off_counters)), local(shared), one_block(gridDim.x == 1) {}
+  EP_DEVICE void zero_local(const A2AParams& p) const {
+    if (one_block && threadIdx.x < 32) {
       for (int r = threadIdx.x; r < p.ep_size; r += 32) local[r] = 0;
       __syncwarp();
     }
   }
-  // The table: the same rules as select_targets (invalid ids and inactive ranks reach nothing).
-  EP_DEVICE void build(const A2AParams& p) const {
-    if (!table) return;
-    const int* ids = reinterpret_cast<const int*>(p.payloads[0].src);
-    const int n = p.local_num_tokens * p.top_k;
-    constexpr int B = 4;  // loads in flight per thread before the first use
-    for (int x0 = threadIdx.x; x0 < n; x0 += B * blockDim.x) {
-      int e[B];
-#pragma unroll
-      for (int u = 0; u < B; ++u) {
-        const int x = x0 + u * blockDim.x;
-        e[u] = x < n ? ids[x] : -1;
-      }
-#pragma unroll
-      for (int u = 0; u < B; ++u) {
-        const int t = (e[u] >= 0 && e[u] < p.num_experts) ? rank_of_expert(p, e[u]) : -1;
-        if (t >= 0 && rank_active(p, t)) {
-          const int i = (x0 + u * blockDim.x) / p.top_k;
-          atomicOr(&reach[t][i >> 5], 1u << (i & 31));
-        }
-      }
-    }
-    __syncthreads();
-  }
-  // j_t: line 4 (by warp 0, once per target of token i).
-  EP_DEVICE unsigned take(int t, int i) const {
-    if (!table) return atomicAdd(one_block ? &local[t] : &cnt[t], 1u);
-    unsigned c = __popc(reach[t][i >> 5] & ((1u << (i & 31)) - 1));
-    for (int w = 0; w < (i >> 5); ++w) c += __popc(reach[t][w]);
-    return c;
-  }
-  // C for target t, by the publishing lanes once elected, leaving cnt[t] at 0 for the next
-  // step. (Volatile: read at L2, never from a line this SM's L1 may hold.)
-  EP_DEVICE unsigned count_and_reset(int t) const {
-    if (table) {
-      unsigned c = 0;
-      for (int w = 0; w < words; ++w) c += __popc(reach[t][w]);
-      return c;
-    }
-    if (one_block) return local[t];
-    const unsigned c = ld_volatile(&cnt[t]);
-    cnt[t] = 0;
+  EP_DEVICE unsigned take(int t) const { return atomicAdd(one_block ? &local[t] : &cnt[t], 1u); }
+  // By the publishing lanes: C for target t, leaving cnt[t] at 0 for the next step.
+  EP_DEVICE unsigned read_and_reset(int t) const {
+    const unsigned c = one_block ? local[t] : cnt[t];
+    if (!one_block) cnt[t] = 0;
     return c;
   }
 };
 
-// Hints that bring item w's bytes of every payload (token w / splits, part w % splits) into
-// L1 while the selection and the slots are worked out, or while the previous item's stores
-// drain: the loads of the push then hit L1 instead of making a round trip each, one payload
-// after the other. Only after griddep_wait: the inputs may come from the previous kernel.
-EP_DEVICE void prefetch_item(const A2AParams& p, int w, int splits) {
-  const int i = w / splits, part = w % splits;
-  for (int q = 0; q < p.num_payloads; ++q) {
-    const PayloadDesc& d = p.payloads[q];
-    unsigned b0, b1;
-    token_part(d.bytes_per_token, d.vec, part, splits, &b0, &b1);
-    const char* src = reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token;
-    const uintptr_t end = reinterpret_cast<uintptr_t>(src + b1);
-    for (uintptr_t a = (reinterpret_cast<uintptr_t>(src + b0) & ~uintptr_t(127)) + 128 * threadIdx.x; a < end; a += 128 * blockDim.x)
-      prefetch_l1(reinterpret_cast<const void*>(a));
-  }
-}
-
-// Lines 2-6: pick a slot on every distinct target rank, push the token. Work item w: token
-// w / splits, part w % splits of its bytes (small batches: the bytes leave from several SMs).
-// Every block of a token selects its targets (the same ones, in the same order) and takes
-// the same slots (the table); the first one records them and counts dropped selections.
-EP_DEVICE void push_tokens(const A2AParams& p, const Slots& slots, int* records) {
+// Lines 2-6: pick a slot on every distinct target rank, push the token.
+EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* records) {
   __shared__ int s_target[EP_MAX_TOP_K];  // D, in the order of first selection
   __shared__ int s_slot[EP_MAX_TOP_K];    // j_t
   __shared__ int s_ntargets;
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
-  const int splits = slots.splits(), items = p.local_num_tokens * splits;
-  slots.build(p);
-  for (int w = blockIdx.x; w < items; w += gridDim.x) {
-    const int i = w / splits, part = w % splits;
+  for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {
     if (threadIdx.x < 32) {
-      const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k, part == 0);
+      const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k);
       const int lane = threadIdx.x;
       int rec = -1;
       if (sel.first) {
-        const int slot = slots.take(sel.target, i);
+        const int slot = cnt.take(sel.target);
         const int j = __popc(sel.firsts & ((1u << lane) - 1));
         s_target[j] = sel.target;
         s_slot[j] = slot;
         rec = pack_record(slot, sel.target);
       }
-      if (part == 0 && lane < p.top_k) records[i * p.top_k + lane] = rec;
+      if (lane < p.top_k) records[i * p.top_k + lane] = rec;
       if (lane == 0) s_ntargets = __popc(sel.firsts);
     }
     __syncthreads();
-    if (w + static_cast<int>(gridDim.x) < items) prefetch_item(p, w + gridDim.x, splits);
     const int nt = s_ntargets;
     for (int q = 0; q < p.num_payloads; ++q) {
       const PayloadDesc& d = p.payloads[q];
       const Targets tg{p.peer_base, s_target, s_slot, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
-      unsigned b0, b1;
-      token_part(d.bytes_per_token, d.vec, part, splits, &b0, &b1);
       push_payload(d.vec, reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
-                   tg, d.bytes_per_token, b0, b1);
+                   tg, d.bytes_per_token);
     }
     __syncthreads();
   }
@@ -159,29 +76,15 @@ EP_DEVICE void push_tokens(const A2AParams& p, const Slots& slots, int* records)
 // Lines 7-10: the last block to finish publishes for the whole rank (FinishedBlocks says why
 // its one fence covers every block's pushes): our step tag to every peer, then
 // F[r][s] <- f << 32 | C[r][s]. It also moves the step counter, which every block has read.
-// The publishing lanes do not acquire `done` again: elect_last's bar.sync orders them after
-// thread 0's acquire (protocol.cuh). They read C before the fence (final once elected), so
-// those reads overlap it instead of following it.
-EP_DEVICE void publish_counts(const A2AParams& p, const Slots& slots, unsigned f) {
+EP_DEVICE void publish_counts(const A2AParams& p, const SlotCounters& cnt, unsigned f) {
   const FinishedBlocks blocks(p);
-  if (blocks.elect_last(slots.one_block) && threadIdx.x < 32) {
-    constexpr int K = (EP_MAX_RANKS + 31) / 32;  // ranks per lane
-    uint64_t flag[K];
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int r = threadIdx.x + 32 * k;
-      flag[k] = r < p.ep_size ? dispatch_flag(f, slots.count_and_reset(r)) : 0;
-    }
+  if (blocks.elect_last(cnt.one_block) && threadIdx.x < 32) {
+    if (!cnt.one_block) blocks.acquire();  // every publishing lane acquires, not only thread 0
     for (int r = threadIdx.x; r < p.ep_size; r += 32)
       if (rank_active(p, r)) section<unsigned>(p, r, p.off_tmax)[p.rank] = p.step_tag;
-    fence_release_sys();  // (publish_flags' fence: it orders everything this lane wrote or observed)
-#pragma unroll
-    for (int k = 0; k < K; ++k) {
-      const int r = threadIdx.x + 32 * k;
-      if (r < p.ep_size && rank_active(p, r)) st_relaxed_sys(section<uint64_t>(p, r, p.off_dispatch_flags) + p.rank, flag[k]);
-    }
+    publish_flags<uint64_t>(p, p.off_dispatch_flags, [&](int r) { return dispatch_flag(f, cnt.read_and_reset(r)); });
     if (threadIdx.x == 0) {
-      if (!slots.one_block) blocks.reset();
+      if (!cnt.one_block) blocks.reset();
       advance_epoch(p, f);
       // (every block read it before the election): the wait it asked for is done, so a
       // dispatch-only repeat of this kernel does not wait for a combine that never ran
@@ -232,24 +135,21 @@ EP_DEVICE void sanitize_expert_ids(const A2AParams& p, const unsigned* s_count) 
 // host sizes grids by the occupancy of every protocol kernel). Without a minimum, ptxas
 // squeezed some kernels to 40 registers with spills to fit 3 blocks of 512.
 extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid_constant__ A2AParams p) {
-  __shared__ unsigned s_cnt[EP_MAX_RANKS];    // cnt[t] of one-block grids (atomic path)
-  __shared__ unsigned s_reach[EP_MAX_RANKS][TABLE_WORDS];  // the slot table (small batches)
+  __shared__ unsigned s_cnt[EP_MAX_RANKS];    // cnt[t] of one-block grids
   __shared__ unsigned s_count[EP_MAX_RANKS];  // C[s][r]: slots source r filled in our region
-  const Slots slots(p, s_cnt, s_reach);
+  const SlotCounters cnt(p, s_cnt);
   // Addresses from the parameters are taken before griddep_wait: they overlap the tail of
   // the previous kernel instead of following it.
   int* const records = section<int>(p, p.rank, p.off_records);
-  slots.zero(p);
+  cnt.zero_local(p);
 
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
-  const int splits = slots.splits();
-  if (static_cast<int>(blockIdx.x) < p.local_num_tokens * splits) prefetch_item(p, blockIdx.x, splits);
   const unsigned f = read_epoch(p) + 1;
   wait_sentinel_step_done(p, f);
 
-  push_tokens(p, slots, records);  // lines 2-6
-  publish_counts(p, slots, f);  // lines 7-10
+  push_tokens(p, cnt, records);  // lines 2-6
+  publish_counts(p, cnt, f);  // lines 7-10
   wait_counts(p, f, s_count); // line 11
   // With large grids the next kernel may launch only now: its blocks then wait on work that
   // finishes unconditionally, so they never crowd out a peer's kernel we are waiting for.
@@ -278,47 +178,12 @@ EP_DEVICE void publish_partials(const A2AParams& p, unsigned f) {
 // Lines 22-23: pull p_t = Wc[t][s][j_t] for every t in D and reduce. Work item w: token
 // w / splits, slice w % splits of its vectors (small batches spread a token over several
 // blocks so each thread issues one round of loads).
-// Sources: where item w's partial results (and FP8 scales) lie on each target, collected
-// by warp 0 from the records. They depend only on what our dispatch (an earlier kernel of
-// this stream) wrote, so a block collects its first item's before it publishes and waits
-// (early_sources): the records' round trip then overlaps the epoch's and the wait instead
-// of following it. Not the FP8 kernels: collecting early, or even a prefetch of the records
-// there, spilled registers in their reduction (sm_90, sm_100).
-struct Sources {
-  const char* src[EP_MAX_TOP_K];
-  const char* scale[EP_MAX_TOP_K];
-  int n;
-};
-__shared__ Sources s_sources;  // (one per block; named here so both steps address it as shared memory)
-template <typename T, bool Q8>
-EP_DEVICE void collect_item(const A2AParams& p, const int* records, int w) {
-  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
-  const int i = w / p.combine_splits;
-  const unsigned H = p.combine_bytes / sizeof(T);
-  if constexpr (Q8) {
-    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
-      return workspace(p, t) + p.off_combine_q + (static_cast<size_t>(s) * tmax + slot) * H;
-    }, s_sources.src, nullptr, &s_sources.n);
-    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
-      return workspace(p, t) + p.off_combine_scales + (static_cast<size_t>(s) * tmax + slot) * (H / EP_Q8_BLOCK) * 4;
-    }, s_sources.scale, nullptr, &s_sources.n);
-  } else {
-    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
-      return workspace(p, t) + p.off_combine + (static_cast<size_t>(s) * tmax + slot) * p.combine_bytes;
-    }, s_sources.src, nullptr, &s_sources.n);
-  }
-}
-
-template <typename T, bool Q8>
-EP_DEVICE void early_sources(const A2AParams& p, const int* records) {
-  if constexpr (!Q8)
-    if (static_cast<int>(blockIdx.x) < p.local_num_tokens * p.combine_splits) collect_item<T, Q8>(p, records, blockIdx.x);
-}
-
-// Plain kernels: s_sources holds the block's first item's sources already (early_sources; the
-// barrier after the wait orders them before every thread's use).
 template <typename T, bool Q8>
 EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records) {
+  __shared__ const char* s_src[EP_MAX_TOP_K];
+  __shared__ const char* s_scale[EP_MAX_TOP_K];
+  __shared__ int s_n;
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
   const int splits = p.combine_splits;
   const unsigned H = p.combine_bytes / sizeof(T);
   const unsigned nvec = Q8 ? H / Q8_UNIT : p.combine_bytes / p.combine_vec;
@@ -326,14 +191,22 @@ EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records) {
     const int i = w / splits, part = w % splits;
     const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
     char* const out = reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes;
-    if (Q8 || w != static_cast<int>(blockIdx.x)) {
-      collect_item<T, Q8>(p, records, w);
+    if constexpr (Q8) {
+      collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+        return workspace(p, t) + p.off_combine_q + (static_cast<size_t>(s) * tmax + slot) * H;
+      }, s_src, nullptr, &s_n);
+      collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+        return workspace(p, t) + p.off_combine_scales + (static_cast<size_t>(s) * tmax + slot) * (H / EP_Q8_BLOCK) * 4;
+      }, s_scale, nullptr, &s_n);
       __syncthreads();
+      reduce_q8<T>(s_src, s_scale, s_n, reinterpret_cast<T*>(out), v0, v1, p.combine_vec == 16);
+    } else {
+      collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+        return workspace(p, t) + p.off_combine + (static_cast<size_t>(s) * tmax + slot) * p.combine_bytes;
+      }, s_src, nullptr, &s_n);
+      __syncthreads();
+      reduce_token<T>(p.combine_vec, s_src, s_n, out, v0, v1);
     }
-    if constexpr (Q8)
-      reduce_q8<T>(s_sources.src, s_sources.scale, s_sources.n, reinterpret_cast<T*>(out), v0, v1, p.combine_vec == 16);
-    else
-      reduce_token<T>(p.combine_vec, s_sources.src, s_sources.n, out, v0, v1);
     __syncthreads();
   }
 }
@@ -359,7 +232,6 @@ __device__ void fence_combine(const A2AParams& p) {
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);
-  early_sources<T, Q8>(p, records);                       // (its loads in flight with the epoch's)
 
   fence_step_done(p);                                      // (for the next dispatch: protocol.cuh)
   publish_partials<T, Q8>(p, f);                           // lines 17-19

@@ -32,10 +32,9 @@ template <> struct VecT<1> { using T = unsigned char; };
 // Warp 0 of a block turns token i's top_k expert ids into its distinct target ranks, in
 // the order of their first selection. Returns, in lanes < top_k, this selection's target
 // or -1, and whether this lane is the first selection of its target. Selections of experts
-// on inactive ranks are dropped and counted in our `dropped` word (the host reports it) when
-// count_lost (FENCE: only the first of the blocks that share a token counts it).
+// on inactive ranks are dropped and counted in our `dropped` word (the host reports it).
 struct Selection { int target; bool first; unsigned firsts; };
-EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, bool count_lost = true) {
+EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token) {
   const int lane = threadIdx.x & 31;
   int t = -1;
   bool inactive = false;
@@ -46,7 +45,7 @@ EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, 
     if (t >= 0 && !rank_active(p, t)) { t = -1; inactive = true; }
   }
   const unsigned lost = __ballot_sync(0xffffffffu, inactive);
-  if (lost && count_lost && lane == 0)
+  if (lost && lane == 0)
     atomicAdd(section<unsigned>(p, p.rank, p.off_dropped), __popc(lost));
   const unsigned same = __match_any_sync(0xffffffffu, t);
   const bool first = lane < p.top_k && t >= 0 && (__ffs(same) - 1) == lane;
@@ -54,9 +53,7 @@ EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, 
 }
 
 // Each thread loads a vector of the token once and stores it to every target (the stores
-// of one token are in flight together); U vectors per thread per round for ILP. A block
-// pushes vectors [v0, v1) of the token: small batches share a token between several blocks
-// (fence.cu), so that the bytes leave from several SMs at once.
+// of one token are in flight together); U vectors per thread per round for ILP.
 // The distinct targets of one token: the destination of target j is computed on use from
 // the shared arrays, so that no per-thread pointer array lands in local memory.
 struct Targets {
@@ -71,23 +68,24 @@ struct Targets {
   }
 };
 
-// Register pressure: x[] is zeroed before its guarded load. Left unset where v >= v1, ptxas
+// Register pressure: x[] is zeroed before its guarded load. Left unset where v >= n, ptxas
 // cannot prove it written before read and kept each width's x[] live through the code of
 // the other widths (the five widths of push_payload shared no registers). The loop over
 // targets stays rolled: unrolled, it held several destination pointers at once, and the
 // stores of a token are in flight together anyway.
 template <int W>
-EP_DEVICE void push_vectors(const char* src, const Targets& tg, unsigned bytes, unsigned v0, unsigned v1) {
+EP_DEVICE void push_vectors(const char* src, const Targets& tg, unsigned bytes) {
   using T = typename VecT<W>::T;
   constexpr int U = 4;
+  const unsigned n = bytes / W;
   const T* s = reinterpret_cast<const T*>(src);
-  for (unsigned base = v0 + threadIdx.x; base < v1; base += blockDim.x * U) {
+  for (unsigned base = threadIdx.x; base < n; base += blockDim.x * U) {
     T x[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const unsigned v = base + u * blockDim.x;
       x[u] = T{};
-      if (v < v1) x[u] = s[v];
+      if (v < n) x[u] = s[v];
     }
 #pragma unroll 1
     for (int j = 0; j < tg.n; ++j) {
@@ -95,27 +93,19 @@ EP_DEVICE void push_vectors(const char* src, const Targets& tg, unsigned bytes, 
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const unsigned v = base + u * blockDim.x;
-        if (v < v1) d[v] = x[u];
+        if (v < n) d[v] = x[u];
       }
     }
   }
 }
 
-// Part `part` of `parts` of a token's `bytes`, in whole vectors of `vec` bytes: [*b0, *b1).
-EP_DEVICE void token_part(unsigned bytes, unsigned vec, int part, int parts, unsigned* b0, unsigned* b1) {
-  const unsigned n = bytes / vec;
-  *b0 = static_cast<unsigned>(static_cast<unsigned long long>(n) * part / parts) * vec;
-  *b1 = static_cast<unsigned>(static_cast<unsigned long long>(n) * (part + 1) / parts) * vec;
-}
-
-// Bytes [b0, b1) of the token at src.
-EP_DEVICE void push_payload(unsigned vec, const char* src, const Targets& tg, unsigned bytes, unsigned b0, unsigned b1) {
+EP_DEVICE void push_payload(unsigned vec, const char* src, const Targets& tg, unsigned bytes) {
   switch (vec) {
-    case 16: push_vectors<16>(src, tg, bytes, b0 / 16, b1 / 16); break;
-    case 8: push_vectors<8>(src, tg, bytes, b0 / 8, b1 / 8); break;
-    case 4: push_vectors<4>(src, tg, bytes, b0 / 4, b1 / 4); break;
-    case 2: push_vectors<2>(src, tg, bytes, b0 / 2, b1 / 2); break;
-    default: push_vectors<1>(src, tg, bytes, b0, b1); break;
+    case 16: push_vectors<16>(src, tg, bytes); break;
+    case 8: push_vectors<8>(src, tg, bytes); break;
+    case 4: push_vectors<4>(src, tg, bytes); break;
+    case 2: push_vectors<2>(src, tg, bytes); break;
+    default: push_vectors<1>(src, tg, bytes); break;
   }
 }
 
