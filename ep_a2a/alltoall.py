@@ -253,19 +253,17 @@ class RankAlltoAll(RejectedStep):
         self.last_protocol = protos[0]
 
         self._out = DeviceAllocation(dev, a2a.max_tokens_per_rank * L.combine_bytes)
-        self.steps = 0
-        self._prev_early = False
+        self.steps, self._prev_early = 0, False
         self._views = {}               # runtime max -> cached workspace views (no per-call objects)
-        self._dispatched_tmax = None   # runtime_max of the dispatch awaiting its combine
-        self._local_tokens = 0
+        self._dispatched_tmax, self._local_tokens = None, 0  # runtime_max of the dispatch awaiting its combine, its T
         self._input = CheckedInputs(dev.ordinal, a2a.max_tokens_per_rank)  # remembers what it checked
         self.validate_expert_ids = a2a.validate_expert_ids  # per rank: the torch ops (ops/torch.py) check their own way
-        self._repeat_dispatch = None   # the last call of each phase, when it may be repeated cheaply
-        self._repeat_combine = None
+        self._repeat_dispatch = self._repeat_combine = None  # the last call of each phase, when it may be repeated cheaply
         self._out_views = {}           # T -> [T, hidden] view of the internal combine output
         # the last combine ran its own FP8 quantize pass (how dispatch predicts the next one)
         self._quantizing_combine = a2a.combine_quant == "fp8"
         self._fp8_inputs = {}          # T^ -> (its Fp8Partial, the (ptr, shape, dtype) each view must keep)
+        self._combine_inputs = {}      # T^ -> combine_input(T^): one object, so a step passing it repeats the last
         self._descs = [p.payloads[q] for q in range(p.num_payloads)]  # (indexing makes a new wrapper)
         self._payload_names = [f"payloads[{q}] ({spec.name})" for q, spec in enumerate(a2a.payload_specs)]
         self._payload_shapes = [tuple(spec.shape) for spec in a2a.payload_specs]
@@ -319,7 +317,10 @@ class RankAlltoAll(RejectedStep):
                 raise ValueError(f"fp8: an FP8 combine input needs combine_quant='fp8' (this all-to-all has "
                                  f"combine_quant={a.combine_quant!r})")
             return self._fp8_input(shape[1])[0]
-        return self._view(a.layout.off_combine, shape, a.combine_dtype.name, None)
+        got = self._combine_inputs.get(shape[1])
+        if got is None:
+            got = self._combine_inputs[shape[1]] = self._view(a.layout.off_combine, shape, a.combine_dtype.name, None)
+        return got
 
     # -- the two phases -------------------------------------------------------------------
     def dispatch(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None, stream=None):
@@ -407,9 +408,8 @@ class RankAlltoAll(RejectedStep):
 
     def dispatch_records(self, num_tokens: int) -> Tensor:
         """The (target rank, slot) record the last dispatch left for combine, for its first
-        `num_tokens` local tokens and every selection: int32 [num_tokens, top_k], packed as
-        layout.record_target / layout.record_slot read them, -1 where the selection has no
-        slot. Valid until the next dispatch."""
+        `num_tokens` local tokens and every selection: int32 [num_tokens, top_k] (layout.record_target /
+        record_slot read it), -1 where the selection has no slot. Valid until the next dispatch."""
         self._check_open()
         n = self.a2a.max_tokens_per_rank
         require(type(num_tokens) is int and 0 <= num_tokens <= n, "num_tokens", f"must be an int in 0..{n}, got {num_tokens!r}")

@@ -209,9 +209,10 @@ def _slot_rows(t: Tensor, name: str, index: ExpertIndex) -> tuple:
     tmax = index.runtime_max_tokens_per_rank
     if t.ndim >= 3 and t.shape[:2] == (index.ep_size, tmax):
         return t.shape[2:]
-    require(t.ndim >= 2 and t.shape[0] == index.slots, name,
-             f"must be [ep_size={index.ep_size}, T^={tmax}, ...] or [{index.slots}, ...] (the index's slots), "
-             f"got {list(t.shape)}")
+    if not (t.ndim >= 2 and t.shape[0] == index.slots):
+        require(False, name,
+                 f"must be [ep_size={index.ep_size}, T^={tmax}, ...] or [{index.slots}, ...] (the index's slots), "
+                 f"got {list(t.shape)}")
     return t.shape[1:]
 
 
@@ -242,31 +243,39 @@ def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: in
     produced_on = expert_ids.stream if isinstance(expert_ids, Tensor) else None
     s = _stream(stream, 0 if produced_on is None else produced_on)
     ids = cuda_tensor(expert_ids, "expert_ids", s)
-    require(ids.dtype == int32, "expert_ids", f"dtype must be int32, got {ids.dtype.name}")
-    require(ids.ndim == 3 and ids.shape[0] == ep_size and ids.shape[1] >= 1 and 1 <= ids.shape[2] <= MAX_TOP_K,
-             "expert_ids", f"shape must be [ep_size={ep_size}, T^ >= 1, top_k in 1..{MAX_TOP_K}], got {list(ids.shape)}")
+    if ids.dtype != int32:  # (hot path: each message is formatted only when its rule is broken)
+        require(False, "expert_ids", f"dtype must be int32, got {ids.dtype.name}")
+    if not (ids.ndim == 3 and ids.shape[0] == ep_size and ids.shape[1] >= 1 and 1 <= ids.shape[2] <= MAX_TOP_K):
+        require(False,
+                 "expert_ids", f"shape must be [ep_size={ep_size}, T^ >= 1, top_k in 1..{MAX_TOP_K}], got {list(ids.shape)}")
     w = cuda_tensor(weights, "weights", s, ids.device[1])
-    require(w.dtype == float32, "weights", f"dtype must be float32, got {w.dtype.name}")
-    require(w.shape == ids.shape, "weights", f"shape must equal expert_ids' {list(ids.shape)}, got {list(w.shape)}")
+    if w.dtype != float32:
+        require(False, "weights", f"dtype must be float32, got {w.dtype.name}")
+    if w.shape != ids.shape:
+        require(False, "weights", f"shape must equal expert_ids' {list(ids.shape)}, got {list(w.shape)}")
     tmax, top_k = ids.shape[1], ids.shape[2]
     if out is None:
         out = ExpertIndex(ids.device[1], num_experts=num_experts, ep_size=ep_size, rank=rank,
                           max_tokens_per_rank=tmax, top_k=top_k)
     else:
         require(isinstance(out, ExpertIndex) and not out.closed, "out", "must be an open ExpertIndex")
-        require((out.num_experts, out.ep_size, out.rank, out.top_k) == (num_experts, ep_size, rank, top_k), "out",
-                 f"was made for num_experts={out.num_experts}, ep_size={out.ep_size}, rank={out.rank}, "
-                 f"top_k={out.top_k}; this call has {num_experts}, {ep_size}, {rank}, {top_k}")
-        require(out.device.ordinal == ids.device[1], "out", f"lives on cuda:{out.device.ordinal}, expert_ids on cuda:{ids.device[1]}")
-        require(tmax <= out.max_tokens_per_rank, "expert_ids",
-                 f"T^={tmax} exceeds the index's max_tokens_per_rank={out.max_tokens_per_rank}")
+        if (out.num_experts, out.ep_size, out.rank, out.top_k) != (num_experts, ep_size, rank, top_k):
+            require(False, "out",
+                     f"was made for num_experts={out.num_experts}, ep_size={out.ep_size}, rank={out.rank}, "
+                     f"top_k={out.top_k}; this call has {num_experts}, {ep_size}, {rank}, {top_k}")
+        if out.device.ordinal != ids.device[1]:
+            require(False, "out", f"lives on cuda:{out.device.ordinal}, expert_ids on cuda:{ids.device[1]}")
+        if tmax > out.max_tokens_per_rank:
+            require(False, "expert_ids",
+                     f"T^={tmax} exceeds the index's max_tokens_per_rank={out.max_tokens_per_rank}")
     out._build(ids, w, tmax, s)
     return out
 
 
 def _check_built(index, what: str) -> None:
     require(isinstance(index, ExpertIndex) and not index.closed, "index", "must be an open ExpertIndex")
-    require(index.runtime_max_tokens_per_rank is not None, "index", f"build it with build_index() before {what}")
+    if index.runtime_max_tokens_per_rank is None:
+        require(False, "index", f"build it with build_index() before {what}")
 
 
 def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
@@ -282,11 +291,14 @@ def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
     x = cuda_tensor(src, "src", s, dev)
     inner = _slot_rows(x, "src", index)
     y = cuda_tensor(out, "out", s, dev)
-    require(y.dtype == x.dtype, "out", f"dtype must be src's {x.dtype.name}, got {y.dtype.name}")
-    require(y.ndim == 1 + len(inner) and y.shape[1:] == inner and y.shape[0] >= index.capacity, "out",
-             f"shape must be [rows >= capacity={index.capacity}, {', '.join(map(str, inner))}], got {list(y.shape)}")
+    if y.dtype != x.dtype:
+        require(False, "out", f"dtype must be src's {x.dtype.name}, got {y.dtype.name}")
+    if not (y.ndim == 1 + len(inner) and y.shape[1:] == inner and y.shape[0] >= index.capacity):
+        require(False, "out",
+                 f"shape must be [rows >= capacity={index.capacity}, {', '.join(map(str, inner))}], got {list(y.shape)}")
     row_bytes = math.prod(inner) * x.itemsize
-    require(0 < row_bytes < 2 ** 31, "src", f"rows must hold 1..2**31-1 bytes, got {row_bytes}")
+    if not 0 < row_bytes < 2 ** 31:
+        require(False, "src", f"rows must hold 1..2**31-1 bytes, got {row_bytes}")
     vec = vector_bytes(row_bytes, x.ptr, y.ptr)
     group, per_block = _groups(row_bytes // vec)
     grid = max(1, min(-(-index.capacity // per_block), 8 * index.device.sm_count))
@@ -320,7 +332,8 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
     for t, name in ((x, "fc2_out"), (y, "out")):
         _check_finalize_dtype(t.dtype.name, name)
     inner = _slot_rows(y, "out", index)
-    require(len(inner) == 1 and inner[0] >= 1, "out", f"must have one hidden dimension, got shape {list(y.shape)}")
+    if not (len(inner) == 1 and inner[0] >= 1):
+        require(False, "out", f"must have one hidden dimension, got shape {list(y.shape)}")
     hidden = inner[0]
     _check_fc2_shape(x, hidden, index)
     widest = 16 // max(x.itemsize, y.itemsize)
@@ -337,12 +350,14 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
 
 
 def _check_finalize_dtype(dtype: str, name: str) -> None:
-    require(dtype in REDUCE_DTYPES, name, f"dtype must be one of {tuple(REDUCE_DTYPES)}, got {dtype}")
+    if dtype not in REDUCE_DTYPES:
+        require(False, name, f"dtype must be one of {tuple(REDUCE_DTYPES)}, got {dtype}")
 
 
 def _check_fc2_shape(x: Tensor, hidden: int, index: ExpertIndex) -> None:
-    require(x.ndim == 2 and x.shape[1] == hidden and x.shape[0] >= index.capacity, "fc2_out",
-             f"shape must be [rows >= capacity={index.capacity}, hidden={hidden}], got {list(x.shape)}")
+    if not (x.ndim == 2 and x.shape[1] == hidden and x.shape[0] >= index.capacity):
+        require(False, "fc2_out",
+                 f"shape must be [rows >= capacity={index.capacity}, hidden={hidden}], got {list(x.shape)}")
 
 
 def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int) -> None:
@@ -351,16 +366,20 @@ def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int
     q, sc = (cuda_tensor(t, "out", s, dev) for t in (out.values, out.scales))
     _check_finalize_dtype(x.dtype.name, "fc2_out")
     _check_finalize_dtype(out.dtype, "out")
-    require(q.dtype.name == "float8_e4m3fn" and sc.dtype.name == "float32", "out",
-             f"an Fp8Partial holds float8_e4m3fn values and float32 scales, got {q.dtype.name} and {sc.dtype.name}")
+    if not (q.dtype.name == "float8_e4m3fn" and sc.dtype.name == "float32"):
+        require(False, "out",
+                 f"an Fp8Partial holds float8_e4m3fn values and float32 scales, got {q.dtype.name} and {sc.dtype.name}")
     inner = _slot_rows(q, "out", index)
-    require(len(inner) == 1 and inner[0] % Q8_BLOCK == 0 and inner[0] > 0, "out",
-             f"values must have one hidden dimension, a multiple of {Q8_BLOCK}, got shape {list(q.shape)}")
+    if not (len(inner) == 1 and inner[0] % Q8_BLOCK == 0 and inner[0] > 0):
+        require(False, "out",
+                 f"values must have one hidden dimension, a multiple of {Q8_BLOCK}, got shape {list(q.shape)}")
     hidden = inner[0]
-    require(_slot_rows(sc, "out", index) == (hidden // Q8_BLOCK,), "out",
-             f"scales must be [..., hidden / {Q8_BLOCK} = {hidden // Q8_BLOCK}], got {list(sc.shape)}")
+    if _slot_rows(sc, "out", index) != (hidden // Q8_BLOCK,):
+        require(False, "out",
+                 f"scales must be [..., hidden / {Q8_BLOCK} = {hidden // Q8_BLOCK}], got {list(sc.shape)}")
     _check_fc2_shape(x, hidden, index)
-    require(x.ptr % 16 == 0, "fc2_out", f"must be 16-byte aligned with an FP8 out (16-byte loads), got {x.ptr:#x}")
+    if x.ptr % 16:
+        require(False, "fc2_out", f"must be 16-byte aligned with an FP8 out (16-byte loads), got {x.ptr:#x}")
     require(q.ptr % 8 == 0 and sc.ptr % 4 == 0, "out", "values must be 8-byte aligned, scales 4-byte aligned")
     units = index.slots * (hidden // Q8_BLOCK)  # 128-value blocks: a half-warp each
     grid = max(1, min(-(-units // (_THREADS // 16)), 8 * index.device.sm_count))

@@ -236,6 +236,23 @@ def test_fp8_input_made_once_per_t_hat_and_checked_by_geometry(recorder):
         validate.check_fp8_partial(q, 16, 'fp8', lambda: r._fp8_input(16))
 
 
+def test_combine_input_made_once_per_t_hat_so_a_step_asking_every_time_repeats(recorder):
+    """combine_input(T^) is one object per T^: an engine (or the README's snippet) that asks for
+    it at every combine hands over the same Tensor, so the combine takes the repeat path."""
+    _, r, specs = _rank()
+    c = r.combine_input(16)
+    assert r.combine_input(16) is c and r.combine_input(8) is not c
+    assert (c.shape, c.dtype.name, c.ptr) == ((EP, 16, H), "bfloat16", r.base + r.a2a.layout.off_combine)
+    ids = Tensor(1 << 33, (4, 8), "int32", device=(2, 0))
+    pays = [Tensor((1 << 34) + 4096 * k, (4,) + tuple(s.shape), s.dtype, device=(2, 0)) for k, s in enumerate(specs)]
+    again = []
+    r._combine_again = lambda rep, f=r._combine_again: again.append(1) or f(rep)
+    for _ in range(fastpath.FIRST_STEPS + 3):
+        r.dispatch(ids, pays, 16)
+        r.combine(r.combine_input(16), 16)
+    assert len(again) >= 2, again
+
+
 @pytest.mark.parametrize("change", ["dtype", "strides", "device"])
 def test_a_tensor_changed_in_place_gets_the_full_paths_refusal(recorder, change):
     """The same Tensor object with the same address and shape but another dtype, layout or
