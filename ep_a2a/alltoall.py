@@ -302,7 +302,8 @@ class RankAlltoAll(RejectedStep):
         return ids, views
 
     def combine_input(self, runtime_max_tokens_per_rank: int, fp8: bool = False):
-        """Where the MoE writes its partial results for combine: [ep_size, T^, hidden].
+        """Where the MoE writes its partial results for combine: [ep_size, T^, hidden], the same
+        Tensor at every call with this T^ (so a combine handed it repeats: fastpath.py).
 
         fp8=True (combine_quant="fp8" only): an Fp8Partial, the e4m3 values and per-128 scales
         that combine would quantize the partial results into; an epilogue that writes them
