@@ -251,7 +251,7 @@ def dispatch(rank, token_selected_experts, payloads, runtime_max_tokens_per_rank
     [payload views [ep_size, T^, ...]]), torch tensors over the workspace, the same ones every
     step with this T^, valid until the next dispatch. rank: a TorchRank (bind()) or a
     RankAlltoAll. stream: None (torch's current stream) or a stream to run on."""
-    b = rank if type(rank) is TorchRank else _binding(rank)  # (hot path: no call per step that can be saved)
+    b = rank if type(rank) is TorchRank else _binding(rank)  # (hot path: a TorchRank needs no lookup)
     ids_v, pays_v = b.dispatch_views(runtime_max_tokens_per_rank)
     if type(payloads) not in (list, tuple):
         payloads = list(payloads)
