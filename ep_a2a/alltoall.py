@@ -296,10 +296,8 @@ class RankAlltoAll(RejectedStep):
     def dispatch_views(self, tmax: int):
         """(expert ids [ep, T^, top_k], [payload views [ep, T^, *shape]]) for runtime max T^."""
         a, L = self.a2a, self.a2a.layout
-        ids = self._view(L.off_recv[0], (a.ep_size, tmax, a.top_k), "int32", None)
-        views = [self._view(L.off_recv[q + 1], (a.ep_size, tmax) + tuple(s.shape), s.dtype, None)
-                 for q, s in enumerate(a.payload_specs)]
-        return ids, views
+        return (self._view(L.off_recv[0], (a.ep_size, tmax, a.top_k), "int32", None),
+                [self._view(L.off_recv[q + 1], (a.ep_size, tmax) + tuple(s.shape), s.dtype, None) for q, s in enumerate(a.payload_specs)])
 
     def combine_input(self, runtime_max_tokens_per_rank: int, fp8: bool = False):
         """Where the MoE writes its partial results for combine: [ep_size, T^, hidden], the same
@@ -402,9 +400,11 @@ class RankAlltoAll(RejectedStep):
         return self._dispatched_tmax is not None
 
     def abandon_dispatch(self) -> None:
-        """Forget the dispatch awaiting its combine, so that the next call may be a dispatch:
-        for dispatch-only CUDA graphs of one protocol (the benchmark times dispatch alone). The
-        device needs nothing: a FENCE dispatch waits for a combine only after a SENTINEL one."""
+        """Forget the dispatch awaiting its combine, so that the next call may be a dispatch (for
+        dispatch-only CUDA graphs: the benchmark times FENCE's alone). FENCE only: SENTINEL resets
+        its landing slots in place, and a peer's next push could land before that reset."""
+        if self.last_protocol == "sentinel" and self._dispatched_tmax is not None:
+            raise StateError(f"rank {self.rank}: abandon_dispatch after a SENTINEL dispatch: its slots are reused only after a combine")
         self._dispatched_tmax = None
 
     def dispatch_records(self, num_tokens: int) -> Tensor:

@@ -13,6 +13,7 @@ import pytest
 import ep_a2a.alltoall as A
 import ep_a2a.interop.tensor as tensor_module
 from ep_a2a import fastpath, validate
+from ep_a2a.errors import StateError
 from ep_a2a.testing.formats import payload_formats
 from ep_a2a.interop.tensor import Tensor, as_dtype
 from ep_a2a.layout import WorkspaceLayout, landing_bytes, sentinel_kind
@@ -251,6 +252,23 @@ def test_combine_input_made_once_per_t_hat_so_a_step_asking_every_time_repeats(r
         r.dispatch(ids, pays, 16)
         r.combine(r.combine_input(16), 16)
     assert len(again) >= 2, again
+
+
+def test_abandon_dispatch_is_fence_only(recorder):
+    """A dispatch-only repeat is safe for FENCE; after a SENTINEL dispatch abandon_dispatch
+    refuses (a peer's next push could land in a landing slot before this dispatch's reset)."""
+    _, r, specs = _rank()
+    ids = Tensor(1 << 33, (4, 8), "int32", device=(2, 0))
+    pays = [Tensor((1 << 34) + 4096 * k, (4,) + tuple(s.shape), s.dtype, device=(2, 0)) for k, s in enumerate(specs)]
+    r.dispatch(ids, pays, 16)                      # FENCE (_rank's auto: SENTINEL up to 8)
+    r.abandon_dispatch()
+    r.dispatch(ids, pays, 16)
+    r.combine(r.combine_input(16), 16)
+    r.dispatch(ids, pays, 8)                       # SENTINEL
+    with pytest.raises(StateError, match="abandon_dispatch after a SENTINEL dispatch"):
+        r.abandon_dispatch()
+    assert r.mid_step  # (refused: the step is still open and combine completes it)
+    r.combine(r.combine_input(8), 8)
 
 
 @pytest.mark.parametrize("change", ["dtype", "strides", "device"])
