@@ -253,9 +253,11 @@ class RankAlltoAll(RejectedStep):
         self.last_protocol = protos[0]
 
         self._out = DeviceAllocation(dev, a2a.max_tokens_per_rank * L.combine_bytes)
-        self.steps, self._prev_early = 0, False
+        self.steps = 0
+        self._prev_early = False
         self._views = {}               # runtime max -> cached workspace views (no per-call objects)
-        self._dispatched_tmax, self._local_tokens = None, 0  # runtime_max of the dispatch awaiting its combine, its T
+        self._dispatched_tmax = None   # runtime_max of the dispatch awaiting its combine
+        self._local_tokens = 0
         self._input = CheckedInputs(dev.ordinal, a2a.max_tokens_per_rank)  # remembers what it checked
         self.validate_expert_ids = a2a.validate_expert_ids  # per rank: the torch ops (ops/torch.py) check their own way
         self._repeat_dispatch = self._repeat_combine = None  # the last call of each phase, when it may be repeated cheaply
@@ -296,8 +298,10 @@ class RankAlltoAll(RejectedStep):
     def dispatch_views(self, tmax: int):
         """(expert ids [ep, T^, top_k], [payload views [ep, T^, *shape]]) for runtime max T^."""
         a, L = self.a2a, self.a2a.layout
-        return (self._view(L.off_recv[0], (a.ep_size, tmax, a.top_k), "int32", None),
-                [self._view(L.off_recv[q + 1], (a.ep_size, tmax) + tuple(s.shape), s.dtype, None) for q, s in enumerate(a.payload_specs)])
+        ids = self._view(L.off_recv[0], (a.ep_size, tmax, a.top_k), "int32", None)
+        views = [self._view(L.off_recv[q + 1], (a.ep_size, tmax) + tuple(s.shape), s.dtype, None)
+                 for q, s in enumerate(a.payload_specs)]
+        return ids, views
 
     def combine_input(self, runtime_max_tokens_per_rank: int, fp8: bool = False):
         """Where the MoE writes its partial results for combine: [ep_size, T^, hidden], the same
@@ -331,16 +335,13 @@ class RankAlltoAll(RejectedStep):
         slot j of region s holds the j-th token source s sent here; slots past its count
         carry expert id -1. The views stay valid until the next dispatch.
         """
-        if self.params is None or self.rejected or self.record.kind:  # (hot path: one test, then the reasons)
-            self._check_open()
+        self._check_open()
         if self._dispatched_tmax is not None:
             raise StateError(f"rank {self.rank}: dispatch called twice without combine")
         if not self.is_active:
             raise StateError(f"rank {self.rank}: not an active rank (set_active_ranks({list(self.a2a.active_ranks)}))")
         rep = self._repeat_dispatch  # an engine's steady state: the same call as the last one
         again = rep is not None and rep.matches(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
-        if again and not self.validate_expert_ids:  # (nothing left that could reject the step)
-            return self._dispatch_again(rep, token_selected_experts)
         return self._dispatch_or_reject(rep if again else None, token_selected_experts, payloads, runtime_max_tokens_per_rank,
                                         stream)
 
@@ -440,8 +441,7 @@ class RankAlltoAll(RejectedStep):
         the epilogue has written it (then combine does not quantize). Returns `out` or a
         [local_num_tokens, hidden] view of an internal buffer valid until the next combine.
         """
-        if self.params is None or self.rejected or self.record.kind:
-            self._check_open()
+        self._check_open()
         tmax = runtime_max_tokens_per_rank
         if self._dispatched_tmax is None:
             raise StateError(f"rank {self.rank}: combine called without a dispatch before it")

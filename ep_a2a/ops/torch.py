@@ -251,13 +251,12 @@ def dispatch(rank, token_selected_experts, payloads, runtime_max_tokens_per_rank
     [payload views [ep_size, T^, ...]]), torch tensors over the workspace, the same ones every
     step with this T^, valid until the next dispatch. rank: a TorchRank (bind()) or a
     RankAlltoAll. stream: None (torch's current stream) or a stream to run on."""
-    b = rank if type(rank) is TorchRank else _binding(rank)  # (hot path: a TorchRank needs no lookup)
+    b = _binding(rank)
     ids_v, pays_v = b.dispatch_views(runtime_max_tokens_per_rank)
     if type(payloads) not in (list, tuple):
         payloads = list(payloads)
-    if type(token_selected_experts) is _Tensor and _all_plain(payloads) and plain_eager():
-        run_dispatch(b, token_selected_experts, payloads, runtime_max_tokens_per_rank,
-                     -1 if stream is None else stream_handle(stream))
+    if plain_eager() and type(token_selected_experts) is _Tensor and _all_plain(payloads):
+        run_dispatch(b, token_selected_experts, payloads, runtime_max_tokens_per_rank, _stream_arg(stream))
     else:
         b.local_tokens = token_selected_experts.shape[0]  # (here too: torch.compile traces it)
         _DISPATCH(b.handle, token_selected_experts, list(payloads), runtime_max_tokens_per_rank, ids_v, pays_v,
@@ -268,7 +267,7 @@ def dispatch(rank, token_selected_experts, payloads, runtime_max_tokens_per_rank
 def combine_input(rank, runtime_max_tokens_per_rank: int, fp8: bool = False):
     """RankAlltoAll.combine_input as torch tensors (made once per T^): [ep_size, T^, hidden],
     or with fp8=True the pair (values e4m3, scales fp32) an FP8 epilogue fills."""
-    return (rank if type(rank) is TorchRank else _binding(rank)).combine_input(runtime_max_tokens_per_rank, fp8)
+    return _binding(rank).combine_input(runtime_max_tokens_per_rank, fp8)
 
 
 def combine(rank, partial, runtime_max_tokens_per_rank: int, out=None, stream=None, num_tokens: int = None):
@@ -277,7 +276,7 @@ def combine(rank, partial, runtime_max_tokens_per_rank: int, out=None, stream=No
     (zero copy), any [ep_size, T^, hidden] tensor (staged), or combine_input(T^, fp8=True).
     An engine that keeps its output buffer passes out= (a slice of it): the allocation of a
     new tensor is a few µs of the call's host time."""
-    b = rank if type(rank) is TorchRank else _binding(rank)
+    b = _binding(rank)
     scales = None
     if type(partial) in (tuple, list):
         partial, scales = partial
@@ -287,8 +286,8 @@ def combine(rank, partial, runtime_max_tokens_per_rank: int, out=None, stream=No
             raise StateError(f"rank {b.rank}: combine without a dispatch through these ops before it: "
                              "pass out= or num_tokens=")
         out = torch.empty((T, b.hidden), dtype=b.combine_dtype, device=b.device)
-    if type(partial) is _Tensor and type(out) is _Tensor and plain_eager():
-        run_combine(b, partial, scales, runtime_max_tokens_per_rank, out, -1 if stream is None else stream_handle(stream))
+    if plain_eager() and type(partial) is _Tensor and type(out) is _Tensor:
+        run_combine(b, partial, scales, runtime_max_tokens_per_rank, out, _stream_arg(stream))
     else:
         dispatched = b.dispatch_views(runtime_max_tokens_per_rank)[0]
         _COMBINE(b.handle, partial, scales, dispatched, runtime_max_tokens_per_rank, out, _stream_arg(stream))
