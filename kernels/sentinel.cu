@@ -403,13 +403,17 @@ EP_DEVICE void poll_chunk(const A2AParams& p, unsigned f, const Members& m, int 
   // member still missing then (at the first poll even our own push may not have landed).
   Deadline dl;
   while (miss) {
-    unsigned seen = 0;
+    unsigned seen = 0, named = 0;  // (the first word of the member a failure names: the first still missing)
 #pragma unroll
     for (int k = 0; k < 8; ++k)
       if ((miss >> k) & 1) {
         in[k].raw = ld_relaxed_sys(m.at(c + k));
-        seen = in[k].raw.x;
-        if (!any_sentinel(in[k].raw)) miss &= ~(1u << k);
+        if (!any_sentinel(in[k].raw))
+          miss &= ~(1u << k);
+        else if (!named) {
+          seen = in[k].raw.x;
+          named = 1;
+        }
       }
     if (miss && dl.give_up(p, EP_PHASE_SENTINEL_COMBINE, m.target[c + __ffs(miss) - 1], f, seen, 0)) break;
   }
