@@ -37,6 +37,10 @@ sections (each 256-byte aligned; offsets identical on every rank):
               I[2][ep_size][max][top_k + 1] (the ids, then the sender's T^), combine slots
               M[max][ep_size][round16(combine bytes)]: all initialised to their sentinel.
               Landing and combine slots are strided by max_tokens_per_rank, never by T^.
+              has u8[ep_size][max]: 1 where the last dispatch received a token in slot
+              (source, i) (this rank only): combine decides from it which partial results
+              to push, never from the received expert ids, which a FENCE dispatch of a peer
+              may overwrite while our combine still runs (protocol.cuh, protocol switch).
 
 SENTINEL payload words (each aligned 32-bit word arrives whole, so a slot is complete when
 none of its words equals the sentinel 0xFFFFFFFF); how each payload avoids that pattern:
@@ -143,6 +147,7 @@ class A2AParams(ctypes.Structure):
         ("off_combine_scales", ctypes.c_uint64),     # FP8 combine: fp32 scale per 128 values [ep, T^, hidden/128]
         ("off_id_slots", ctypes.c_uint64),           # SENTINEL expert-id slots (two sets)
         ("off_combine_slots", ctypes.c_uint64),      # SENTINEL combine slots
+        ("off_sentinel_has", ctypes.c_uint64),       # SENTINEL: u8 per received slot, 1 if it held a token
         ("combine_bytes", ctypes.c_uint32),          # hidden * element size
         ("combine_vec", ctypes.c_uint32),
         ("rank", ctypes.c_int32),
@@ -233,6 +238,7 @@ class WorkspaceLayout:
     off_landing: tuple = ()
     off_id_slots: int = 0
     off_combine_slots: int = 0
+    off_sentinel_has: int = 0
     landing_bytes: tuple = ()
     size: int = 0
 
@@ -266,12 +272,13 @@ class WorkspaceLayout:
         if q8_hidden:
             take("off_combine_q", P * T * q8_hidden)
             take("off_combine_scales", P * T * (q8_hidden // Q8_BLOCK) * 4)
-        off_landing, ids, cslots = (), 0, 0
+        off_landing = ()
         if sentinel:
             landing_b = landing or tuple(landing_bytes(b, KIND_RAW16) for b in payload_bytes)
             off_landing = (0,) + tuple(take(f"land{i}", P * T * landing_b[i]) for i in range(1, len(payload_bytes)))
-            ids = take("off_id_slots", 2 * P * T * 4 * (top_k + 1))
-            cslots = take("off_combine_slots", T * P * align(combine_bytes, 16))
+            take("off_id_slots", 2 * P * T * 4 * (top_k + 1))
+            take("off_combine_slots", T * P * align(combine_bytes, 16))
+            take("off_sentinel_has", P * T)
             o["landing_b"] = landing_b
         fields = {k: v for k, v in o.items() if k.startswith("off_")}
         return cls(ep_size=P, max_tokens_per_rank=T, top_k=top_k, payload_bytes=tuple(payload_bytes),
@@ -295,7 +302,7 @@ class WorkspaceLayout:
         sentinel kind of each payload, the expert ids first."""
         for f in ("off_dispatch_flags", "off_tmax", "off_combine_flags", "off_epoch", "off_done", "off_abort",
                   "off_dropped", "off_counters", "off_records", "off_combine", "off_combine_q", "off_combine_scales",
-                  "off_id_slots", "off_combine_slots"):
+                  "off_id_slots", "off_combine_slots", "off_sentinel_has"):
             setattr(p, f, getattr(self, f))
         p.combine_bytes = self.combine_bytes
         p.combine_slot_bytes = align(self.combine_bytes, 16)

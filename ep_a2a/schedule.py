@@ -68,15 +68,23 @@ class Schedule:
         """(blocks, splits) of a combine of T tokens whose output takes vectors of `vec` bytes.
 
         Small batches spread each token over `splits` blocks until a thread issues one round
-        of loads (SENTINEL polls in 16-byte groups: it splits only when the vectors are 16
-        bytes). SENTINEL pushes every received slot (a block each); the FP8 quantize pass
+        of loads. SENTINEL polls and reduces 16-byte groups whatever the output's vectors, and
+        pushes every received slot (a block each, or parts of one). At small batches its
+        pushing and reducing blocks are apart (the reducers poll at once) while the grid
+        stays within half the share (PDL's early trigger); either way the grid has one block
+        more than its work, which publishes the combine flag (kernels/sentinel.cu: its
+        system-scope fence stays off every working block's path). The FP8 quantize pass
         spreads its 128-value blocks over the whole grid, which this sizes by the slots too
         (quantize=False: the epilogue quantized, combine_input(T^, fp8=True))."""
+        if proto == "sentinel":
+            units = -(-self.combine_bytes // 16)
+            splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
+            slots = self.ep_size * tmax
+            apart = slots + T * splits + 1  # pushing and reducing blocks apart (sentinel.cu), if it fits half
+            return (apart if apart <= max(1, self.max_grid // 2) else max(T * splits, slots) + 1), splits
         units = self.combine_hidden_size // 8 if self.fp8_combine else self.combine_bytes // vec
         splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
-        if proto == "sentinel" and vec != 16:
-            splits = 1
-        slots = proto == "sentinel" or (self.fp8_combine and quantize)
+        slots = self.fp8_combine and quantize
         return max(T * splits, self.ep_size * tmax if slots else 0), splits
 
     def grid(self, want: int, successor_want: int, prev_early: bool, successor_fills: bool = False) -> tuple:

@@ -32,9 +32,10 @@ template <> struct VecT<1> { using T = unsigned char; };
 // Warp 0 of a block turns token i's top_k expert ids into its distinct target ranks, in
 // the order of their first selection. Returns, in lanes < top_k, this selection's target
 // or -1, and whether this lane is the first selection of its target. Selections of experts
-// on inactive ranks are dropped and counted in our `dropped` word (the host reports it).
+// on inactive ranks are dropped and counted in our `dropped` word (the host reports it) when
+// count_lost (SENTINEL: only the first of the blocks that share a token counts it).
 struct Selection { int target; bool first; unsigned firsts; };
-EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token) {
+EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, bool count_lost = true) {
   const int lane = threadIdx.x & 31;
   int t = -1;
   bool inactive = false;
@@ -45,7 +46,7 @@ EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token) 
     if (t >= 0 && !rank_active(p, t)) { t = -1; inactive = true; }
   }
   const unsigned lost = __ballot_sync(0xffffffffu, inactive);
-  if (lost && lane == 0)
+  if (lost && count_lost && lane == 0)
     atomicAdd(section<unsigned>(p, p.rank, p.off_dropped), __popc(lost));
   const unsigned same = __match_any_sync(0xffffffffu, t);
   const bool first = lane < p.top_k && t >= 0 && (__ffs(same) - 1) == lane;

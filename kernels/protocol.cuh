@@ -204,24 +204,23 @@ EP_DEVICE void publish_combine_flag(const A2AParams& p, unsigned f) {
 // ---- protocol switch (protocol="auto")
 // SENTINEL combine waits only on the ranks our tokens went to, so a rank that received
 // nothing from us may still be reading its dispatch workspace for step f. A FENCE dispatch
-// of the next step writes straight into that workspace. So every SENTINEL combine ends by
-// publishing its combine flag (release: this rank's reads of its workspace, the SENTINEL
-// dispatch's and the MoE kernels' before us, come first), and a FENCE dispatch that follows
-// a SENTINEL step waits for every rank's flag first. After a FENCE step our own combine
-// already waited for every rank's flag. Each combine leaves its protocol in
-// last_combine_sentinel for the dispatch after it (the next kernel of this stream reads it
-// after griddep_wait, so the kernel boundary orders it).
-EP_DEVICE void sentinel_step_done(const A2AParams& p, unsigned f) {
-  const FinishedBlocks blocks(p);
-  if (blocks.elect_last() && threadIdx.x < 32) {
-    blocks.acquire();
-    publish_combine_flag(p, f);
-    __syncwarp();
-    if (threadIdx.x == 0) {
-      blocks.reset();
-      *last_combine_sentinel(p) = 1;
-    }
-  }
+// of the next step writes straight into that workspace. So every SENTINEL combine publishes
+// its combine flag, and a FENCE dispatch that follows a SENTINEL step waits for every rank's
+// flag first. After a FENCE step our own combine already waited for every rank's flag. Each
+// combine leaves its protocol in last_combine_sentinel for the dispatch after it (the next
+// kernel of this stream reads it after griddep_wait, so the kernel boundary orders it).
+//
+// The SENTINEL combine publishes at its start, from one warp, with no election: what the
+// flag promises is that this rank no longer touches what a peer's FENCE dispatch writes
+// (its dispatch workspace: recv sections, dispatch flags, step tags). Every such access of
+// this step was made by an earlier kernel of this stream (the SENTINEL dispatch, MoE
+// compute), all performed once griddep_wait returned; the release fence orders them before
+// the flag all the same. The combine itself reads only what no FENCE dispatch of a peer
+// writes: its records, the has bytes (layout.py, written by our SENTINEL dispatch alone, in
+// place of the received ids), its own partial results and the combine slots.
+EP_DEVICE void sentinel_combine_begins(const A2AParams& p, unsigned f) {  // warp 0 of one block
+  publish_combine_flag(p, f);
+  if (threadIdx.x == 0) *last_combine_sentinel(p) = 1;
 }
 EP_DEVICE void fence_step_done(const A2AParams& p) {
   if (blockIdx.x == 0 && threadIdx.x == 0) *last_combine_sentinel(p) = 0;

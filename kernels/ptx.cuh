@@ -23,21 +23,30 @@ EP_DEVICE uint32_t ld_acquire_gpu(const uint32_t* p) {
 }
 
 // ---- volatile loads: read memory on every call (never a value the compiler kept), no
-// ordering. For polls whose data carry their own completeness (SENTINEL words, whose every
-// aligned 32-bit word arrives whole), for counters written by an earlier kernel of this
-// stream, and for the abort word (advisory: it only ends a wait sooner).
+// ordering. For counters written by an earlier kernel of this stream and for the abort word
+// (advisory: it only ends a wait sooner). SENTINEL's data polls use the strong loads below.
 EP_DEVICE uint32_t ld_volatile(const uint32_t* p) { return *reinterpret_cast<const volatile uint32_t*>(p); }
 EP_DEVICE uint64_t ld_volatile(const uint64_t* p) { return *reinterpret_cast<const volatile uint64_t*>(p); }
-// A poll of a SENTINEL slot word, fenced off from the compiler (the "memory" clobber) so that
-// no other access of this thread moves across it.
-EP_DEVICE uint32_t ld_volatile_poll(const uint32_t* p) {
-  uint32_t v; asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+// ---- strong (relaxed, system scope) loads and stores: SENTINEL's data words
+// The promise that each aligned 32-bit word arrives whole and is eventually seen (PTX memory
+// model: morally strong accesses) holds only when the store and the load that polls it are
+// both strong; NCCL's LL protocol pairs volatile / relaxed.sys accesses the same way. A vector
+// access is a set of 32-bit accesses with no order among them, each as strong as the whole,
+// which is all a SENTINEL poll needs: every word is checked on its own. The "memory" clobber
+// keeps the compiler from moving other accesses of this thread across them, or from reusing
+// a value it read before.
+EP_DEVICE uint32_t ld_relaxed_sys(const uint32_t* p) {
+  uint32_t v; asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
 }
-EP_DEVICE uint4 ld_volatile_poll(const uint4* p) {
+EP_DEVICE uint4 ld_relaxed_sys(const uint4* p) {
   uint4 v;
-  asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  asm volatile("ld.relaxed.sys.global.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
+EP_DEVICE void st_relaxed_sys(uint4* p, uint4 v) {
+  asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1,%2,%3,%4};" :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
 // Volatile stores: the error record, which the host reads through a mapping of its own.
 EP_DEVICE void st_volatile(uint32_t* p, uint32_t v) { *reinterpret_cast<volatile uint32_t*>(p) = v; }
 EP_DEVICE void st_volatile(int* p, int v) { *reinterpret_cast<volatile int*>(p) = v; }
@@ -63,6 +72,15 @@ EP_DEVICE uint32_t atomic_add_acq_rel_gpu(uint32_t* p, uint32_t v) {
   uint32_t old; asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
+
+// Release-only increment (SENTINEL dispatch's arrival count, sentinel.cu): orders this
+// thread's earlier accesses before it without waiting for its result; the one thread that
+// needs the acquire half adds fence_acq_rel_gpu once it has seen the result.
+EP_DEVICE uint32_t atomic_add_release_gpu(uint32_t* p, uint32_t v) {
+  uint32_t old; asm volatile("atom.release.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+EP_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
 EP_DEVICE uint64_t globaltimer_ns() {
   uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t;

@@ -2,14 +2,33 @@
 // signal arrival. Landing, expert-id and combine slots hold the sentinel between uses; a
 // slot is complete when none of its (aligned, whole-arriving) 32-bit words equals it.
 //
+// Memory model. Every word a peer polls is pushed with a strong store (st.relaxed.sys) and
+// polled with a strong load (ld.relaxed.sys): only strong accesses promise that each aligned
+// 32-bit word is seen whole and that a poll eventually sees the store. Data is copied or
+// reduced from the registers the successful poll returned, never from a second load by
+// another thread (more than 8 combine targets: a strong reload by the polling thread itself,
+// which read-read coherence orders after its own successful poll).
+//
 // No fence orders these stores. A slot is reused only after a message the peer sends in a
 // later kernel (paper §4.2): landing slots after the combine data of the step, combine slots
 // after the expert ids of the next step, expert-id slots (two alternating sets) after the
-// expert ids of the step after; every reset is a store to our own memory that precedes,
-// through kernel boundaries, the message that lets the peer write the slot again.
+// expert ids of the step after. Why a kernel boundary suffices: every reset is a store to
+// our own memory, whose point of coherence is our own L2. The kernel that sends the message
+// runs after griddepcontrol.wait (or a plain stream boundary), which returns only once every
+// memory operation of the kernel before it has been performed; so the reset is already at
+// that point of coherence before the message store is even issued, and the peer's next
+// write, issued only after its poll saw the message, reaches the same place later: it
+// follows the reset in coherence order and is never overwritten by it.
+//
+// Latency (decode batches): every thread issues all its loads of a round before the first
+// use (polls, payload and partial-result loads), re-polls only the vectors still missing,
+// and one token's push is spread over many blocks; the expert-id slot and the landing
+// slot of a (source, slot) pair are polled together.
 #include "moe_common.cuh"
 
 namespace {
+constexpr int U = 4;  // 16-byte groups one thread keeps in flight per round
+
 // Slot addresses, as in Algorithm 2. L and M are strided by max_tokens_per_rank, never by T^;
 // I has two sets, alternating by step f.
 // I[owner][source][i]: the expert ids of token slot i of `source`, then the sender's step tag.
@@ -18,13 +37,13 @@ EP_DEVICE unsigned* id_slot(const A2AParams& p, int owner, int source, int i, un
   const size_t set = static_cast<size_t>(f & 1) * p.ep_size * p.max_tokens_per_rank * W;
   return section<unsigned>(p, owner, p.off_id_slots) + set + (static_cast<size_t>(source) * p.max_tokens_per_rank + i) * W;
 }
-// L[.][source][i] of payload d: its byte offset in every workspace.
-EP_DEVICE size_t landing_slot(const A2AParams& p, const PayloadDesc& d, int source, int i) {
-  return d.landing_offset + (static_cast<size_t>(source) * p.max_tokens_per_rank + i) * d.landing_bytes;
-}
 // M[owner][i][source]: the partial result of `owner`'s token i computed on `source`.
 EP_DEVICE char* combine_slot(const A2AParams& p, int owner, int i, int source) {
   return workspace(p, owner) + p.off_combine_slots + (static_cast<size_t>(i) * p.ep_size + source) * p.combine_slot_bytes;
+}
+// Whether slot i of source r held a token in the last dispatch (layout.py: has).
+EP_DEVICE unsigned char* has_slot(const A2AParams& p, int r, int i) {
+  return section<unsigned char>(p, p.rank, p.off_sentinel_has) + static_cast<size_t>(r) * p.max_tokens_per_rank + i;
 }
 
 EP_DEVICE bool any_sentinel(uint4 v) {
@@ -53,259 +72,487 @@ EP_DEVICE void store_word(unsigned char* dst, unsigned bytes, unsigned vec, unsi
   if (vec >= 4 && o + 4 <= bytes) { *reinterpret_cast<unsigned*>(dst + o) = v; return; }
   for (unsigned b = 0; b < 4 && o + b < bytes; ++b) dst[o + b] = static_cast<unsigned char>(v >> (8 * b));
 }
-
 // Words 4g..4g+3 of a row of `bytes` bytes (zero past its end), whatever its alignment.
 EP_DEVICE uint4 load_group(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
   if (vec == 16) return reinterpret_cast<const uint4*>(src)[g];
   return make_uint4(load_word(src, bytes, vec, 4 * g), load_word(src, bytes, vec, 4 * g + 1),
                     load_word(src, bytes, vec, 4 * g + 2), load_word(src, bytes, vec, 4 * g + 3));
 }
-
-// Wait until no word of a 16-byte landing or combine vector equals the sentinel.
-EP_DEVICE uint4 poll_v4(const A2AParams& p, const uint4* a, int phase, int peer, unsigned f) {
-  uint4 v = ld_volatile_poll(a);
-  if (!any_sentinel(v)) return v;
-  wait_until(p, phase, peer, f, 0, [&](unsigned& seen) {
-    v = ld_volatile_poll(a);
-    seen = v.x;
-    return !any_sentinel(v);
-  });
-  return v;
+// The same four words into a row (nothing past its end).
+EP_DEVICE void store_group(unsigned char* dst, unsigned bytes, unsigned vec, unsigned g, uint4 v) {
+  if (vec == 16) { reinterpret_cast<uint4*>(dst)[g] = v; return; }
+  store_word(dst, bytes, vec, 4 * g, v.x); store_word(dst, bytes, vec, 4 * g + 1, v.y);
+  store_word(dst, bytes, vec, 4 * g + 2, v.z); store_word(dst, bytes, vec, 4 * g + 3, v.w);
 }
 
-// Push one token's payload q (bytes) to the landing slot at byte `slot_offset` of each of
-// the n target workspaces, in 16-byte landing vectors: escaped words, or (KIND_RAW16) 16
-// data bits per landing word. Targets are read from shared memory, not kept in a per-thread
-// pointer array (that array spilled to a 176-byte stack frame).
-EP_DEVICE void push_landing(const A2AParams& p, const PayloadDesc& d, const unsigned char* src,
-                            const int* target, int n, size_t slot_offset) {
-  const unsigned words = (d.bytes_per_token + 3) / 4;
-  const bool raw = d.sentinel_kind == EP_KIND_RAW16;
-  for (unsigned g = threadIdx.x; 4 * g < words; g += blockDim.x) {  // group g: words 4g..4g+3
-    uint4 v = load_group(src, d.bytes_per_token, d.vec, g);
-    if (raw) {
-      const uint4 lo = make_uint4(v.x & 0xFFFF, v.x >> 16, v.y & 0xFFFF, v.y >> 16);
-      const uint4 hi = make_uint4(v.z & 0xFFFF, v.z >> 16, v.w & 0xFFFF, v.w >> 16);
-#pragma unroll 1  // rolled: unrolled, it held several target pointers live (register pressure)
-      for (int j = 0; j < n; ++j) {
-        uint4* o = reinterpret_cast<uint4*>(workspace(p, target[j]) + slot_offset) + 2 * g;
-        o[0] = lo;
-        o[1] = hi;
-      }
-    } else {
-      v = escape4(v, d.sentinel_kind);
-#pragma unroll 1
-      for (int j = 0; j < n; ++j) reinterpret_cast<uint4*>(workspace(p, target[j]) + slot_offset)[g] = v;
-    }
+// ---- landing groups: the 16-byte vectors of one token slot's landing slots, payloads 1..,
+// counted as one sequence so that the threads of a block share them whatever the payloads.
+EP_DEVICE unsigned slot_groups(const A2AParams& p) {
+  unsigned n = 0;
+  for (int q = 1; q < p.num_payloads; ++q) n += p.payloads[q].landing_bytes / 16;
+  return n;
+}
+// Group x of the sequence: its payload q (returned), x becomes the group within it.
+EP_DEVICE int locate(const A2AParams& p, unsigned& x) {
+  int q = 1;
+  while (x >= p.payloads[q].landing_bytes / 16) x -= p.payloads[q++].landing_bytes / 16;
+  return q;
+}
+// Landing group g of payload d, from the token's row: escaped words, or (KIND_RAW16) data
+// words 2g, 2g + 1 as four 16-bit halves, so that no landing word can equal the sentinel.
+EP_DEVICE uint4 landing_value(const PayloadDesc& d, const unsigned char* row, unsigned g) {
+  if (d.sentinel_kind == EP_KIND_RAW16) {
+    const unsigned a = load_word(row, d.bytes_per_token, d.vec, 2 * g), b = load_word(row, d.bytes_per_token, d.vec, 2 * g + 1);
+    return make_uint4(a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16);
+  }
+  return escape4(load_group(row, d.bytes_per_token, d.vec, g), d.sentinel_kind);
+}
+// Its inverse, into the dispatch workspace row.
+EP_DEVICE void store_received(const PayloadDesc& d, unsigned char* row, unsigned g, uint4 v) {
+  if (d.sentinel_kind == EP_KIND_RAW16) {
+    store_word(row, d.bytes_per_token, d.vec, 2 * g, v.x | (v.y << 16));
+    store_word(row, d.bytes_per_token, d.vec, 2 * g + 1, v.z | (v.w << 16));
+  } else {
+    store_group(row, d.bytes_per_token, d.vec, g, v);
   }
 }
+// Byte offset, in every workspace, of landing group g of payload d in slot i of `source`.
+EP_DEVICE size_t landing_at(const A2AParams& p, const PayloadDesc& d, int source, int i, unsigned g) {
+  return d.landing_offset + (static_cast<size_t>(source) * p.max_tokens_per_rank + i) * d.landing_bytes + 16 * static_cast<size_t>(g);
+}
 
-// Wait for a landing slot, copy it into the dispatch workspace slot, reset it.
-EP_DEVICE void receive_landing(const A2AParams& p, const PayloadDesc& d, char* land, unsigned char* out,
-                               int peer, unsigned f) {
-  const unsigned words = (d.bytes_per_token + 3) / 4;
-  const bool raw = d.sentinel_kind == EP_KIND_RAW16;
-  const bool fast = d.vec == 16;
-  for (unsigned g = threadIdx.x; 4 * g < words; g += blockDim.x) {
-    uint4 v;
-    uint4* l = reinterpret_cast<uint4*>(land) + (raw ? 2 * g : g);
-    if (raw) {
-      const uint4 lo = poll_v4(p, l, EP_PHASE_SENTINEL_DISPATCH, peer, f), hi = poll_v4(p, l + 1, EP_PHASE_SENTINEL_DISPATCH, peer, f);
-      v = make_uint4(lo.x | (lo.y << 16), lo.z | (lo.w << 16), hi.x | (hi.y << 16), hi.z | (hi.w << 16));
-      l[0] = sentinel4();
-      l[1] = sentinel4();
-    } else {
-      v = poll_v4(p, l, EP_PHASE_SENTINEL_DISPATCH, peer, f);
-      l[0] = sentinel4();
-    }
-    if (fast) {
-      reinterpret_cast<uint4*>(out)[g] = v;
-    } else {
-      store_word(out, d.bytes_per_token, d.vec, 4 * g, v.x);
-      store_word(out, d.bytes_per_token, d.vec, 4 * g + 1, v.y);
-      store_word(out, d.bytes_per_token, d.vec, 4 * g + 2, v.z);
-      store_word(out, d.bytes_per_token, d.vec, 4 * g + 3, v.w);
+// The step counter moves once every block of the dispatch has read it. Thread 0 of each
+// block reads it for the block (the others get it through shared memory) and then counts
+// the block in: the release orders that read before the increment, so the last block to
+// arrive, which acquires (sentinel_dispatch's end), moves the counter after every read.
+// Counting at the start, not at the end, keeps the election's round trip off the end of
+// the kernel: nobody waits for the result until the block's work is done.
+EP_DEVICE unsigned arrive(const A2AParams& p) {
+  return atomic_add_release_gpu(section<unsigned>(p, p.rank, p.off_done), 1u);
+}
+
+// ---- dispatch, lines 2-4: part c of C of token slot i
+// The first round's payload loads, the selection's id loads and (first) the step counter
+// are all in flight together; the stores follow the one barrier. C blocks share a token,
+// so at decode batches a token's stores leave many SMs, not one.
+struct Send {
+  int target[EP_MAX_TOP_K];  // D, in the order of first selection
+  int n;
+  unsigned f;                // the step, read by thread 0 (see sentinel_dispatch)
+  unsigned char is_target[EP_MAX_RANKS];
+};
+EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int* records, bool first, unsigned& arrival) {
+  const int s = p.rank, K = p.top_k, W = K + 1;
+  const bool token = i < p.local_num_tokens;
+  const unsigned total = token ? slot_groups(p) : 0;
+  const unsigned g0 = total * c / C, g1 = total * (c + 1) / C;
+  uint4 v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    unsigned x = g0 + threadIdx.x + u * blockDim.x;
+    v[u] = make_uint4(0, 0, 0, 0);
+    if (x < g1) {
+      const PayloadDesc& d = p.payloads[locate(p, x)];
+      v[u] = landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
     }
   }
-}
-// Lines 2-4 for token slot i < T^: push token i to L[t][s][i] for every t in D (none when
-// i >= T: no payload row exists to read), and I[r][s][i] <- its expert ids (-1 where r is
-// not in D), then our step tag, for every active r.
-EP_DEVICE void send_slot(const A2AParams& p, int i, unsigned f, int* records) {
-  __shared__ int s_target[EP_MAX_TOP_K];  // D
-  __shared__ int s_n;
-  __shared__ unsigned char s_is_target[EP_MAX_RANKS];
-  const int s = p.rank, K = p.top_k, W = p.top_k + 1;
-  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) s_is_target[r] = 0;
-  __syncthreads();
   const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + static_cast<size_t>(i) * K;
   if (threadIdx.x < 32) {
-    int t = -1;
-    bool first = false;
-    unsigned firsts = 0;
-    if (i < p.local_num_tokens) {
-      const Selection sel = select_targets(p, ids);
-      t = sel.target; first = sel.first; firsts = sel.firsts;
-    }
     const int lane = threadIdx.x;
-    if (first) {
-      s_target[__popc(firsts & ((1u << lane) - 1))] = t;
-      s_is_target[t] = 1;
+    unsigned e = 0;
+    if (first && lane == 0) e = read_epoch(p);  // (issued before the selection waits on its ids)
+    if (c == 0)
+      for (int r = lane; r < p.ep_size; r += 32) sh.is_target[r] = 0;
+    int t = -1;
+    bool sel_first = false;
+    unsigned firsts = 0;
+    if (token) {
+      const Selection sel = select_targets(p, ids, c == 0);  // (a dropped selection counted once)
+      t = sel.target; sel_first = sel.first; firsts = sel.firsts;
     }
-    if (i < p.local_num_tokens && lane < K) records[i * K + lane] = first ? pack_record(i, t) : -1;
-    if (lane == 0) s_n = __popc(firsts);
+    __syncwarp();
+    if (sel_first) {
+      sh.target[__popc(firsts & ((1u << lane) - 1))] = t;
+      if (c == 0) sh.is_target[t] = 1;
+    }
+    if (c == 0 && token && lane < K) records[i * K + lane] = sel_first ? pack_record(i, t) : -1;
+    if (lane == 0) sh.n = __popc(firsts);
+    if (first && lane == 0) {
+      sh.f = e + 1;
+      arrival = arrive(p);
+    }
   }
   __syncthreads();
-  const int n = s_n;
-  for (int q = 1; n > 0 && q < p.num_payloads; ++q) {
-    const PayloadDesc& d = p.payloads[q];
-    push_landing(p, d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
-                 s_target, n, landing_slot(p, d, s, i));
+  const int n = sh.n;
+  for (unsigned x0 = g0 + threadIdx.x; n > 0; x0 += U * blockDim.x) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      unsigned x = x0 + u * blockDim.x;
+      if (x >= g1) continue;
+      const PayloadDesc& d = p.payloads[locate(p, x)];  // (x becomes the group within d)
+      const size_t off = landing_at(p, d, s, i, x);
+#pragma unroll 1  // rolled: unrolled, it held several target pointers live (register pressure)
+      for (int j = 0; j < n; ++j) st_relaxed_sys(reinterpret_cast<uint4*>(workspace(p, sh.target[j]) + off), v[u]);
+    }
+    if (x0 + U * blockDim.x >= g1) break;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // the next round (large payloads only)
+      unsigned x = x0 + (U + u) * blockDim.x;
+      if (x < g1) {
+        const PayloadDesc& d = p.payloads[locate(p, x)];
+        v[u] = landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
+      }
+    }
   }
-  for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
-    const int r = x / W, k = x % W;
-    if (!rank_active(p, r)) continue;
-    int v = k == K ? static_cast<int>(p.step_tag) : (s_is_target[r] ? ids[k] : -1);
-    // An input id equal to the slot's sentinel (invalid anyway: it is negative) would read as
-    // "not arrived" and stall the receiver: it travels as -1, like every invalid id here.
-    if (v == static_cast<int>(EP_SENTINEL_IDS)) v = -1;
-    id_slot(p, r, s, i, f)[k] = static_cast<unsigned>(v);
+  if (c == 0) {
+    // Line 4: I[r][s][i] <- the expert ids (-1 where r is not in D), then our step tag.
+    for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
+      const int r = x / W, k = x % W;
+      if (!rank_active(p, r)) continue;
+      int id = k == K ? static_cast<int>(p.step_tag) : (sh.is_target[r] ? ids[k] : -1);
+      // An input id equal to the slot's sentinel (invalid anyway: it is negative) would read as
+      // "not arrived" and stall the receiver: it travels as -1, like every invalid id here.
+      if (id == static_cast<int>(EP_SENTINEL_IDS)) id = -1;
+      st_relaxed_sys(id_slot(p, r, s, i, sh.f) + k, static_cast<unsigned>(id));
+    }
   }
-  __syncthreads();
+  __syncthreads();  // (the shared arrays of the next part)
 }
 
-// Lines 6-10 for slot i of source r: wait for I[s][r][i] and reset it (our part of line 14:
-// a reset to our own memory), write the ids into Wd[s][r][i]; if a token came, wait for
-// each L[s][r][i], copy it into Wd[s][r][i] and reset it.
-EP_DEVICE void receive_slot(const A2AParams& p, int r, int i, unsigned f) {
-  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k, W = p.top_k + 1;
-  int* const out_ids = section<int>(p, s, p.payloads[0].recv_offset) + (static_cast<size_t>(r) * tmax + i) * K;
-  int has = 0;
-  unsigned v = static_cast<unsigned>(-1);
+// ---- dispatch, lines 5-11 for slot i of source r
+// Warp 0 polls the expert-id slot while every thread already polls its landing groups; the
+// ids' verdict (a token comes, or none) reaches the landing pollers through shared memory,
+// tagged with the work item so that an earlier item's verdict is never taken for this one.
+// Shared-memory atomics, not plain or volatile accesses: the word is written and read
+// concurrently on purpose, and racecheck reports no hazard between atomics.
+enum Verdict : unsigned { UNKNOWN = 0, TOKEN = 1, NONE = 2 };
+EP_DEVICE unsigned verdict(unsigned* s_state, unsigned tag) {
+  const unsigned v = atomicOr(s_state, 0u);
+  return (v >> 2) == tag ? (v & 3) : UNKNOWN;
+}
+EP_DEVICE const uint4* landing_ptr(const A2AParams& p, int r, int i, unsigned x) {
+  const PayloadDesc& d = p.payloads[locate(p, x)];
+  return reinterpret_cast<const uint4*>(workspace(p, p.rank) + landing_at(p, d, r, i, x));
+}
+// Copy landing group x of slot (r, i) from the registers that polled it into Wd[s][r][i],
+// and reset it (line 9).
+EP_DEVICE void take_group(const A2AParams& p, int r, int i, unsigned x, uint4 v) {
+  const PayloadDesc& d = p.payloads[locate(p, x)];
+  store_received(d, section<unsigned char>(p, p.rank, d.recv_offset) +
+                        (static_cast<size_t>(r) * p.runtime_max_tokens_per_rank + i) * d.bytes_per_token, x, v);
+  *reinterpret_cast<uint4*>(workspace(p, p.rank) + landing_at(p, d, r, i, x)) = sentinel4();
+}
+// Poll again the groups of this round still missing (bit u of miss: group x0 + u * blockDim.x).
+EP_DEVICE void repoll(const A2AParams& p, int r, int i, unsigned x0, uint4 (&v)[U], unsigned& miss, unsigned& seen) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if ((miss >> u) & 1) {
+      v[u] = ld_relaxed_sys(landing_ptr(p, r, i, x0 + u * blockDim.x));
+      seen = v[u].x;
+      if (!any_sentinel(v[u])) miss &= ~(1u << u);
+    }
+}
+
+EP_DEVICE void receive_slot(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag) {
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k, W = K + 1;
   const bool active = rank_active(p, r);  // an inactive rank sends nothing: its region holds no token
-  if (active && threadIdx.x < W) {
-    unsigned* const word = id_slot(p, s, r, i, f) + threadIdx.x;
-    v = ld_volatile_poll(word);
-    if (v == EP_SENTINEL_IDS) {
-      const bool came = wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
-        seen = v = ld_volatile_poll(word);
-        return v != EP_SENTINEL_IDS;
+  const unsigned total = active ? slot_groups(p) : 0;
+  // Round 1: the first poll of every landing group and of the id words, all in flight.
+  uint4 v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const unsigned x = threadIdx.x + u * blockDim.x;
+    v[u] = sentinel4();
+    if (x < total) v[u] = ld_relaxed_sys(landing_ptr(p, r, i, x));
+  }
+  unsigned* const word = id_slot(p, s, r, i, f) + threadIdx.x;
+  unsigned id = static_cast<unsigned>(-1);
+  if (active && threadIdx.x < W) id = ld_relaxed_sys(word);
+  unsigned miss = 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (threadIdx.x + u * blockDim.x < total && any_sentinel(v[u])) miss |= 1u << u;
+
+  // Lines 6-7, warp 0: the ids (and our part of line 14: their reset, to our own memory).
+  int* const out_ids = section<int>(p, s, p.payloads[0].recv_offset) + (static_cast<size_t>(r) * tmax + i) * K;
+  bool has = false;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    if (active && lane < W) {
+      if (id == EP_SENTINEL_IDS) {
+        const bool came = wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
+          seen = id = ld_relaxed_sys(word);
+          return id != EP_SENTINEL_IDS;
+        });
+        if (!came) id = static_cast<unsigned>(-1);
+      }
+      *word = EP_SENTINEL_IDS;
+      if (lane == K && id != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, id);
+    }
+    // poison once any rank gave up (protocol.cuh; abort mode only)
+    const int poison = __shfl_sync(0xffffffffu, p.abort_on_timeout && lane == 0 && ld_volatile(abort_word(p, s)) != 0, 0);
+    if (poison) id = static_cast<unsigned>(-1);
+    has = __ballot_sync(0xffffffffu, lane < K && static_cast<int>(id) != -1) != 0;
+    if (lane < K) out_ids[lane] = static_cast<int>(id);
+    if (lane == 0) {
+      *has_slot(p, r, i) = has;
+      atomicExch(s_state, tag << 2 | (has ? TOKEN : NONE));
+    }
+  }
+  // Line 8, every thread: the groups still missing, until they come or the verdict is "none".
+  bool gave_up = false;
+  if (miss && verdict(s_state, tag) != NONE)
+    gave_up = !wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
+      seen = 0;
+      if (verdict(s_state, tag) == NONE) return true;
+      repoll(p, r, i, threadIdx.x, v, miss, seen);
+      return miss == 0;
+    });
+  // true: a token came whole (thread 0 holds warp 0's verdict; a failed wait spoils it)
+  const bool ok = __syncthreads_and(!gave_up && (threadIdx.x != 0 || has));
+  if (threadIdx.x < 32 && has && !ok) {  // (a wait gave up: the slot reads as empty)
+    if (threadIdx.x < K) out_ids[threadIdx.x] = -1;
+    if (threadIdx.x == 0) *has_slot(p, r, i) = 0;
+  }
+  if (!ok) return;
+  // Line 9: copy from the polled registers, reset; then any further rounds (large payloads).
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (threadIdx.x + u * blockDim.x < total) take_group(p, r, i, threadIdx.x + u * blockDim.x, v[u]);
+  for (unsigned x0 = threadIdx.x + U * blockDim.x; x0 < total; x0 += U * blockDim.x) {
+    miss = 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (x0 + u * blockDim.x < total) miss |= 1u << u;
+    unsigned seen = 0;
+    repoll(p, r, i, x0, v, miss, seen);
+    if (miss)
+      wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& sn) {
+        repoll(p, r, i, x0, v, miss, sn);
+        return miss == 0;
       });
-      if (!came) v = static_cast<unsigned>(-1);
-    }
-    *word = EP_SENTINEL_IDS;
-    if (threadIdx.x == K && v != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, v);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (x0 + u * blockDim.x < total) take_group(p, r, i, x0 + u * blockDim.x, v[u]);
   }
-  if (p.abort_on_timeout && block_sees_abort(p)) v = static_cast<unsigned>(-1);  // poison (protocol.cuh)
-  if (threadIdx.x < K) {
-    out_ids[threadIdx.x] = static_cast<int>(v);
-    has = static_cast<int>(v) != -1;
+}
+
+// ---- combine, line 13: part c of C of M[r][i][s] <- Wc[s][r][i], for a slot that held a token
+// (has, written by our dispatch: never the received ids, see layout.py). The loads of the
+// round are issued before the has byte is looked at.
+EP_DEVICE void push_part(const A2AParams& p, int r, int i, int c, int C) {
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
+  const unsigned groups = (p.combine_bytes + 15) / 16, g0 = groups * c / C, g1 = groups * (c + 1) / C;
+  const unsigned char* const src = section<const unsigned char>(p, s, p.off_combine) +
+                                   (static_cast<size_t>(r) * tmax + i) * p.combine_bytes;
+  uint4 v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const unsigned x = g0 + threadIdx.x + u * blockDim.x;
+    v[u] = make_uint4(0, 0, 0, 0);
+    if (x < g1) v[u] = load_group(src, p.combine_bytes, p.combine_vec, x);
   }
-  if (__syncthreads_or(has)) {
-    for (int q = 1; q < p.num_payloads; ++q) {
-      const PayloadDesc& d = p.payloads[q];
-      receive_landing(p, d, workspace(p, s) + landing_slot(p, d, r, i),
-                      section<unsigned char>(p, s, d.recv_offset) + (static_cast<size_t>(r) * tmax + i) * d.bytes_per_token,
-                      r, f);
+  if (!*has_slot(p, r, i)) return;
+  uint4* const dst = reinterpret_cast<uint4*>(combine_slot(p, r, i, s));
+  for (unsigned x0 = g0 + threadIdx.x;; x0 += U * blockDim.x) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (x0 + u * blockDim.x < g1) st_relaxed_sys(dst + x0 + u * blockDim.x, escape4(v[u], p.combine_kind));
+    if (x0 + U * blockDim.x >= g1) break;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned x = x0 + (U + u) * blockDim.x;
+      if (x < g1) v[u] = load_group(src, p.combine_bytes, p.combine_vec, x);
     }
   }
 }
 
-// Line 13: M[r][i][s] <- Wc[s][r][i] for every slot (r, i) that held a token, at once.
-EP_DEVICE void push_partials(const A2AParams& p, const int* ids) {
-  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k;
-  const unsigned groups = (p.combine_bytes + 15) / 16;
-  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) {
-    const int r = w / tmax, i = w % tmax;
-    const int* row = ids + (static_cast<size_t>(r) * tmax + i) * K;
-    int has = 0;
-    if (threadIdx.x < K) has = row[threadIdx.x] != -1;
-    if (!__syncthreads_or(has)) continue;
-    const unsigned char* src = section<const unsigned char>(p, s, p.off_combine) +
-                               (static_cast<size_t>(r) * tmax + i) * p.combine_bytes;
-    uint4* dst = reinterpret_cast<uint4*>(combine_slot(p, r, i, s));
-    for (unsigned g = threadIdx.x; g < groups; g += blockDim.x)
-      dst[g] = escape4(load_group(src, p.combine_bytes, p.combine_vec, g), p.combine_kind);
-  }
-}
-
-// Lines 15-19: for every t in D poll M[s][i][t], reduce (FENCE's order), reset it.
+// ---- combine, lines 15-19: slice `part` of token i. Each thread polls its 16-byte group of
+// every target's combine slot at once (up to 8 in flight, re-polling only the missing), and
+// reduces from those registers in FENCE's order (moe_common.cuh: pairwise tree over groups
+// of 8, absent members +0, group sums in order); then resets the slots.
 template <typename T>
-EP_DEVICE void poll_and_reduce(const A2AParams& p, unsigned f, const int* records) {
-  __shared__ const char* s_src[EP_MAX_TOP_K];
-  __shared__ int s_tgt[EP_MAX_TOP_K];
-  __shared__ int s_n;
-  const int s = p.rank;
-  const unsigned groups = (p.combine_bytes + 15) / 16;
-  const int splits = p.combine_splits;
-  const unsigned nvec = p.combine_bytes / p.combine_vec;
-  for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
-    const int i = w / splits, part = w % splits;
-    collect_sources(records, p.top_k, i, [&](int t, int) -> const char* { return combine_slot(p, s, i, t); },
-                    s_src, s_tgt, &s_n);
-    __syncthreads();
-    // Wait for this slice of every target's slot, then reduce it from there (L2: the
-    // polling loads bypassed L1), then reset it. The host splits a token over blocks only
-    // when combine_vec is 16, so each block reduces exactly the 16-byte groups it polled.
-    const unsigned g0 = groups * part / splits, g1 = groups * (part + 1) / splits;
-    for (int k = 0; k < s_n; ++k)
-      for (unsigned g = g0 + threadIdx.x; g < g1; g += blockDim.x)
-        poll_v4(p, reinterpret_cast<const uint4*>(s_src[k]) + g, EP_PHASE_SENTINEL_COMBINE, s_tgt[k], f);
-    const bool poison = block_sees_abort(p);  // (also the barrier before the reduction)
-    const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
-    char* const out = reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes;
-    if (poison)
-      poison_bytes(out, static_cast<size_t>(v0) * p.combine_vec, static_cast<size_t>(v1) * p.combine_vec);
-    else
-      reduce_token<T>(p.combine_vec, s_src, s_n, out, v0, v1);
-    __syncthreads();
-    for (int k = 0; k < s_n; ++k)
-      for (unsigned g = g0 + threadIdx.x; g < g1; g += blockDim.x)
-        reinterpret_cast<uint4*>(const_cast<char*>(s_src[k]))[g] = sentinel4();
-    __syncthreads();
+union Group {
+  uint4 raw;
+  T el[16 / sizeof(T)];
+};
+// Member k's slot, addressed from its target rank (shared memory) on use: eight 64-bit
+// pointers held live through the poll loop spilled.
+struct Members {
+  const char* slot0;  // this thread's group of M[s][i][0]
+  const int* target;  // shared: the targets, in the order of their first selection
+  unsigned stride;    // combine_slot_bytes
+  EP_DEVICE const uint4* at(int k) const {
+    return reinterpret_cast<const uint4*>(slot0 + static_cast<size_t>(target[k]) * stride);
   }
+};
+// Members c..c+7 (those present: bits of `present`) polled together until none holds a
+// sentinel word; absent ones read +0 (as in reduce_vectors).
+template <typename T>
+EP_DEVICE void poll_chunk(const A2AParams& p, unsigned f, const Members& m, int c, unsigned present, Group<T> (&in)[8]) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) {
+    in[k].raw = make_uint4(0, 0, 0, 0);
+    if ((present >> k) & 1) in[k].raw = ld_relaxed_sys(m.at(c + k));
+  }
+  unsigned miss = present;
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    if (((present >> k) & 1) && !any_sentinel(in[k].raw)) miss &= ~(1u << k);
+  // wait_until's loop, with the peer a failure names taken at each failed poll: the first
+  // member still missing then (at the first poll even our own push may not have landed).
+  Deadline dl;
+  while (miss) {
+    unsigned seen = 0, named = 0;  // (the first word of the member a failure names: the first still missing)
+#pragma unroll
+    for (int k = 0; k < 8; ++k)
+      if ((miss >> k) & 1) {
+        in[k].raw = ld_relaxed_sys(m.at(c + k));
+        if (!any_sentinel(in[k].raw))
+          miss &= ~(1u << k);
+        else if (!named) {
+          seen = in[k].raw.x;
+          named = 1;
+        }
+      }
+    if (miss && dl.give_up(p, EP_PHASE_SENTINEL_COMBINE, m.target[c + __ffs(miss) - 1], f, seen, 0)) break;
+  }
+  // (a wait that gave up leaves the sentinel's all-ones words: NaN in every float format)
+}
+// The 8-member tree of reduce_vectors, its first level formed straight from the vectors.
+template <typename T>
+EP_DEVICE void tree8(const Group<T> (&in)[8], float (&sum)[16 / sizeof(T)]) {
+  constexpr int E = 16 / sizeof(T);
+  float x[4][E];
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[k][e] = to_float<T>(in[2 * k].el[e]) + to_float<T>(in[2 * k + 1].el[e]);
+#pragma unroll
+  for (int e = 0; e < E; ++e) sum[e] = (x[0][e] + x[1][e]) + (x[2][e] + x[3][e]);
+}
+EP_DEVICE unsigned present_bits(int n, int c) { return n - c >= 8 ? 0xFFu : (1u << max(n - c, 0)) - 1; }
+
+template <typename T>
+EP_DEVICE void reduce_part(const A2AParams& p, unsigned f, const int* records, int i, int part,
+                           const char** s_src, int* s_tgt, int* s_n) {
+  constexpr int E = 16 / sizeof(T);
+  const int s = p.rank;
+  collect_sources(records, p.top_k, i, [&](int t, int) -> const char* { return combine_slot(p, s, i, t); },
+                  s_src, s_tgt, s_n);
+  __syncthreads();
+  const int n = *s_n, splits = p.combine_splits;
+  const unsigned groups = (p.combine_bytes + 15) / 16;
+  const unsigned g0 = groups * part / splits, g1 = groups * (part + 1) / splits;
+  unsigned char* const out = reinterpret_cast<unsigned char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes;
+  for (unsigned gb = g0; gb < g1; gb += blockDim.x) {  // (uniform trip count: a barrier inside)
+    const unsigned g = gb + threadIdx.x;
+    const bool mine = g < g1;
+    const Members m{combine_slot(p, s, i, 0) + 16 * static_cast<size_t>(g), s_tgt, static_cast<unsigned>(p.combine_slot_bytes)};
+    float acc[E];
+    Group<T> in[8];
+    if (n <= 8) {  // (n <= min(top_k, ep_size)): one chunk, reduced from the polled registers
+      poll_chunk<T>(p, f, m, 0, mine ? present_bits(n, 0) : 0u, in);
+      tree8<T>(in, acc);
+    } else {
+      // More members than one chunk holds in registers: poll every chunk to completion
+      // first, then reduce chunk by chunk from strong reloads by this same thread, which
+      // read-read coherence orders after its own polls (they can only see the same data).
+      for (int c = 0; c < n; c += 8) poll_chunk<T>(p, f, m, c, mine ? present_bits(n, c) : 0u, in);
+      for (int c = 0; c < n; c += 8) {
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          in[k].raw = make_uint4(0, 0, 0, 0);
+          if (mine && c + k < n) in[k].raw = ld_relaxed_sys(m.at(c + k));
+        }
+        float x[E];
+        tree8<T>(in, x);
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[e] = c == 0 ? x[e] : acc[e] + x[e];
+      }
+    }
+    Group<T> o;
+#pragma unroll
+    for (int e = 0; e < E; ++e) o.el[e] = from_float<T>(acc[e]);
+    if (block_sees_abort(p)) o.raw = make_uint4(~0u, ~0u, ~0u, ~0u);  // poison (protocol.cuh)
+    if (mine) {
+      store_group(out, p.combine_bytes, p.combine_vec, g, o.raw);
+      for (int k = 0; k < n; ++k) *const_cast<uint4*>(m.at(k)) = sentinel4();
+    }
+  }
+  __syncthreads();  // (the shared sources of the next token)
 }
 }  // namespace
 
 // Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
 // host sizes grids by the occupancy of every protocol kernel); as in fence.cu.
 extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __grid_constant__ A2AParams p) {
+  __shared__ Send sh;
+  __shared__ unsigned s_state;  // receive_slot's verdict
   // Addresses from the parameters are taken before griddep_wait: they overlap the tail of
   // the previous kernel instead of following it (as in fence.cu).
   int* const records = section<int>(p, p.rank, p.off_records);
+  if (threadIdx.x == 0) s_state = ~0u;  // no item's tag (the first barrier below publishes it)
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
-  const unsigned f = read_epoch(p) + 1;
   const int tmax = p.runtime_max_tokens_per_rank;
+  // C blocks share each token slot's push: the grid, but at least a warp's worth of groups each.
+  const int C = max(1, min(static_cast<int>(gridDim.x) / tmax, static_cast<int>((slot_groups(p) + 31) / 32)));
 
   // Lines 2-4: token i lands in slot i of our region on each target; every rank gets the
-  // expert ids of every one of our T^ slots (-1 where nothing goes), plus our T^.
-  for (int i = blockIdx.x; i < tmax; i += gridDim.x) send_slot(p, i, f, records);
+  // expert ids of every one of our T^ slots (-1 where nothing goes), plus our step tag.
+  unsigned arrival = 0;
+  bool first = true;
+  for (int w = blockIdx.x; w < tmax * C; w += gridDim.x, first = false) send_part(p, sh, w / C, w % C, C, records, first, arrival);
+  if (first) {  // no part to send: the step counter as in send_part
+    if (threadIdx.x == 0) {
+      sh.f = read_epoch(p) + 1;
+      arrival = arrive(p);
+    }
+    __syncthreads();
+  }
+  const unsigned f = sh.f;
   // Lines 5-11: for every source r and slot i (of region r of Wd[s]).
-  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) receive_slot(p, w / tmax, w % tmax, f);
+  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) receive_slot(p, &s_state, w / tmax, w % tmax, f, w);
 
   if (!p.trigger_early) griddep_launch_dependents();
-  // The step counter moves once every block has read it (the last block to finish).
-  const FinishedBlocks blocks(p);
-  if (blocks.elect_last() && threadIdx.x == 0) {
-    blocks.reset();
+  if (threadIdx.x == 0 && arrival == gridDim.x - 1) {  // the last block to arrive (arrive())
+    fence_acq_rel_gpu();  // acquire: every block's read of the counter comes first
     advance_epoch(p, f);
+    *section<unsigned>(p, p.rank, p.off_done) = 0;  // every block has arrived: 0 for the next kernel
   }
 }
 
 // Lines 12-19. T: element type of the partial results.
 template <typename T>
 __device__ void sentinel_combine(const A2AParams& p) {
+  __shared__ const char* s_src[EP_MAX_TOP_K];
+  __shared__ int s_tgt[EP_MAX_TOP_K];
+  __shared__ int s_n;
   const int* const records = section<const int>(p, p.rank, p.off_records);  // (before the wait, as in dispatch)
-  const int* const ids = section<const int>(p, p.rank, p.payloads[0].recv_offset);
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);
+  // The host gives the grid one block more than the work, so at small batches the last
+  // block does nothing but this (its system-scope fence stays off every other block's path).
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
 
-  push_partials(p, ids);               // line 13
-  poll_and_reduce<T>(p, f, records);   // lines 15-19
+  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
+  const int G = gridDim.x, reduces = p.local_num_tokens * p.combine_splits, splits = p.combine_splits;
+  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
+  // Small batches (the host sizes the grid for it): the reducing blocks are not the pushing
+  // ones, so they collect their sources and start polling at once; blocks [0, spare) push,
+  // [spare, spare + reduces) reduce, the last publishes. Otherwise both grid-stride.
+  const int spare = G - 1 - reduces;
+  const bool apart = spare >= slots;
+  const int C = max(1, min((apart ? spare : G) / slots, cap));
+  const int push_stride = apart ? spare : G;
+  if (!apart || blockIdx.x < spare)
+    for (int w = blockIdx.x; w < slots * C; w += push_stride) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
+  const int r0 = apart ? static_cast<int>(blockIdx.x) - spare : static_cast<int>(blockIdx.x);
+  for (int w = r0; w >= 0 && w < reduces; w += apart ? reduces : G)  // lines 15-19
+    reduce_part<T>(p, f, records, w / splits, w % splits, s_src, s_tgt, &s_n);
   if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
-  sentinel_step_done(p, f);   // protocol switch: tell a FENCE dispatch that may follow
 }
 
 extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_bf16(const __grid_constant__ A2AParams p) { sentinel_combine<__nv_bfloat16>(p); }
