@@ -17,7 +17,7 @@ import zlib
 import numpy as np
 
 from . import fastpath, schedule
-from .config import PROTOCOLS, Fp8Partial, Options, PayloadSpec, REDUCE_DTYPES  # noqa: F401 (PayloadSpec: re-exported)
+from .config import PROTOCOLS, Fp8Partial, Options, PayloadSpec, REDUCE_DTYPES, peers_on_device  # noqa: F401 (PayloadSpec: re-exported)
 from .driver.errors import CudaError
 from .driver.lifetime import Owned
 from .driver.launch import Launch, launch_once, occupancy
@@ -234,7 +234,7 @@ class RankAlltoAll(RejectedStep):
         p.experts_per_rank, p.experts_remainder = divmod(a2a.num_experts, a2a.ep_size)
         p.combine_vec = schedule.vector_bytes(L.combine_bytes, self.base + L.off_combine)
         p.combine_kind = sentinel_kind(a2a.combine_dtype.name)
-        p.abort_on_timeout = int(a2a.on_timeout == "abort")
+        p.abort_on_timeout, p.peers_on_device = int(a2a.on_timeout == "abort"), peers_on_device(rank.ranks_on_device, a2a.ep_size)
         self._set_active(a2a.active_ranks)
 
         cdt = REDUCE_DTYPES[a2a.combine_dtype.name]

@@ -38,6 +38,18 @@ def default_timeout(value, env: str, default: float) -> float:
         raise ValueError(f"{env}: must be a number of seconds, got {raw!r}") from None
 
 
+# The protocols' flags use gpu scope when every rank lives on one GPU (kernels/protocol.cuh
+# says why that suffices); "sys" in this variable keeps system scope there too, to compare.
+PEER_SCOPE_ENV = "EP_A2A_PEER_SCOPE"
+
+
+def peers_on_device(ranks_on_device: int, ep_size: int) -> int:
+    """1 when the rank's flags may use gpu scope: every rank on its GPU and no override."""
+    scope = os.environ.get(PEER_SCOPE_ENV, "auto")
+    require(scope in ("auto", "sys"), PEER_SCOPE_ENV, f"must be 'auto' or 'sys', got {scope!r}")
+    return int(scope == "auto" and ranks_on_device == ep_size)
+
+
 @dataclass(frozen=True)
 class PayloadSpec:
     """One dispatch payload: `shape` and `dtype` of one token's data (any bytes: BF16 hidden

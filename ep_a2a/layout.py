@@ -166,6 +166,7 @@ class A2AParams(ctypes.Structure):
         ("combine_splits", ctypes.c_int32),          # blocks sharing one token's reduction (small batches)
         ("combine_prequantized", ctypes.c_int32),    # FP8 combine: the MoE epilogue wrote combine_q itself
         ("abort_on_timeout", ctypes.c_int32),        # 1: a failed wait records, tells the peers and returns; 0: traps
+        ("peers_on_device", ctypes.c_int32),         # 1: every rank lives on this GPU, so the flags use gpu scope
         ("step_tag", ctypes.c_uint32),               # T^ | mask hash << TAG_TMAX_BITS: what peers must agree on
         ("active", ctypes.c_uint32 * ((MAX_RANKS + 31) // 32)),  # bit r: rank r takes part (active-rank mask)
         ("payloads", PayloadDesc * MAX_PAYLOADS),

@@ -105,7 +105,7 @@ EP_DEVICE void wait_counts(const A2AParams& p, unsigned f, unsigned* s_count) {
     const uint64_t* F = section<const uint64_t>(p, s, p.off_dispatch_flags) + r;
     uint64_t v;
     const bool came = wait_until(p, EP_PHASE_DISPATCH, r, f, f, [&](unsigned& seen) {
-      v = ld_acquire_sys(F);
+      v = ld_acquire_peers(p, F);
       seen = flag_step(v);
       return static_cast<int>(seen - f) >= 0;
     });

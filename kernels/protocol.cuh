@@ -19,6 +19,25 @@ EP_DEVICE T* section(const A2AParams& p, int r, unsigned long long offset) {
 EP_DEVICE bool rank_active(const A2AParams& p, int r) { return (p.active[r >> 5] >> (r & 31)) & 1u; }
 EP_DEVICE unsigned* abort_word(const A2AParams& p, int r) { return section<unsigned>(p, r, p.off_abort); }
 
+// ---- the peers' scope
+// The flags order the peers' accesses to each other's workspaces. When every rank of the
+// group lives on this GPU (p.peers_on_device), every such access is made by a thread of this
+// device to this device's memory, so gpu scope orders them all; its fence waits for this
+// GPU's L2 alone, not for the system's acknowledgements, and sits on the critical path of
+// both phases at small batches. Otherwise system scope (other GPUs over NVLink). The branch
+// is uniform: one parameter of the launch.
+EP_DEVICE void fence_release_peers(const A2AParams& p) {
+  if (p.peers_on_device) fence_acq_rel_gpu(); else fence_release_sys();
+}
+template <typename W>
+EP_DEVICE W ld_acquire_peers(const A2AParams& p, const W* w) {
+  return p.peers_on_device ? ld_acquire_gpu(w) : ld_acquire_sys(w);
+}
+template <typename W>
+EP_DEVICE void st_relaxed_peers(const A2AParams& p, W* w, W v) {
+  if (p.peers_on_device) st_relaxed_gpu(w, v); else st_relaxed_sys(w, v);
+}
+
 // The step counter (epoch) of this rank: the previous kernel of this stream left it, so
 // every block reads it before the last block of a dispatch moves it on.
 EP_DEVICE unsigned read_epoch(const A2AParams& p) { return ld_volatile(section<unsigned>(p, p.rank, p.off_epoch)); }
@@ -138,7 +157,7 @@ EP_DEVICE bool wait_until(const A2AParams& p, int phase, int peer, unsigned epoc
 EP_DEVICE uint32_t wait_step(const A2AParams& p, const uint32_t* flag, uint32_t f, int phase, int peer) {
   uint32_t v;
   wait_until(p, phase, peer, f, f, [&](unsigned& seen) {
-    seen = v = ld_acquire_sys(flag);
+    seen = v = ld_acquire_peers(p, flag);
     return static_cast<int>(v - f) >= 0;
   });
   return v;
@@ -160,11 +179,11 @@ EP_DEVICE bool wait_steps(const A2AParams& p, unsigned long long off_flags, uint
 // are ordered before its increment of `done` (bar.sync, then the release half of thread 0's
 // atom.acq_rel); the last block's increment reads the final value, so its acquire half
 // synchronizes with every one of those releases. Gpu scope suffices: only our blocks touch
-// `done`. All those stores therefore precede, in causality order, the fence.acq_rel.sys
-// that each publishing lane executes next (cumulativity: a fence orders what its thread has
+// `done`. All those stores therefore precede, in causality order, the release fence
+// (fence_release_peers) that each publishing lane executes next (cumulativity: a fence orders what its thread has
 // observed, not only what it wrote), once that lane has acquired `done` itself or is
-// ordered after thread 0 by a bar.sync. A peer that reads the flag with ld.acquire.sys then
-// observes every store we made before it.
+// ordered after thread 0 by a bar.sync. A peer that reads the flag with an acquire of the
+// same scope then observes every store we made before it.
 struct FinishedBlocks {
   unsigned* done;  // the local counter of finished blocks, 0 between kernels
   EP_DEVICE explicit FinishedBlocks(const A2AParams& p) : done(section<unsigned>(p, p.rank, p.off_done)) {}
@@ -190,10 +209,10 @@ struct FinishedBlocks {
 // order, active or not, so it may also reset per-rank state.
 template <typename Flag, typename Value>
 EP_DEVICE void publish_flags(const A2AParams& p, unsigned long long off_flags, const Value& value) {
-  fence_release_sys();
+  fence_release_peers(p);
   for (int r = threadIdx.x; r < p.ep_size; r += 32) {
     const Flag v = value(r);
-    if (rank_active(p, r)) st_relaxed_sys(section<Flag>(p, r, off_flags) + p.rank, v);
+    if (rank_active(p, r)) st_relaxed_peers(p, section<Flag>(p, r, off_flags) + p.rank, v);
   }
 }
 // The combine flag: "this rank is done reading for step f" (FENCE combine, and SENTINEL's tail).

@@ -5,7 +5,8 @@
 //
 // Scopes: peers may be other GPUs (NVLink) or other ranks on this GPU mapped through other
 // virtual addresses; `.sys` covers both. `.gpu` suffices for counters only this rank's
-// blocks touch.
+// blocks touch, and for the protocols' flags when every rank lives on this GPU
+// (protocol.cuh: the peer-scope helpers pick one or the other per launch).
 #pragma once
 #include <stdint.h>
 
@@ -20,6 +21,9 @@ EP_DEVICE uint64_t ld_acquire_sys(const uint64_t* p) {
 }
 EP_DEVICE uint32_t ld_acquire_gpu(const uint32_t* p) {
   uint32_t v; asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory"); return v;
+}
+EP_DEVICE uint64_t ld_acquire_gpu(const uint64_t* p) {
+  uint64_t v; asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v;
 }
 
 // ---- volatile loads: read memory on every call (never a value the compiler kept), no
@@ -57,6 +61,12 @@ EP_DEVICE void st_relaxed_sys(uint32_t* p, uint32_t v) {
 }
 EP_DEVICE void st_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
+}
+EP_DEVICE void st_relaxed_gpu(uint32_t* p, uint32_t v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
+}
+EP_DEVICE void st_relaxed_gpu(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
 EP_DEVICE void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
