@@ -53,21 +53,24 @@ class TensorSlot:
     def __init__(self, name: str):
         self.name, self.tensor, self.torch_dtype, self.ordinal = name, None, None, None
 
-    def __call__(self, t) -> Tensor:
+    def fill(self, t) -> Tensor:
+        """The slot's Tensor, rewritten from torch tensor `t`."""
         # (hot path: five accessor calls when the dtype and device are the last call's; the slot
-        # alone writes its Tensor, so its dtype and device fields still hold what they were set to)
-        w = self.tensor
+        # alone writes its Tensor, so its dtype and device fields still hold what they were set to;
+        # torch_dtype is None until the first fill, which therefore always takes _refill)
         dt, ordinal = t.dtype, t.get_device()
-        if w is None or dt is not self.torch_dtype or ordinal != self.ordinal:
+        if dt is not self.torch_dtype or ordinal != self.ordinal:
             return self._refill(t, dt, ordinal)
+        w = self.tensor
         w.ptr = t.data_ptr()
         shape = t.shape
-        if shape != w.shape:
+        if shape != w.shape:  # (a torch.Size equals the tuple of its extents; tuple() only when it changed)
             w.shape = tuple(shape)
-        strides = t.stride()
-        if strides != w.strides:
-            w.strides = strides
+        w.strides = t.stride()
         return w
+
+    __call__ = fill  # (slot(t) reads well; the hot paths call slot.fill(t): a bound-method call costs
+    #                  less than a call through __call__, ~30 ns against ~75 on CPython 3.11)
 
     def _refill(self, t, dt, ordinal: int) -> Tensor:
         d = (_BY_TORCH or _tables()).get(dt)

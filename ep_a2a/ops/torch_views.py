@@ -169,7 +169,7 @@ class TorchRank:
             if ptr == own[1].ptr and (partial is own[0] or (partial.shape == own[0].shape
                                                            and partial.dtype == own[0].dtype and partial.is_contiguous())):
                 return own[1]  # (the view itself, as combine_input made it: only set_ could have moved it)
-        return self.partial_slot(partial)
+        return self.partial_slot.fill(partial)
 
     def release(self) -> None:
         RANKS.pop(self.handle, None)
