@@ -114,7 +114,7 @@ def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tok
     except (TypeError, ValueError) as e:  # refused here, before the all-to-all saw it:
         b.r.reject_step(runtime_max_tokens_per_rank, s, e)  # peers in other processes may have launched
         raise
-    b.r.dispatch(ids, pays, runtime_max_tokens_per_rank, stream=s)
+    b.r.dispatch(ids, pays, runtime_max_tokens_per_rank, s)
     b.local_tokens = ids.shape[0]
     if explicit:
         b.streams.hold(s, (token_selected_experts, *payloads))
@@ -124,7 +124,7 @@ def run_combine(b: TorchRank, partial, scales, runtime_max_tokens_per_rank, out,
     """The combine itself, into `out` (see run_dispatch)."""
     s, explicit = b.streams.pick(stream)
     part = b.partial_arg(partial, scales, runtime_max_tokens_per_rank)
-    b.r.combine(part, runtime_max_tokens_per_rank, stream=s, out=b.out_slot.fill(out))
+    b.r.combine(part, runtime_max_tokens_per_rank, s, b.out_slot.fill(out))  # (positional: cheaper than keywords)
     if explicit:
         b.streams.hold(s, (partial, out))
 
@@ -215,21 +215,23 @@ except AttributeError:  # (a torch without one of them: every call takes the dis
     EAGER_DIRECT = False
 
 
-def plain_eager(*tensors) -> bool:
-    """Whether an eager call with these tensor arguments may run the implementation without
-    the torch dispatcher (which costs ~10 µs per call on the H200): not under torch.compile /
-    export tracing (is_compiling() comes first: dynamo folds it to True and traces nothing
-    after it), no torch_dispatch mode (FakeTensorMode, functionalization, make_fx,
-    FlopCounterMode, opcheck's schema check...), no torch_function mode, no functorch
-    transform, no torch.jit.trace, and every tensor a plain torch.Tensor (a subclass takes the
-    dispatcher, which runs its __torch_dispatch__). Then the dispatcher would run the same
-    implementation with the same tensors (it keeps no autograd record of these ops and bumps
-    no versions)."""
+def plain_eager() -> bool:
+    """Whether an eager call may run the implementation without the torch dispatcher (which
+    costs ~10 µs per call on the H200): not under torch.compile / export tracing (is_compiling() comes
+    first: dynamo folds it to True and traces nothing after it), no torch_dispatch mode
+    (FakeTensorMode, functionalization, make_fx, FlopCounterMode, opcheck's schema check...),
+    no torch_function mode, no functorch transform, no torch.jit.trace. With none of these,
+    and plain torch.Tensor arguments (checked by the callers: a subclass takes the dispatcher,
+    which runs its __torch_dispatch__), the dispatcher would run the same implementation with
+    the same tensors (it keeps no autograd record of these ops and bumps no versions). (The
+    type tests stay with the callers: inline they cost less than a loop over *args here.)"""
     if not EAGER_DIRECT or _is_compiling():
         return False
     modes, function_modes, functorch, jit_tracing = _TLS_CHECKS
-    if modes() or function_modes() or functorch() or jit_tracing():
-        return False
+    return not (modes() or function_modes() or functorch() or jit_tracing())
+
+
+def _all_plain(tensors) -> bool:
     for t in tensors:
         if type(t) is not _Tensor:
             return False
@@ -253,7 +255,7 @@ def dispatch(rank, token_selected_experts, payloads, runtime_max_tokens_per_rank
     ids_v, pays_v = b.dispatch_views(runtime_max_tokens_per_rank)
     if type(payloads) not in (list, tuple):
         payloads = list(payloads)
-    if plain_eager(token_selected_experts, *payloads):
+    if plain_eager() and type(token_selected_experts) is _Tensor and _all_plain(payloads):
         run_dispatch(b, token_selected_experts, payloads, runtime_max_tokens_per_rank, _stream_arg(stream))
     else:
         b.local_tokens = token_selected_experts.shape[0]  # (here too: torch.compile traces it)
@@ -284,7 +286,7 @@ def combine(rank, partial, runtime_max_tokens_per_rank: int, out=None, stream=No
             raise StateError(f"rank {b.rank}: combine without a dispatch through these ops before it: "
                              "pass out= or num_tokens=")
         out = torch.empty((T, b.hidden), dtype=b.combine_dtype, device=b.device)
-    if plain_eager(partial, out):
+    if plain_eager() and type(partial) is _Tensor and type(out) is _Tensor:
         run_combine(b, partial, scales, runtime_max_tokens_per_rank, out, _stream_arg(stream))
     else:
         dispatched = b.dispatch_views(runtime_max_tokens_per_rank)[0]
@@ -303,7 +305,7 @@ def build_index(index: TorchIndex, expert_ids, weights, stream=None) -> TorchInd
     """moe.build_index into `index` (its views for this T^ then hold the result)."""
     tmax = int(expert_ids.shape[1]) if expert_ids.dim() == 3 else 0
     rows, w, row_of = index.views(tmax)
-    if plain_eager(expert_ids, weights):
+    if plain_eager() and type(expert_ids) is _Tensor and type(weights) is _Tensor:
         run_build_index(index, expert_ids, weights, _stream_arg(stream))
     else:
         OPS["build_index"](index.handle, expert_ids, weights, index.counts, index.offsets, rows, w, row_of,
@@ -314,7 +316,7 @@ def build_index(index: TorchIndex, expert_ids, weights, stream=None) -> TorchInd
 
 def gather_rows(index: TorchIndex, src, out, stream=None) -> None:
     """moe.gather_rows: out[p] = src[rows[p]] for the rows of the last build."""
-    op = gather_rows_impl if plain_eager(src, out) else OPS["gather_rows"]
+    op = gather_rows_impl if plain_eager() and type(src) is _Tensor and type(out) is _Tensor else OPS["gather_rows"]
     op(index.handle, index.rows, index.offsets, src, out, _stream_arg(stream))
 
 

@@ -145,6 +145,39 @@ def test_slot_mirrors_the_torch_tensor_and_stays_one_object():
     assert slot(b) is w and w.shape == (8, 8) and w.strides == (16, 1) and not w.is_contiguous
     c = torch.zeros(3, 4, dtype=torch.bfloat16)
     assert slot(c) is w and (w.ptr, w.shape, w.dtype.name) == (c.data_ptr(), (3, 4), "bfloat16") and w.is_contiguous
+    assert slot.fill(a) is w and (w.shape, w.strides, w.dtype.name) == ((5, 8), (8, 1), "int32")  # (__call__ is fill)
+
+
+def test_slot_sees_every_stride_change_even_where_is_contiguous_stands_for_stride():
+    """fill() reads is_contiguous() instead of stride() when the last (shape, strides) were dense
+    (_dense): a same-shape tensor with other strides must still be seen, including the strides
+    torch calls contiguous (extents of 1, numel 0) and a view back to dense strides."""
+    buf = torch.zeros(4096, dtype=torch.float32)
+    slot = TensorSlot("x")
+
+    def same(t):
+        w = slot.fill(t)
+        assert w is slot.tensor and (w.ptr, w.shape, w.strides) == (t.data_ptr(), tuple(t.shape), t.stride())
+    same(buf[:32].view(4, 8))
+    same(buf.as_strided((4, 8), (1, 4)))          # same shape, transposed strides: not contiguous
+    same(buf[:32].view(4, 8))                     # back to dense
+    same(buf.as_strided((4, 8), (9, 1)))          # padded rows
+    same(buf.as_strided((1, 8), (8, 1)))
+    same(buf.as_strided((1, 8), (100, 1)))        # contiguous to torch, other strides: an extent of 1
+    same(buf.as_strided((0, 8), (8, 1)))
+    same(buf.as_strided((0, 8), (3, 5)))          # numel 0: any strides are contiguous to torch
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ()).item()))
+    for _ in range(400):  # random walks over shapes and strides, repeats included (fresh each run)
+        nd = int(torch.randint(1, 4, (), generator=gen))
+        shape = [int(torch.randint(0, 4, (), generator=gen)) for _ in range(nd)]
+        kind = int(torch.randint(0, 3, (), generator=gen))
+        if kind == 0:
+            t = buf[:max(1, torch.Size(shape).numel())].view(-1)[:torch.Size(shape).numel()].view(shape)
+        else:
+            strides = [int(torch.randint(0, 6, (), generator=gen)) for _ in range(nd)]
+            t = buf[int(torch.randint(0, 8, (), generator=gen)):].as_strided(shape, strides)
+        same(t)
+        same(t)
 
 
 def test_slot_errors_name_the_argument():
