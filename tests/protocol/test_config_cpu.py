@@ -88,3 +88,15 @@ def test_the_alltoall_signature_leaves_the_timeouts_to_the_engine_defaults():
     from ep_a2a.alltoall import MoeAlltoAll
     sig = inspect.signature(MoeAlltoAll.__init__).parameters
     assert sig["timeout_s"].default is None and sig["first_timeout_s"].default is None
+
+
+def test_flags_take_gpu_scope_only_when_every_rank_shares_the_gpu(monkeypatch):
+    from ep_a2a.config import PEER_SCOPE_ENV, peers_on_device
+    monkeypatch.delenv(PEER_SCOPE_ENV, raising=False)
+    assert peers_on_device(8, 8) == 1 and peers_on_device(1, 1) == 1
+    assert peers_on_device(4, 8) == 0 and peers_on_device(1, 2) == 0   # a peer on another GPU: system scope
+    monkeypatch.setenv(PEER_SCOPE_ENV, "sys")
+    assert peers_on_device(8, 8) == 0
+    monkeypatch.setenv(PEER_SCOPE_ENV, "gpu")
+    with pytest.raises(ValueError, match=re.escape(PEER_SCOPE_ENV) + ".*'auto' or 'sys'"):
+        peers_on_device(8, 8)

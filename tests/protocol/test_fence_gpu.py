@@ -279,3 +279,19 @@ def test_bad_input_rejected_before_launch_and_workspace_intact():
 def ep_a2a_state_error():
     from ep_a2a.alltoall import StateError
     return StateError
+
+
+@pytest.mark.parametrize("scope", ["auto", "sys"])
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_flag_scopes_on_one_gpu(scope, protocol, monkeypatch):
+    """Ranks sharing one GPU publish their flags at gpu scope ("auto"); $EP_A2A_PEER_SCOPE=sys
+    keeps system scope. Both give the reference's results, for both protocols."""
+    monkeypatch.setenv("EP_A2A_PEER_SCOPE", scope)
+    rng = np.random.default_rng()
+    group, a2a = make(8, hidden=7168, protocol=protocol)
+    with group, a2a:
+        assert {r.params.peers_on_device for r in a2a.ranks} == {int(scope == "auto")}
+        for T in (1, 16, 128):
+            for _ in range(3):
+                run(a2a, rng, [T] * 8, T)
+        run(a2a, rng, list(rng.integers(0, 129, 8)), 128, route="zipf")
