@@ -55,7 +55,6 @@ import torch
 from ..config import Fp8Partial
 from ..driver.stream import is_capturing, stream_handle
 from ..errors import StateError
-from ..interop.torch_tensor import TensorSlot
 from ..moe import ExpertIndex, build_index as moe_build_index, finalize as moe_finalize, gather_rows as moe_gather_rows
 from ..validate import check_expert_ids_on_host
 from .torch_views import INDEXES, RANKS, TorchIndex, TorchRank, bind, lookup
@@ -103,12 +102,7 @@ def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tok
     without the dispatcher."""
     s, explicit = b.streams.pick(stream)
     try:
-        ids = b.ids_slot.fill(token_selected_experts)
-        slots = b.payload_slots
-        if len(payloads) == len(slots):
-            pays = list(map(TensorSlot.fill, slots, payloads))  # (no comprehension frame: ~0.15 µs less on 3.11)
-        else:  # (the all-to-all names the count it expects)
-            pays = [(slots[q] if q < len(slots) else TensorSlot(f"payloads[{q}]"))(t) for q, t in enumerate(payloads)]
+        ids, pays = b.dispatch_args(token_selected_experts, payloads)
         if b.validate_expert_ids and ids.shape[0] and not is_capturing(s):
             check_expert_ids_on_host(ids, s, b.a2a.num_experts)
     except (TypeError, ValueError) as e:  # refused here, before the all-to-all saw it:

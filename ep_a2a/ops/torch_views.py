@@ -151,6 +151,22 @@ class TorchRank:
         return self
 
     # -- what the op implementations use ---------------------------------------------------------
+    def dispatch_args(self, token_selected_experts, payloads) -> tuple:
+        """(ids, [payloads]) as the all-to-all takes them: this rank's slots rewritten from the
+        torch tensors, in one frame. A payload count other than the rank's goes on as it is
+        given (the all-to-all names the count it expects)."""
+        ids, slots = self.ids_slot.fill(token_selected_experts), self.payload_slots
+        n = len(payloads)
+        if n != len(slots):
+            return ids, [(slots[q] if q < len(slots) else TensorSlot(f"payloads[{q}]"))(t) for q, t in enumerate(payloads)]
+        # (straight calls for the usual counts: a loop, map or comprehension over two payloads
+        # costs ~0.25 µs more per dispatch on CPython 3.11)
+        if n == 2:
+            return ids, [slots[0].fill(payloads[0]), slots[1].fill(payloads[1])]
+        if n == 1:
+            return ids, [slots[0].fill(payloads[0])]
+        return ids, list(map(TensorSlot.fill, slots, payloads))
+
     def partial_arg(self, partial, scales, tmax: int):
         """combine's partial as the all-to-all takes it: this rank's own workspace view when
         `partial` is the torch combine_input(T^) (zero copy, and the same Tensor object every

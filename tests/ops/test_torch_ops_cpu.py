@@ -180,6 +180,27 @@ def test_slot_sees_every_stride_change_even_where_is_contiguous_stands_for_strid
         same(t)
 
 
+def test_dispatch_args_fill_every_slot_for_any_payload_count():
+    """TorchRank.dispatch_args (straight calls for 1 and 2 payloads, map beyond, the given count
+    when it is not the rank's): each Tensor mirrors its torch tensor, the same slot objects."""
+    from ep_a2a.ops.torch_views import TorchRank
+    for n_slots in (1, 2, 3):
+        b = TorchRank.__new__(TorchRank)
+        b.ids_slot, b.payload_slots = TensorSlot("ids"), [TensorSlot(f"p{q}") for q in range(n_slots)]
+        for n in (n_slots, n_slots + 1, max(0, n_slots - 1)):
+            for _ in range(2):
+                rows = int(torch.randint(1, 9, ()))
+                ids = torch.randint(0, 8, (rows, 4), dtype=torch.int32)
+                pays = [torch.randn(rows, 3 + q).to(torch.bfloat16 if q % 2 else torch.float32) for q in range(n)]
+                w, ws = b.dispatch_args(ids, pays)
+                assert w is b.ids_slot.tensor and (w.ptr, w.shape) == (ids.data_ptr(), (rows, 4))
+                assert len(ws) == n
+                for q, (t, p) in enumerate(zip(ws, pays)):
+                    assert (t.ptr, t.shape, t.strides, t.dtype.name) == (p.data_ptr(), tuple(p.shape), p.stride(),
+                                                                        str(p.dtype).split(".")[1])
+                    assert q >= n_slots or t is b.payload_slots[q].tensor
+
+
 def test_slot_errors_name_the_argument():
     with pytest.raises(TypeError, match=r"^payloads\[0\] \(hidden\): torch dtype torch.complex64 has no ep_a2a"):
         TensorSlot("payloads[0] (hidden)")(torch.zeros(2, dtype=torch.complex64))
