@@ -40,13 +40,45 @@ struct SlotCounters {
   }
 };
 
+// A token's payloads as one sequence of 16-byte groups, when every payload moves in 16-byte
+// vectors and the sequence fits in one round of the block (U groups per thread): then each
+// thread loads all its groups of the token before the selection, so that those loads are in
+// flight together with the ids' (at decode batches the chain ids -> selection -> payload 1
+// -> payload 2 ... was one memory round trip per payload). 0 otherwise: payload by payload.
+constexpr int PRELOAD_U = 4;
+EP_DEVICE unsigned preload_groups(const A2AParams& p) {
+  unsigned n = 0;
+  for (int q = 0; q < p.num_payloads; ++q) {
+    if (p.payloads[q].vec != 16) return 0;
+    n += p.payloads[q].bytes_per_token / 16;
+  }
+  return n <= PRELOAD_U * blockDim.x ? n : 0;
+}
+// Group x of the sequence: its payload (returned), x becomes the group within it.
+EP_DEVICE int payload_of_group(const A2AParams& p, unsigned& x) {
+  int q = 0;
+  while (x >= p.payloads[q].bytes_per_token / 16) x -= p.payloads[q++].bytes_per_token / 16;
+  return q;
+}
+
 // Lines 2-6: pick a slot on every distinct target rank, push the token.
 EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* records) {
   __shared__ int s_target[EP_MAX_TOP_K];  // D, in the order of first selection
   __shared__ int s_slot[EP_MAX_TOP_K];    // j_t
   __shared__ int s_ntargets;
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
+  const unsigned groups = preload_groups(p);
   for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {
+    uint4 v[PRELOAD_U];
+#pragma unroll
+    for (int u = 0; u < PRELOAD_U; ++u) {
+      unsigned x = threadIdx.x + u * blockDim.x;
+      v[u] = make_uint4(0, 0, 0, 0);
+      if (x < groups) {
+        const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
+        v[u] = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token)[x];
+      }
+    }
     if (threadIdx.x < 32) {
       const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k);
       const int lane = threadIdx.x;
@@ -63,11 +95,23 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
     }
     __syncthreads();
     const int nt = s_ntargets;
-    for (int q = 0; q < p.num_payloads; ++q) {
-      const PayloadDesc& d = p.payloads[q];
-      const Targets tg{p.peer_base, s_target, s_slot, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
-      push_payload(d.vec, reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
-                   tg, d.bytes_per_token);
+    if (groups) {
+#pragma unroll
+      for (int u = 0; u < PRELOAD_U; ++u) {
+        unsigned x = threadIdx.x + u * blockDim.x;
+        if (x >= groups) continue;
+        const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
+        const Targets tg{p.peer_base, s_target, s_slot, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
+#pragma unroll 1  // (rolled, as in push_vectors)
+        for (int j = 0; j < nt; ++j) reinterpret_cast<uint4*>(tg.dst(j, d.bytes_per_token))[x] = v[u];
+      }
+    } else {
+      for (int q = 0; q < p.num_payloads; ++q) {
+        const PayloadDesc& d = p.payloads[q];
+        const Targets tg{p.peer_base, s_target, s_slot, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
+        push_payload(d.vec, reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
+                     tg, d.bytes_per_token);
+      }
     }
     __syncthreads();
   }
@@ -178,12 +222,34 @@ EP_DEVICE void publish_partials(const A2AParams& p, unsigned f) {
 // Lines 22-23: pull p_t = Wc[t][s][j_t] for every t in D and reduce. Work item w: token
 // w / splits, slice w % splits of its vectors (small batches spread a token over several
 // blocks so each thread issues one round of loads).
+struct Sources {
+  const char* src[EP_MAX_TOP_K];    // the partial results (FP8: values) of the item's targets
+  const char* scale[EP_MAX_TOP_K];  // FP8: their scales
+  int n;
+};
+// Warp 0: where work item w's partial results wait, from our records (written by our
+// dispatch, a kernel before us: so the block's first item is collected while the peers'
+// flags are still polled). The caller synchronizes the block.
 template <typename T, bool Q8>
-EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records) {
-  __shared__ const char* s_src[EP_MAX_TOP_K];
-  __shared__ const char* s_scale[EP_MAX_TOP_K];
-  __shared__ int s_n;
-  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
+EP_DEVICE void collect_item(const A2AParams& p, const int* records, int w, Sources& sh) {
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, i = w / p.combine_splits;
+  if constexpr (Q8) {
+    const unsigned H = p.combine_bytes / sizeof(T);
+    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+      return workspace(p, t) + p.off_combine_q + (static_cast<size_t>(s) * tmax + slot) * H;
+    }, sh.src, nullptr, &sh.n);
+    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+      return workspace(p, t) + p.off_combine_scales + (static_cast<size_t>(s) * tmax + slot) * (H / EP_Q8_BLOCK) * 4;
+    }, sh.scale, nullptr, &sh.n);
+  } else {
+    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+      return workspace(p, t) + p.off_combine + (static_cast<size_t>(s) * tmax + slot) * p.combine_bytes;
+    }, sh.src, nullptr, &sh.n);
+  }
+}
+// Every item of the block; the first one's sources are in `sh` already (collect_item).
+template <typename T, bool Q8>
+EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records, Sources& sh) {
   const int splits = p.combine_splits;
   const unsigned H = p.combine_bytes / sizeof(T);
   const unsigned nvec = Q8 ? H / Q8_UNIT : p.combine_bytes / p.combine_vec;
@@ -191,22 +257,14 @@ EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records) {
     const int i = w / splits, part = w % splits;
     const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
     char* const out = reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes;
-    if constexpr (Q8) {
-      collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
-        return workspace(p, t) + p.off_combine_q + (static_cast<size_t>(s) * tmax + slot) * H;
-      }, s_src, nullptr, &s_n);
-      collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
-        return workspace(p, t) + p.off_combine_scales + (static_cast<size_t>(s) * tmax + slot) * (H / EP_Q8_BLOCK) * 4;
-      }, s_scale, nullptr, &s_n);
+    if (w != static_cast<int>(blockIdx.x)) {
+      collect_item<T, Q8>(p, records, w, sh);
       __syncthreads();
-      reduce_q8<T>(s_src, s_scale, s_n, reinterpret_cast<T*>(out), v0, v1, p.combine_vec == 16);
-    } else {
-      collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
-        return workspace(p, t) + p.off_combine + (static_cast<size_t>(s) * tmax + slot) * p.combine_bytes;
-      }, s_src, nullptr, &s_n);
-      __syncthreads();
-      reduce_token<T>(p.combine_vec, s_src, s_n, out, v0, v1);
     }
+    if constexpr (Q8)
+      reduce_q8<T>(sh.src, sh.scale, sh.n, reinterpret_cast<T*>(out), v0, v1, p.combine_vec == 16);
+    else
+      reduce_token<T>(p.combine_vec, sh.src, sh.n, out, v0, v1);
     __syncthreads();
   }
 }
@@ -235,13 +293,15 @@ __device__ void fence_combine(const A2AParams& p) {
 
   fence_step_done(p);                                      // (for the next dispatch: protocol.cuh)
   publish_partials<T, Q8>(p, f);                           // lines 17-19
+  __shared__ Sources sh;
+  if (static_cast<int>(blockIdx.x) < p.local_num_tokens * p.combine_splits) collect_item<T, Q8>(p, records, blockIdx.x, sh);
   __shared__ int s_missing;
   const bool came = wait_steps(p, p.off_combine_flags, f, EP_PHASE_COMBINE);  // line 20
   // line 21: the pollers' acquires order the whole block's pulls (the barrier is cumulative)
   const bool missing = __syncthreads_or(!came);
   if (threadIdx.x == 0) s_missing = missing;
   if (!p.trigger_early) griddep_launch_dependents();
-  pull_and_reduce<T, Q8>(p, records);                      // lines 22-23
+  pull_and_reduce<T, Q8>(p, records, sh);                  // lines 22-23
   // Poison after the reduction, not instead of it, and from shared memory: a value live
   // across the reduction cost the FP8 kernels spills. A block whose wait gave up poisons;
   // so does, in abort mode, one that sees the abort word at its end (its inputs may come
