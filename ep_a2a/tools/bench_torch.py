@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     import numpy as np
     import ep_a2a
     from ..testing.formats import payload_formats
-    from .bench_report import no_gpu
+    from .bench_report import commit, no_gpu
     ap = argparse.ArgumentParser(prog="python -m ep_a2a.tools.bench_torch", description=__doc__.split("\n")[0])
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--tokens", default="1,128")
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     for row in rows:
         print(f"{row['tokens_per_rank']:6d}  " + "  ".join(f"{row[k]:20.1f}" for k in keys))
     print("torch_ops_copies per T: " + ", ".join(f"{row['tokens_per_rank']}: {row['torch_ops_copies']}" for row in rows))
-    doc = dict(method=__doc__, ranks=args.ranks, hidden=args.hidden, top_k=args.top_k, experts=args.experts,
+    doc = dict(method=__doc__, commit=commit(), ranks=args.ranks, hidden=args.hidden, top_k=args.top_k, experts=args.experts,
                protocol=args.protocol, seed=seed, rows=rows)
     if args.out:
         with open(args.out, "w") as f:
