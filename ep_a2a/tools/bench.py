@@ -69,14 +69,13 @@ from __future__ import annotations
 import datetime
 import math
 import sys
-import time
 
 import numpy as np
 
 from ..driver.errors import CudaError
 from ..layout import Q8_BLOCK
 from .bench_floors import ByteFloors, Stamps
-from .bench_method import per_round, ratio, split_round_trip, stamp_split
+from .bench_method import host_time_us, interleaved_medians, per_round, ratio, split_round_trip, stamp_split
 from .bench_report import commit, crossover, gather
 
 PROFILES = {
@@ -93,6 +92,8 @@ STAMPS_MEASURE = ("stamped_*: on each rank's stream, a one-thread kernel stores 
                   "combine = stamp after combine - stamp after dispatch, round 0 left out, means over rounds, "
                   "replays and ranks; the stamp kernels' own cost is inside these. SENTINEL's dispatch_us / combine_us "
                   "are round_trip_us divided in the stamped proportion")
+# Host figures: each measure taken this many times, in turn with the others (bench_method.interleaved_medians)
+HOST_REPEATS = 5
 
 
 def _payloads(fmt: str, hidden: int, top_k: int):
@@ -473,23 +474,20 @@ class Bench:
 
         def per_rank_us(body) -> float:
             self.meet()
-            body()
-            a.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                body()
-            t1 = time.perf_counter()
-            a.synchronize()
-            return (t1 - t0) / iters / len(ranks) * 1e6
+            return host_time_us(body, iters, 1, a.synchronize) / len(ranks)
 
-        host, bare_us = per_rank_us(step), per_rank_us(bare)
-        # the Python part: every check and parameter update, the launches skipped (the device
-        # epochs do not move, and the host's step state stays paired: nothing to undo)
-        with dry_run():
-            py = per_rank_us(step)
-        g = self.gather([host, bare_us, py]).max(axis=0)
+        def python_us() -> float:
+            # the Python part: every check and parameter update, the launches skipped (the device
+            # epochs do not move, and the host's step state stays paired: nothing to undo)
+            with dry_run():
+                return per_rank_us(step)
+
+        # (taken in turn, HOST_REPEATS times each, in the same order in every rank process)
+        med, _ = interleaved_medians(dict(host=lambda: per_rank_us(step), bare=lambda: per_rank_us(bare),
+                                          py=python_us), HOST_REPEATS)
+        g = self.gather([med["host"], med["bare"], med["py"]]).max(axis=0)
         return dict(tokens_per_rank=T, host_us_per_rank_step=float(g[0]), two_bare_launches_us=float(g[1]),
-                    python_us_per_rank_step=float(g[2]))
+                    python_us_per_rank_step=float(g[2]), repeats=HOST_REPEATS)
 
     def close(self) -> None:
         if self._flag_rounds:

@@ -1,7 +1,11 @@
 """The benchmark's arithmetic, apart from any GPU: per-round times from two graph lengths,
-the bytes each phase moves and its floor's row lists, and the phase split read from device
-timestamps (bench.py measures, bench_floors.py runs the floor and timestamp kernels)."""
+the bytes each phase moves and its floor's row lists, the phase split read from device
+timestamps, and how host time is taken (bench.py measures, bench_floors.py runs the floor and
+timestamp kernels)."""
 from __future__ import annotations
+
+import statistics
+import time
 
 import numpy as np
 
@@ -17,6 +21,37 @@ def per_round(t_short: float, t_long: float, rounds: int) -> tuple:
         raise ValueError(f"rounds: must be an int >= 1, got {rounds!r}")
     per = (t_long - t_short) / rounds
     return per, t_short - rounds * per
+
+
+def host_time_us(body, iters: int, warmup: int, settle, indexed: bool = False) -> float:
+    """µs of host time per call of `body` (body(i) when indexed) over `iters` calls, after
+    `warmup` calls. settle() runs before the timed calls and after them (a synchronize: what
+    one loop queued on the device is never the next loop's host time; nothing synchronizes
+    inside a loop, as in an engine's step)."""
+    for i in range(warmup):
+        body(i) if indexed else body()
+    settle()
+    t0 = time.perf_counter()
+    for i in range(iters):
+        body(i) if indexed else body()
+    t1 = time.perf_counter()
+    settle()
+    return (t1 - t0) / iters * 1e6
+
+
+def interleaved_medians(measures: dict, repeats: int) -> tuple:
+    """Every measure (name -> a call returning one figure) `repeats` times, taken in turn
+    (a, b, c, a, b, c, ...), and each figure's median: a host's speed drifts within a run
+    (its clock, cold caches, the interpreter specializing the first calls), and a figure
+    always taken first or last would carry that drift alone. Returns (name -> median,
+    name -> the samples in order)."""
+    if not (isinstance(repeats, int) and repeats >= 1):
+        raise ValueError(f"repeats: must be an int >= 1, got {repeats!r}")
+    samples = {name: [] for name in measures}
+    for _ in range(repeats):
+        for name, measure in measures.items():
+            samples[name].append(measure())
+    return {name: statistics.median(v) for name, v in samples.items()}, samples
 
 
 def ratio(a, b, scale: float = 1.0):

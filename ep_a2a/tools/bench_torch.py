@@ -1,9 +1,10 @@
 """python -m ep_a2a.tools.bench_torch: host time of eager dispatch + combine through the torch ops.
 
 The same measurement as Bench.host_overhead (µs of host time per rank per eager dispatch +
-combine, arguments reused, no synchronization inside the timed loop, in-process ranks),
-with torch tensors on torch streams through ep_a2a.ops.torch, beside the ep_a2a-Tensor path
-and two bare launches timed in the same run:
+combine, arguments reused, no synchronization inside the timed loop, in-process ranks; each
+figure the median of several loops, taken in turn with the others), with torch tensors on
+torch streams through ep_a2a.ops.torch, beside the ep_a2a-Tensor path and two bare launches
+timed in the same run:
 
   torch_ops_us            ops.dispatch + ops.combine (out=None: a new torch tensor each
                           step), the same torch tensors every step: what an engine pays
@@ -27,7 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
+
+from .bench_method import host_time_us, interleaved_medians
 
 
 def _torch_inputs(b, T: int, torch):
@@ -49,10 +51,11 @@ def _torch_inputs(b, T: int, torch):
     return out
 
 
-def torch_host_overhead(b, T: int, iters: int = None) -> dict:
+def torch_host_overhead(b, T: int, iters: int = None, repeats: int = 5) -> dict:
     """µs of host time per rank per eager dispatch + combine through the torch ops (module
-    docstring), at T tokens per rank (T^ = T). b: an ep_a2a.tools.bench.Bench, or anything
-    with its `a2a` (in-process ranks) and `route_rng`."""
+    docstring), at T tokens per rank (T^ = T): each figure the median of `repeats` timed loops
+    of `iters` steps, the figures taken in turn (bench_method.interleaved_medians). b: an
+    ep_a2a.tools.bench.Bench, or anything with its `a2a` (in-process ranks) and `route_rng`."""
     import torch
     from ..interop.arrays import from_numpy
     from ..ops import torch as ops
@@ -115,28 +118,24 @@ def torch_host_overhead(b, T: int, iters: int = None) -> dict:
             r.launch_empty()
             r.launch_empty()
 
+    def settle():
+        a.synchronize()
+        torch.cuda.synchronize()
+
     def per_rank_us(body, indexed=False) -> float:
-        for i in range(8):  # past the first steps' longer timeouts: the fast path applies from the 6th
-            body(i) if indexed else body()
-        a.synchronize()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i in range(iters):
-            body(i) if indexed else body()
-        t1 = time.perf_counter()
-        a.synchronize()
-        torch.cuda.synchronize()
-        return (t1 - t0) / iters / len(ranks) * 1e6
+        # (8 calls first: past the first steps' longer timeouts, the fast path applies from the 6th)
+        return host_time_us(body, iters, 8, settle, indexed) / len(ranks)
 
     copies_before = ops.copies()  # (the count is the process's: other callers' copies are not this run's)
-    res = dict(tokens_per_rank=T, ranks=len(ranks), iters=iters,
-               torch_ops_us=per_rank_us(lambda: ops_step(sets[0])),
-               torch_ops_out_us=per_rank_us(lambda: ops_step(sets[0], out_given=True)),
-               torch_ops_moved_us=per_rank_us(moved_step, indexed=True),
-               torch_dispatcher_us=per_rank_us(dispatcher_step),
-               stream_switch_us=per_rank_us(switch_only),
-               ep_a2a_tensors_us=per_rank_us(tensor_step),
-               two_bare_launches_us=per_rank_us(bare))
+    med, samples = interleaved_medians(dict(
+        torch_ops_us=lambda: per_rank_us(lambda: ops_step(sets[0])),
+        torch_ops_out_us=lambda: per_rank_us(lambda: ops_step(sets[0], out_given=True)),
+        torch_ops_moved_us=lambda: per_rank_us(moved_step, indexed=True),
+        torch_dispatcher_us=lambda: per_rank_us(dispatcher_step),
+        stream_switch_us=lambda: per_rank_us(switch_only),
+        ep_a2a_tensors_us=lambda: per_rank_us(tensor_step),
+        two_bare_launches_us=lambda: per_rank_us(bare)), repeats)
+    res = dict(tokens_per_rank=T, ranks=len(ranks), iters=iters, repeats=repeats, **med, samples=samples)
     res["torch_ops_copies"] = ops.copies() - copies_before
     return res
 

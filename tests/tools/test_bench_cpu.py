@@ -302,3 +302,29 @@ def test_no_torch_rows_without_torch():
     if importlib.util.find_spec("torch") is not None:
         pytest.skip("torch is importable here: bench_torch's rows are measured on a GPU")
     assert bench.torch_host_rows(None, [1, 128]) is None
+
+
+def test_host_figures_are_taken_in_turn_and_reported_as_medians():
+    order = []
+    def measure(name, values):
+        it = iter(values)
+        def m():
+            order.append(name)
+            return next(it)
+        return m
+    med, samples = bench_method.interleaved_medians(
+        dict(a=measure("a", [5.0, 1.0, 3.0]), b=measure("b", [10.0, 30.0, 20.0])), 3)
+    assert order == ["a", "b"] * 3                       # in turn, never all of one first
+    assert med == {"a": 3.0, "b": 20.0} and samples == {"a": [5.0, 1.0, 3.0], "b": [10.0, 30.0, 20.0]}
+    for bad in (0, 1.5, None):
+        with pytest.raises(ValueError, match="repeats"):
+            bench_method.interleaved_medians(dict(a=lambda: 1.0), bad)
+
+
+def test_host_time_runs_the_warmup_then_times_only_the_loop_between_two_settles():
+    calls = []
+    us = bench_method.host_time_us(lambda i: calls.append(i), 4, 2, lambda: calls.append("settle"), indexed=True)
+    assert calls == [0, 1, "settle", 0, 1, 2, 3, "settle"] and us >= 0
+    calls.clear()
+    bench_method.host_time_us(lambda: calls.append("x"), 2, 1, lambda: calls.append("settle"))
+    assert calls == ["x", "settle", "x", "x", "settle"]
