@@ -173,17 +173,17 @@ EP_DEVICE bool wait_steps(const A2AParams& p, unsigned long long off_flags, uint
   return all;
 }
 
-// ---- the last-block election: one system-scope fence per rank and step
+// ---- the last-block election: one release fence per rank and step
 //
 // Why one fence by the last block covers every block's remote stores: each block's stores
 // are ordered before its increment of `done` (bar.sync, then the release half of thread 0's
 // atom.acq_rel); the last block's increment reads the final value, so its acquire half
 // synchronizes with every one of those releases. Gpu scope suffices: only our blocks touch
 // `done`. All those stores therefore precede, in causality order, the release fence
-// (fence_release_peers) that each publishing lane executes next (cumulativity: a fence orders what its thread has
-// observed, not only what it wrote), once that lane has acquired `done` itself or is
-// ordered after thread 0 by a bar.sync. A peer that reads the flag with an acquire of the
-// same scope then observes every store we made before it.
+// (fence_release_peers) that each publishing lane executes next (cumulativity: a fence
+// orders what its thread has observed, not only what it wrote), once that lane has acquired
+// `done` itself or is ordered after thread 0 by a bar.sync. A peer that reads the flag with
+// an acquire of the same scope then observes every store we made before it.
 struct FinishedBlocks {
   unsigned* done;  // the local counter of finished blocks, 0 between kernels
   EP_DEVICE explicit FinishedBlocks(const A2AParams& p) : done(section<unsigned>(p, p.rank, p.off_done)) {}

@@ -534,7 +534,7 @@ __device__ void sentinel_combine(const A2AParams& p) {
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);
   // The host gives the grid one block more than the work, so at small batches the last
-  // block does nothing but this (its system-scope fence stays off every other block's path).
+  // block does nothing but this (its release fence stays off every other block's path).
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
 
   const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
