@@ -75,7 +75,7 @@ import numpy as np
 from ..driver.errors import CudaError
 from ..layout import Q8_BLOCK
 from .bench_floors import ByteFloors, Stamps
-from .bench_method import host_time_us, interleaved_medians, per_round, ratio, split_round_trip, stamp_split
+from .bench_method import bare_launches, eager_step, host_time_us, interleaved_medians, per_round, ratio, split_round_trip, stamp_split
 from .bench_report import commit, crossover, gather
 
 PROFILES = {
@@ -462,15 +462,7 @@ class Bench:
         cin = [self._combine_input(r, T) for r in ranks]
 
         def step():
-            for (x_ids, pays), r in zip(ins, ranks):
-                r.dispatch(x_ids, pays, T)
-            for c, r in zip(cin, ranks):
-                r.combine(c, T)
-
-        def bare():
-            for r in ranks:
-                r.launch_empty()
-                r.launch_empty()
+            eager_step(ranks, ins, cin, T)
 
         def per_rank_us(body) -> float:
             self.meet()
@@ -483,8 +475,9 @@ class Bench:
                 return per_rank_us(step)
 
         # (taken in turn, HOST_REPEATS times each, in the same order in every rank process)
-        med, _ = interleaved_medians(dict(host=lambda: per_rank_us(step), bare=lambda: per_rank_us(bare),
-                                          py=python_us), HOST_REPEATS)
+        med, _ = interleaved_medians(dict(host=lambda: per_rank_us(step),
+                                          bare=lambda: per_rank_us(lambda: bare_launches(ranks)), py=python_us),
+                                     HOST_REPEATS)
         g = self.gather([med["host"], med["bare"], med["py"]]).max(axis=0)
         return dict(tokens_per_rank=T, host_us_per_rank_step=float(g[0]), two_bare_launches_us=float(g[1]),
                     python_us_per_rank_step=float(g[2]), repeats=HOST_REPEATS)

@@ -39,6 +39,23 @@ def host_time_us(body, iters: int, warmup: int, settle, indexed: bool = False) -
     return (t1 - t0) / iters * 1e6
 
 
+def eager_step(ranks, inputs, partials, T: int) -> None:
+    """One eager dispatch + combine of every rank in this process with ep_a2a Tensors (the
+    body the host figures time): inputs[i] = (ids, [payloads]), partials[i] its combine input."""
+    for (ids, pays), r in zip(inputs, ranks):
+        r.dispatch(ids, pays, T)
+    for c, r in zip(partials, ranks):
+        r.combine(c, T)
+
+
+def bare_launches(ranks) -> None:
+    """Two launches of each rank's prepacked empty kernel: what the driver and its Python
+    bindings cost without us, beside the host figures."""
+    for r in ranks:
+        r.launch_empty()
+        r.launch_empty()
+
+
 def interleaved_medians(measures: dict, repeats: int) -> tuple:
     """Every measure (name -> a call returning one figure) `repeats` times, taken in turn
     (a, b, c, a, b, c, ...), and each figure's median: a host's speed drifts within a run

@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 
-from .bench_method import host_time_us, interleaved_medians
+from .bench_method import bare_launches, eager_step, host_time_us, interleaved_medians
 
 
 def _torch_inputs(b, T: int, torch):
@@ -107,17 +107,6 @@ def torch_host_overhead(b, T: int, iters: int = None, repeats: int = 5) -> dict:
            for (ids, pays), r in zip(sets[0], ranks)]
     cins = [r.combine_input(T, fp8=fp8) for r in ranks]
 
-    def tensor_step():
-        for (x_ids, pays), r in zip(ins, ranks):
-            r.dispatch(x_ids, pays, T)
-        for c, r in zip(cins, ranks):
-            r.combine(c, T)
-
-    def bare():
-        for r in ranks:
-            r.launch_empty()
-            r.launch_empty()
-
     def settle():
         a.synchronize()
         torch.cuda.synchronize()
@@ -133,8 +122,8 @@ def torch_host_overhead(b, T: int, iters: int = None, repeats: int = 5) -> dict:
         torch_ops_moved_us=lambda: per_rank_us(moved_step, indexed=True),
         torch_dispatcher_us=lambda: per_rank_us(dispatcher_step),
         stream_switch_us=lambda: per_rank_us(switch_only),
-        ep_a2a_tensors_us=lambda: per_rank_us(tensor_step),
-        two_bare_launches_us=lambda: per_rank_us(bare)), repeats)
+        ep_a2a_tensors_us=lambda: per_rank_us(lambda: eager_step(ranks, ins, cins, T)),
+        two_bare_launches_us=lambda: per_rank_us(lambda: bare_launches(ranks))), repeats)
     res = dict(tokens_per_rank=T, ranks=len(ranks), iters=iters, repeats=repeats, **med, samples=samples)
     res["torch_ops_copies"] = ops.copies() - copies_before
     return res
