@@ -1,4 +1,5 @@
 """Helpers several test modules share (tests/ is on sys.path under pytest)."""
+import multiprocessing as mp
 import os
 
 import numpy as np
@@ -22,3 +23,23 @@ def layer_token_counts(rng, ep, tmax, step):
     if step == 1:
         return [int(rng.integers(0, tmax // 2 + 1)) for _ in range(ep)]
     return [int(rng.integers(1, tmax + 1))] * ep
+
+
+def run_processes(target, args_of_rank, n, timeout, join=30, messages=None):
+    """Runs target(*args_of_rank(r), q) in n spawned processes, one per rank, and returns
+    (the first `messages` items they put on the queue q, default n, in arrival order; the
+    processes). Every child is joined, and killed if still alive `join` s later, so a test
+    never hangs on one: a child reports its exceptions through q instead of raising."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*args_of_rank(r), q)) for r in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        got = [q.get(timeout=timeout) for _ in range(n if messages is None else messages)]
+    finally:
+        for p in procs:
+            p.join(join)
+            if p.is_alive():
+                p.kill()
+    return got, procs

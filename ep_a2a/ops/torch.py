@@ -110,8 +110,7 @@ def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tok
         raise
     b.r.dispatch(ids, pays, runtime_max_tokens_per_rank, s)
     b.local_tokens = ids.shape[0]
-    if explicit:
-        b.streams.hold(s, (token_selected_experts, *payloads))
+    b.streams.done(s, explicit, (token_selected_experts, *payloads))
 
 
 def run_combine(b: TorchRank, partial, scales, runtime_max_tokens_per_rank, out, stream: int) -> None:
@@ -119,8 +118,7 @@ def run_combine(b: TorchRank, partial, scales, runtime_max_tokens_per_rank, out,
     s, explicit = b.streams.pick(stream)
     part = b.partial_arg(partial, scales, runtime_max_tokens_per_rank)
     b.r.combine(part, runtime_max_tokens_per_rank, s, b.out_slot.fill(out))  # (positional: cheaper than keywords)
-    if explicit:
-        b.streams.hold(s, (partial, out))
+    b.streams.done(s, explicit, (partial, out))
 
 
 def dispatch_impl(rank, token_selected_experts, payloads, runtime_max_tokens_per_rank, recv_expert_ids,
@@ -143,8 +141,7 @@ def run_build_index(ix: TorchIndex, expert_ids, weights, stream: int) -> None:
     i = ix.index
     moe_build_index(ix.slots["expert_ids"](expert_ids), ix.slots["weights"](weights), num_experts=i.num_experts,
                     ep_size=i.ep_size, rank=i.rank, stream=s, out=i)
-    if explicit:
-        ix.streams.hold(s, (expert_ids, weights))
+    ix.streams.done(s, explicit, (expert_ids, weights))
 
 
 def build_index_impl(index, expert_ids, weights, counts, offsets, rows, row_weight, row_of, stream=-1):
@@ -159,16 +156,14 @@ def gather_rows_impl(index, rows, offsets, src, out, stream=-1):
     ix = lookup(INDEXES, index, "index")
     s, explicit = ix.streams.pick(stream)
     moe_gather_rows(ix.index, ix.slots["src"](src), ix.slots["out"](out), stream=s)
-    if explicit:
-        ix.streams.hold(s, (src, out))
+    ix.streams.done(s, explicit, (src, out))
 
 
 def finalize_impl(index, row_of, row_weight, fc2_out, out, stream=-1):
     ix = lookup(INDEXES, index, "index")
     s, explicit = ix.streams.pick(stream)
     moe_finalize(ix.index, ix.slots["fc2_out"](fc2_out), ix.slots["out"](out), stream=s)
-    if explicit:
-        ix.streams.hold(s, (fc2_out, out))
+    ix.streams.done(s, explicit, (fc2_out, out))
 
 
 def finalize_fp8_impl(index, row_of, row_weight, fc2_out, values, scales, dtype, stream=-1):
@@ -176,8 +171,7 @@ def finalize_fp8_impl(index, row_of, row_weight, fc2_out, values, scales, dtype,
     s, explicit = ix.streams.pick(stream)
     part = Fp8Partial(ix.slots["values"](values), ix.slots["scales"](scales), dtype)
     moe_finalize(ix.index, ix.slots["fc2_out"](fc2_out), part, stream=s)
-    if explicit:
-        ix.streams.hold(s, (fc2_out, values, scales))
+    ix.streams.done(s, explicit, (fc2_out, values, scales))
 
 
 IMPLS = {"dispatch": dispatch_impl, "combine": combine_impl, "build_index": build_index_impl,

@@ -1,10 +1,11 @@
 """The driver layer and the symmetric workspace on a real GPU."""
 import ctypes
-import multiprocessing as mp
 import os
 
 import numpy as np
 import pytest
+
+from common import run_processes
 
 pytestmark = pytest.mark.gpu
 
@@ -119,19 +120,8 @@ def _rendezvous_child(rank, world, name, base_dir, q):
 @pytest.mark.parametrize("world", [2, 3])
 def test_multiprocess_rendezvous_and_fence(world, tmp_path):
     os.chmod(tmp_path, 0o700)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     name = f"t{os.getpid()}_{world}"
-    procs = [ctx.Process(target=_rendezvous_child, args=(r, world, name, str(tmp_path), q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    try:
-        results = [q.get(timeout=100) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
+    results, _ = run_processes(_rendezvous_child, lambda r: (r, world, name, str(tmp_path)), world, 100, join=5)
     for rank, ok, bad in sorted(results):
         assert ok, f"rank {rank}: peer write not seen ({bad})"
         assert not bad, f"rank {rank}: {bad[:3]}"

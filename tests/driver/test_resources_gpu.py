@@ -2,11 +2,12 @@
 counters (ep_a2a/driver/vmm.py) and this process's open fds, with in-process ranks and with
 one rank per process (real fd export/import through the bootstrap)."""
 import gc
-import multiprocessing as mp
 import os
 
 import numpy as np
 import pytest
+
+from common import run_processes
 
 pytestmark = pytest.mark.gpu
 
@@ -106,7 +107,7 @@ def _process_cycles_child(rank, name, base_dir, seed, cycles, q):
             bs.barrier()
             g.close()
         q.put((rank, before, after, bad, None))
-    except BaseException as e:  # report, never hang the parent
+    except BaseException:  # report, never hang the parent
         import traceback
         q.put((rank, None, None, [], traceback.format_exc()))
 
@@ -115,20 +116,9 @@ def test_process_group_create_destroy_cycles(tmp_path):
     os.chmod(tmp_path, 0o700)
     seed = int(np.random.default_rng().integers(2 ** 31))
     cycles = 1000
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     name = f"res{os.getpid()}"
-    procs = [ctx.Process(target=_process_cycles_child, args=(r, name, str(tmp_path), seed, cycles, q))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = sorted(q.get(timeout=240) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    got, procs = run_processes(_process_cycles_child, lambda r: (r, name, str(tmp_path), seed, cycles), 2, 240, join=10)
+    results = sorted(got)
     for rank, before, after, bad, exc in results:
         assert exc is None, f"seed {seed}, rank {rank}:\n{exc}"
         assert not bad, f"seed {seed}, rank {rank}: {bad[:3]}"

@@ -8,6 +8,8 @@ import time
 import numpy as np
 import pytest
 
+from common import run_processes
+
 pytestmark = pytest.mark.gpu
 
 H, K = 256, 2
@@ -331,22 +333,10 @@ def _replay_child(rank, name, base_dir, seed, q):
 def test_graphs_replayed_in_shuffled_orders_by_two_processes(tmp_path):
     """The same as the in-process shuffled replay, with each rank a process of its own on
     the one GPU (time-sliced), capturing its own graphs as an engine's processes do."""
-    import multiprocessing as mp
     import os
     os.chmod(tmp_path, 0o700)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     seed = int(np.random.default_rng().integers(2 ** 31))
-    procs = [ctx.Process(target=_replay_child, args=(r, f"g{os.getpid()}", str(tmp_path), seed, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = [q.get(timeout=240) for _ in procs]
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    got, _ = run_processes(_replay_child, lambda r: (r, f"g{os.getpid()}", str(tmp_path), seed), 2, 240)
     for rank, bad, exc in sorted(got):
         assert exc is None, f"rank {rank} (seed {seed}): {exc}"
         assert not bad, f"rank {rank} (seed {seed}): {bad[:3]}"
@@ -427,22 +417,11 @@ def _rejecting_child(rank, name, base_dir, protocol, q):
 
 @pytest.mark.parametrize("protocol", ["fence", "sentinel"])
 def test_a_rank_that_rejects_its_input_tells_its_peers(protocol, tmp_path):
-    import multiprocessing as mp
     import os
     os.chmod(tmp_path, 0o700)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rejecting_child, args=(r, f"j{os.getpid()}{protocol[0]}", str(tmp_path), protocol, q))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict((rank, (rep, exc)) for rank, rep, exc in (q.get(timeout=200) for _ in procs))
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    msgs, procs = run_processes(_rejecting_child, lambda r: (r, f"j{os.getpid()}{protocol[0]}", str(tmp_path), protocol),
+                            2, 200)
+    got = dict((rank, (rep, exc)) for rank, rep, exc in msgs)
     for rank, (rep, exc) in got.items():
         assert exc is None, f"rank {rank}: {exc}"
     r0, r1 = got[0][0], got[1][0]

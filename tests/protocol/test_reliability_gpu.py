@@ -1,12 +1,13 @@
 """Peer failure without losing the CUDA context (on_timeout="abort"), and going on without a
 failed rank (set_active_ranks), with in-process ranks and with real processes on one GPU."""
-import multiprocessing as mp
 import os
 import signal
 import time
 
 import numpy as np
 import pytest
+
+from common import run_processes
 
 from test_fence_gpu import run
 
@@ -118,19 +119,10 @@ def _killed_peer_child(rank, name, base_dir, protocol, q):
 @pytest.mark.parametrize("protocol", ["fence", "sentinel"])
 def test_abort_mode_with_a_killed_peer_process(protocol, tmp_path):
     os.chmod(tmp_path, 0o700)
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
     name = f"k{os.getpid()}{protocol[0]}"
-    procs = [ctx.Process(target=_killed_peer_child, args=(r, name, str(tmp_path), protocol, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        rank, err, bad, waited, exc = q.get(timeout=150)
-    finally:
-        for p in procs:
-            p.join(20)
-            if p.is_alive():
-                p.kill()
+    got, procs = run_processes(_killed_peer_child, lambda r: (r, name, str(tmp_path), protocol), 2, 150, join=20,
+                               messages=1)
+    (rank, err, bad, waited, exc), = got
     assert exc is None, exc
     assert rank == 0 and procs[1].exitcode == -signal.SIGKILL
     phase = "combine" if protocol == "fence" else "sentinel-combine"
