@@ -133,8 +133,7 @@ class A2AParams(ctypes.Structure):
         ("error_record", ctypes.c_uint64),           # host-mapped ErrorRecord (survives a trap)
         ("combine_out", ctypes.c_uint64),            # [local_num_tokens, hidden] output
         ("timeout_ns", ctypes.c_uint64),
-        ("off_dispatch_flags", ctypes.c_uint64),
-        ("off_tmax", ctypes.c_uint64),
+        ("off_dispatch_flags", ctypes.c_uint64),     # FENCE: per source, (step, count) and (step, step tag)
         ("off_combine_flags", ctypes.c_uint64),
         ("off_epoch", ctypes.c_uint64),
         ("off_done", ctypes.c_uint64),
@@ -224,7 +223,6 @@ class WorkspaceLayout:
     combine_bytes: int
     sentinel: bool
     off_dispatch_flags: int = 0
-    off_tmax: int = 0
     off_combine_flags: int = 0
     off_epoch: int = 0
     off_done: int = 0
@@ -259,8 +257,7 @@ class WorkspaceLayout:
             cur = align(cur + nbytes)
             return o[name]
 
-        take("off_dispatch_flags", 8 * P)
-        take("off_tmax", 4 * P)
+        take("off_dispatch_flags", 16 * P)  # two u64 words per source (kernels/protocol.cuh: dispatch_flag)
         take("off_combine_flags", 4 * P)
         take("off_epoch", 8)   # u32 epoch, u32 "the last combine was SENTINEL's"
         take("off_done", 4)
@@ -301,7 +298,7 @@ class WorkspaceLayout:
         """Write this layout into a kernel parameter block: every section offset, the combine
         slot sizes and each payload's receive (and SENTINEL landing) geometry; `kinds` is the
         sentinel kind of each payload, the expert ids first."""
-        for f in ("off_dispatch_flags", "off_tmax", "off_combine_flags", "off_epoch", "off_done", "off_abort",
+        for f in ("off_dispatch_flags", "off_combine_flags", "off_epoch", "off_done", "off_abort",
                   "off_dropped", "off_counters", "off_records", "off_combine", "off_combine_q", "off_combine_scales",
                   "off_id_slots", "off_combine_slots", "off_sentinel_has"):
             setattr(p, f, getattr(self, f))

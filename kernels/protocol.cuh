@@ -111,6 +111,24 @@ EP_DEVICE void poison_bytes(char* row, size_t b0, size_t b1) {
   for (size_t b = b0 + threadIdx.x; b < b1; b += blockDim.x) row[b] = static_cast<char>(0xFF);
 }
 
+// ---- FENCE's dispatch flag F[r][s]
+// Two 64-bit words, f << 32 | C[r][s] and f << 32 | the step tag of s (T^ and the active-set
+// hash: check_step_tag), stored to a peer as one vector. The two words are separate accesses
+// with no order between them, so a reader takes the flag once both carry step f: both are
+// then this step's (a peer cannot publish step f + 1 before we have finished step f), and
+// line 11's acquire delivers the count and the tag with no dependent load after it.
+EP_DEVICE ulonglong2 dispatch_flag(unsigned f, unsigned count, unsigned tag) {
+  return make_ulonglong2((static_cast<uint64_t>(f) << 32) | count, (static_cast<uint64_t>(f) << 32) | tag);
+}
+EP_DEVICE unsigned flag_step(uint64_t w) { return static_cast<unsigned>(w >> 32); }
+EP_DEVICE unsigned flag_count(const ulonglong2& v) { return static_cast<unsigned>(v.x); }
+EP_DEVICE unsigned flag_tag(const ulonglong2& v) { return static_cast<unsigned>(v.y); }
+// The step the flag has reached: the older of its two words.
+EP_DEVICE unsigned flag_reached(const ulonglong2& v, unsigned f) {
+  const unsigned a = flag_step(v.x), b = flag_step(v.y);
+  return static_cast<int>(a - f) < 0 ? a : b;
+}
+
 // ---- the wait with a deadline
 // `give_up` is called once per failed poll: the deadline is set on first use (a wait that
 // succeeds at once never reads the timer); every 16th poll also looks at our abort word,

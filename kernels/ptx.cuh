@@ -25,6 +25,18 @@ EP_DEVICE uint32_t ld_acquire_gpu(const uint32_t* p) {
 EP_DEVICE uint64_t ld_acquire_gpu(const uint64_t* p) {
   uint64_t v; asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory"); return v;
 }
+// Two 64-bit words, each an acquire of its own with no order between the two (a vector
+// access is a set of accesses): FENCE's dispatch flag (protocol.cuh) is made for that.
+EP_DEVICE ulonglong2 ld_acquire_sys(const ulonglong2* p) {
+  ulonglong2 v;
+  asm volatile("ld.acquire.sys.global.v2.u64 {%0,%1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+  return v;
+}
+EP_DEVICE ulonglong2 ld_acquire_gpu(const ulonglong2* p) {
+  ulonglong2 v;
+  asm volatile("ld.acquire.gpu.global.v2.u64 {%0,%1}, [%2];" : "=l"(v.x), "=l"(v.y) : "l"(p) : "memory");
+  return v;
+}
 
 // ---- volatile loads: read memory on every call (never a value the compiler kept), no
 // ordering. For counters written by an earlier kernel of this stream and for the abort word
@@ -68,6 +80,12 @@ EP_DEVICE void st_relaxed_gpu(uint32_t* p, uint32_t v) {
 EP_DEVICE void st_relaxed_gpu(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" :: "l"(p), "l"(v) : "memory");
 }
+EP_DEVICE void st_relaxed_sys(ulonglong2* p, ulonglong2 v) {
+  asm volatile("st.relaxed.sys.global.v2.u64 [%0], {%1,%2};" :: "l"(p), "l"(v.x), "l"(v.y) : "memory");
+}
+EP_DEVICE void st_relaxed_gpu(ulonglong2* p, ulonglong2 v) {
+  asm volatile("st.relaxed.gpu.global.v2.u64 [%0], {%1,%2};" :: "l"(p), "l"(v.x), "l"(v.y) : "memory");
+}
 EP_DEVICE void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" :: "l"(p), "r"(v) : "memory");
 }
@@ -91,6 +109,10 @@ EP_DEVICE uint32_t atomic_add_release_gpu(uint32_t* p, uint32_t v) {
   return old;
 }
 EP_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+
+// Bring a line into this SM's L1 without waiting for it (nor holding a register): a later
+// load of data written by an earlier kernel then hits L1 (which starts every kernel empty).
+EP_DEVICE void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
 
 EP_DEVICE uint64_t globaltimer_ns() {
   uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t;

@@ -14,7 +14,7 @@ def test_layout_sections_aligned_disjoint_and_combine_offset_fixed():
     land = (0, layout.landing_bytes(14336, layout.KIND_F16), layout.landing_bytes(32, layout.KIND_RAW16))
     L = layout.WorkspaceLayout.build(8, 4096, 8, (32, 14336, 32), 14336, sentinel=True, landing=land)
     assert L.landing_bytes[1:] == (14336, 64)
-    spans = [(L.off_dispatch_flags, 64), (L.off_tmax, 32), (L.off_combine_flags, 32), (L.off_epoch, 4),
+    spans = [(L.off_dispatch_flags, 128), (L.off_combine_flags, 32), (L.off_epoch, 4),
              (L.off_done, 4), (L.off_counters, 32), (L.off_records, 4096 * 8 * 4)]
     spans += [(o, 8 * 4096 * b) for o, b in zip(L.off_recv, L.payload_bytes)]
     spans += [(L.off_combine, 8 * 4096 * 14336), (L.off_id_slots, 2 * 8 * 4096 * 4 * 9),

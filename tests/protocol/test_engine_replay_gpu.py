@@ -162,7 +162,7 @@ def _set_epochs(a2a, e):
         def put(off, arr):
             copy_from_numpy(Tensor(r.base + off, arr.shape, str(arr.dtype), device=(2, r.device.ordinal)), arr)
         put(L.off_epoch, np.array([e], np.uint32))
-        put(L.off_dispatch_flags, np.full(ep, e << 32, np.uint64))
+        put(L.off_dispatch_flags, np.full(2 * ep, e << 32, np.uint64))  # both words of every flag at step e
         put(L.off_combine_flags, np.full(ep, e, np.uint32))
     a2a.synchronize()
 
