@@ -140,11 +140,11 @@ template <typename T>
 EP_DEVICE bool quantize_partials(const A2AParams& p, char* ws, int tmax) {
   __shared__ unsigned s_rows[EP_MAX_RANKS + 1];  // prefix sums of the received slot counts
   if (threadIdx.x == 0) {
-    const uint64_t* flags = reinterpret_cast<const uint64_t*>(ws + p.off_dispatch_flags);
+    const char* const flags = ws + p.off_dispatch_flags;
     unsigned acc = 0;
     for (int r = 0; r < p.ep_size; ++r) {
       s_rows[r] = acc;
-      if (rank_active(p, r)) acc += min(static_cast<unsigned>(ld_volatile(flags + r)), static_cast<unsigned>(tmax));
+      if (rank_active(p, r)) acc += min(dispatched_count(flags, r), static_cast<unsigned>(tmax));
     }
     s_rows[p.ep_size] = acc;
   }

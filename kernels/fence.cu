@@ -83,6 +83,57 @@ EP_DEVICE void preload_token(const A2AParams& p, unsigned groups, int i, uint4 (
 // barrier between them.
 constexpr int SLOT_CHUNK = 16;
 
+#if EP_AB_NO_CHUNK
+EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* records) {
+  __shared__ int s_target[EP_MAX_TOP_K];
+  __shared__ int s_slot[EP_MAX_TOP_K];
+  __shared__ int s_ntargets;
+  __shared__ unsigned s_zero[EP_MAX_RANKS];
+  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) s_zero[r] = 0;
+  __syncthreads();
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
+  const unsigned groups = preload_groups(p);
+  for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {
+    uint4 v[PRELOAD_U];
+    if (groups) preload_token(p, groups, i, v);
+    if (threadIdx.x < 32) {
+      const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k);
+      const int lane = threadIdx.x;
+      int rec = -1;
+      if (sel.first) {
+        const int slot = cnt.take(sel.target, 1u);
+        const int j = __popc(sel.firsts & ((1u << lane) - 1));
+        s_target[j] = sel.target;
+        s_slot[j] = slot;
+        rec = pack_record(slot, sel.target);
+      }
+      if (lane < p.top_k) records[i * p.top_k + lane] = rec;
+      if (lane == 0) s_ntargets = __popc(sel.firsts);
+    }
+    __syncthreads();
+    const int nt = s_ntargets;
+    if (groups) {
+#pragma unroll
+      for (int u = 0; u < PRELOAD_U; ++u) {
+        unsigned x = threadIdx.x + u * blockDim.x;
+        if (x >= groups) continue;
+        const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
+        const Targets tg{p.peer_base, s_target, s_slot, s_zero, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
+#pragma unroll 1
+        for (int j = 0; j < nt; ++j) reinterpret_cast<uint4*>(tg.dst(j, d.bytes_per_token))[x] = v[u];
+      }
+    } else {
+      for (int q = 0; q < p.num_payloads; ++q) {
+        const PayloadDesc& d = p.payloads[q];
+        const Targets tg{p.peer_base, s_target, s_slot, s_zero, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
+        push_payload(d.vec, reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
+                     tg, d.bytes_per_token);
+      }
+    }
+    __syncthreads();
+  }
+}
+#else
 // Lines 2-6: pick a slot on every distinct target rank, push the token.
 EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* records) {
   __shared__ int s_target[SLOT_CHUNK][EP_MAX_TOP_K];  // D of each token of the chunk, in the order of first selection
@@ -147,6 +198,7 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
     __syncthreads();
   }
 }
+#endif
 
 // Lines 7-10: the last block to finish publishes for the whole rank (FinishedBlocks says why
 // its one fence covers every block's pushes): F[r][s] <- (f, C[r][s], our step tag). It also
@@ -345,7 +397,9 @@ __device__ void fence_combine(const A2AParams& p) {
   __shared__ Sources sh;
   if (static_cast<int>(blockIdx.x) < p.local_num_tokens * p.combine_splits)
     collect_item<T, Q8>(p, item_record(p, records, blockIdx.x), sh);
+#if !EP_AB_NO_PREFETCH
   prefetch_later_records(p, records);
+#endif
   __shared__ int s_missing;
   const bool came = wait_steps(p, p.off_combine_flags, f, EP_PHASE_COMBINE);  // line 20
   // line 21: the pollers' acquires order the whole block's pulls (the barrier is cumulative)

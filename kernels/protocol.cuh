@@ -123,6 +123,11 @@ EP_DEVICE ulonglong2 dispatch_flag(unsigned f, unsigned count, unsigned tag) {
 EP_DEVICE unsigned flag_step(uint64_t w) { return static_cast<unsigned>(w >> 32); }
 EP_DEVICE unsigned flag_count(const ulonglong2& v) { return static_cast<unsigned>(v.x); }
 EP_DEVICE unsigned flag_tag(const ulonglong2& v) { return static_cast<unsigned>(v.y); }
+// C[s][r] as the flag F[s][r] of this rank's last dispatch delivered it (that dispatch, an
+// earlier kernel of this stream, acquired it); flags: our section at off_dispatch_flags.
+EP_DEVICE unsigned dispatched_count(const char* flags, int r) {
+  return static_cast<unsigned>(ld_volatile(reinterpret_cast<const uint64_t*>(flags) + 2 * r));
+}
 // The step the flag has reached: the older of its two words.
 EP_DEVICE unsigned flag_reached(const ulonglong2& v, unsigned f) {
   const unsigned a = flag_step(v.x), b = flag_step(v.y);

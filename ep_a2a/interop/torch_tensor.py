@@ -40,13 +40,14 @@ def torch_dtype(name: str):
     return t
 
 
-def _dense(shape, strides) -> bool:
-    """Whether a tensor of this shape is torch-contiguous only with these strides: every extent
-    is at least 2 and the strides are the row-major ones. torch's is_contiguous() skips extents
-    of 1 (their stride is free) and holds for any strides when an extent is 0; with neither,
-    it holds exactly for the row-major strides. So for a dense (shape, strides), a tensor of the
-    same shape with is_contiguous() has these very strides."""
-    return 1 not in shape and 0 not in shape and strides == contiguous_strides(shape)
+def _strides_of(t, shape: tuple) -> tuple:
+    """The strides the slot's Tensor takes from torch tensor t of this shape: the row-major ones
+    when torch calls t contiguous, which address every element of t exactly as t's own strides
+    do (torch's is_contiguous() ignores the stride of an extent of 1, and any strides of an
+    empty tensor), else t's own. So a slot's Tensor is dense (row-major strides) exactly when
+    its torch tensor is contiguous, and a later contiguous tensor of the same shape is seen
+    by is_contiguous() alone, at every batch size (extents of 1 included)."""
+    return contiguous_strides(shape) if t.is_contiguous() else t.stride()
 
 
 class TensorSlot:
@@ -68,7 +69,7 @@ class TensorSlot:
         # (hot path: five accessor calls, ~0.35 µs, when the dtype and device are the last call's;
         # the slot alone writes its Tensor, so its dtype and device fields still hold what they
         # were set to. is_contiguous() costs less than stride(), and stands for it when the last
-        # shape and strides were dense (_dense) and the shape is unchanged.)
+        # tensor was contiguous too and the shape is unchanged: _strides_of.)
         dt, ordinal = t.dtype, t.get_device()
         if dt is not self.torch_dtype or ordinal != self.ordinal:
             return self._refill(t, dt, ordinal)
@@ -78,13 +79,12 @@ class TensorSlot:
         if shape == w.shape:  # (a torch.Size equals the tuple of its extents)
             if self.dense and t.is_contiguous():
                 return w
-            strides = t.stride()
-            if strides == w.strides:
+            if not self.dense and t.stride() == w.strides:
                 return w
         else:
             w.shape = tuple(shape)
-            strides = t.stride()
-        w.strides, self.dense = strides, _dense(w.shape, strides)
+        w.strides = _strides_of(t, w.shape)
+        self.dense = w.strides == contiguous_strides(w.shape)
         return w
 
     __call__ = fill  # (slot(t) reads well; the hot paths call slot.fill(t): a bound-method call costs
@@ -96,13 +96,14 @@ class TensorSlot:
             raise TypeError(f"{self.name}: torch dtype {dt} has no ep_a2a equivalent "
                             f"(ep_a2a handles {', '.join(DTYPES)})")
         device = (CUDA, ordinal) if ordinal >= 0 else (CPU, 0)  # -1 on the CPU: the all-to-all's device rule names it
-        w = self.tensor
+        w, shape = self.tensor, tuple(t.shape)
+        strides = _strides_of(t, shape)
         if w is None:
-            w = self.tensor = Tensor(t.data_ptr(), tuple(t.shape), d, device=device, strides=t.stride())
+            w = self.tensor = Tensor(t.data_ptr(), shape, d, device=device, strides=strides)
         else:
-            w.ptr, w.shape, w.strides, w.dtype, w.device = t.data_ptr(), tuple(t.shape), t.stride(), d, device
+            w.ptr, w.shape, w.strides, w.dtype, w.device = t.data_ptr(), shape, strides, d, device
         self.torch_dtype, self.ordinal = dt, ordinal
-        self.dense = _dense(w.shape, w.strides)
+        self.dense = strides == contiguous_strides(shape)
         return w
 
 

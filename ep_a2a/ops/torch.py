@@ -97,6 +97,8 @@ def _same_or_copy(passed, own) -> None:
 
 
 # -- implementations (run by the dispatcher with real tensors, or directly by eager calls) -------------
+# (The implementations hold their inputs with an inline `if explicit:`. A shared helper for
+# it cost ~0.2 µs per call on the H200's host, and an eager dispatch + combine has ~20 µs.)
 def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream: int) -> None:
     """The dispatch itself, into b's own views: what the op runs, and what an eager call runs
     without the dispatcher."""
@@ -110,7 +112,8 @@ def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tok
         raise
     b.r.dispatch(ids, pays, runtime_max_tokens_per_rank, s)
     b.local_tokens = ids.shape[0]
-    b.streams.done(s, explicit, (token_selected_experts, *payloads))
+    if explicit:
+        b.streams.hold(s, (token_selected_experts, *payloads))
 
 
 def run_combine(b: TorchRank, partial, scales, runtime_max_tokens_per_rank, out, stream: int) -> None:
@@ -118,7 +121,8 @@ def run_combine(b: TorchRank, partial, scales, runtime_max_tokens_per_rank, out,
     s, explicit = b.streams.pick(stream)
     part = b.partial_arg(partial, scales, runtime_max_tokens_per_rank)
     b.r.combine(part, runtime_max_tokens_per_rank, s, b.out_slot.fill(out))  # (positional: cheaper than keywords)
-    b.streams.done(s, explicit, (partial, out))
+    if explicit:
+        b.streams.hold(s, (partial, out))
 
 
 def dispatch_impl(rank, token_selected_experts, payloads, runtime_max_tokens_per_rank, recv_expert_ids,
@@ -141,7 +145,8 @@ def run_build_index(ix: TorchIndex, expert_ids, weights, stream: int) -> None:
     i = ix.index
     moe_build_index(ix.slots["expert_ids"](expert_ids), ix.slots["weights"](weights), num_experts=i.num_experts,
                     ep_size=i.ep_size, rank=i.rank, stream=s, out=i)
-    ix.streams.done(s, explicit, (expert_ids, weights))
+    if explicit:
+        ix.streams.hold(s, (expert_ids, weights))
 
 
 def build_index_impl(index, expert_ids, weights, counts, offsets, rows, row_weight, row_of, stream=-1):
@@ -156,14 +161,16 @@ def gather_rows_impl(index, rows, offsets, src, out, stream=-1):
     ix = lookup(INDEXES, index, "index")
     s, explicit = ix.streams.pick(stream)
     moe_gather_rows(ix.index, ix.slots["src"](src), ix.slots["out"](out), stream=s)
-    ix.streams.done(s, explicit, (src, out))
+    if explicit:
+        ix.streams.hold(s, (src, out))
 
 
 def finalize_impl(index, row_of, row_weight, fc2_out, out, stream=-1):
     ix = lookup(INDEXES, index, "index")
     s, explicit = ix.streams.pick(stream)
     moe_finalize(ix.index, ix.slots["fc2_out"](fc2_out), ix.slots["out"](out), stream=s)
-    ix.streams.done(s, explicit, (fc2_out, out))
+    if explicit:
+        ix.streams.hold(s, (fc2_out, out))
 
 
 def finalize_fp8_impl(index, row_of, row_weight, fc2_out, values, scales, dtype, stream=-1):
@@ -171,7 +178,8 @@ def finalize_fp8_impl(index, row_of, row_weight, fc2_out, values, scales, dtype,
     s, explicit = ix.streams.pick(stream)
     part = Fp8Partial(ix.slots["values"](values), ix.slots["scales"](scales), dtype)
     moe_finalize(ix.index, ix.slots["fc2_out"](fc2_out), part, stream=s)
-    ix.streams.done(s, explicit, (fc2_out, values, scales))
+    if explicit:
+        ix.streams.hold(s, (fc2_out, values, scales))
 
 
 IMPLS = {"dispatch": dispatch_impl, "combine": combine_impl, "build_index": build_index_impl,
@@ -239,12 +247,13 @@ def dispatch(rank, token_selected_experts, payloads, runtime_max_tokens_per_rank
     [payload views [ep_size, T^, ...]]), torch tensors over the workspace, the same ones every
     step with this T^, valid until the next dispatch. rank: a TorchRank (bind()) or a
     RankAlltoAll. stream: None (torch's current stream) or a stream to run on."""
-    b = _binding(rank)
+    b = rank if isinstance(rank, TorchRank) else bind(rank)  # (inline: _binding, _stream_arg as calls cost more)
     ids_v, pays_v = b.dispatch_views(runtime_max_tokens_per_rank)
     if type(payloads) not in (list, tuple):
         payloads = list(payloads)
     if plain_eager() and type(token_selected_experts) is _Tensor and _all_plain(payloads):
-        run_dispatch(b, token_selected_experts, payloads, runtime_max_tokens_per_rank, _stream_arg(stream))
+        run_dispatch(b, token_selected_experts, payloads, runtime_max_tokens_per_rank,
+                     -1 if stream is None else stream_handle(stream))
     else:
         b.local_tokens = token_selected_experts.shape[0]  # (here too: torch.compile traces it)
         _DISPATCH(b.handle, token_selected_experts, list(payloads), runtime_max_tokens_per_rank, ids_v, pays_v,
@@ -264,7 +273,7 @@ def combine(rank, partial, runtime_max_tokens_per_rank: int, out=None, stream=No
     (zero copy), any [ep_size, T^, hidden] tensor (staged), or combine_input(T^, fp8=True).
     An engine that keeps its output buffer passes out= (a slice of it): the allocation of a
     new tensor is a few µs of the call's host time."""
-    b = _binding(rank)
+    b = rank if isinstance(rank, TorchRank) else bind(rank)
     scales = None
     if type(partial) in (tuple, list):
         partial, scales = partial
@@ -275,7 +284,7 @@ def combine(rank, partial, runtime_max_tokens_per_rank: int, out=None, stream=No
                              "pass out= or num_tokens=")
         out = torch.empty((T, b.hidden), dtype=b.combine_dtype, device=b.device)
     if plain_eager() and type(partial) is _Tensor and type(out) is _Tensor:
-        run_combine(b, partial, scales, runtime_max_tokens_per_rank, out, _stream_arg(stream))
+        run_combine(b, partial, scales, runtime_max_tokens_per_rank, out, -1 if stream is None else stream_handle(stream))
     else:
         dispatched = b.dispatch_views(runtime_max_tokens_per_rank)[0]
         _COMBINE(b.handle, partial, scales, dispatched, runtime_max_tokens_per_rank, out, _stream_arg(stream))

@@ -70,11 +70,6 @@ class StreamUse:
         self.fork.record(cur).wait_on(stream)
         return stream, True
 
-    def done(self, stream: int, explicit: bool, tensors) -> None:
-        """After the launches on `stream` (pick's pair): the inputs held if it was explicit."""
-        if explicit:
-            self.hold(stream, tensors)
-
     def hold(self, stream: int, tensors) -> None:
         if torch.cuda.is_current_stream_capturing():
             return  # a graph's memory is its own pool, alive with the graph; no event query in a capture

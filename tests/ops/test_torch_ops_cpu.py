@@ -2,6 +2,8 @@
 arguments declared), fake implementations, torch.compile(fullgraph=True) tracing of every
 op, inductor handing the ops the very tensors they mutate (no copies), argument errors, and
 the torch-tensor slots the ops fill instead of a DLPack exchange."""
+import itertools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -149,15 +151,20 @@ def test_slot_mirrors_the_torch_tensor_and_stays_one_object():
 
 
 def test_slot_sees_every_stride_change_even_where_is_contiguous_stands_for_stride():
-    """fill() reads is_contiguous() instead of stride() when the last (shape, strides) were dense
-    (_dense): a same-shape tensor with other strides must still be seen, including the strides
-    torch calls contiguous (extents of 1, numel 0) and a view back to dense strides."""
+    """fill() reads is_contiguous() instead of stride() when the last tensor was contiguous too:
+    a same-shape tensor with other strides must still be seen, and a tensor torch calls
+    contiguous (extents of 1, numel 0 included) gets the row-major strides, which address each
+    of its elements where its own strides do (checked element by element)."""
+    from ep_a2a.interop.tensor import contiguous_strides
     buf = torch.zeros(4096, dtype=torch.float32)
     slot = TensorSlot("x")
 
     def same(t):
         w = slot.fill(t)
-        assert w is slot.tensor and (w.ptr, w.shape, w.strides) == (t.data_ptr(), tuple(t.shape), t.stride())
+        want = contiguous_strides(tuple(t.shape)) if t.is_contiguous() else t.stride()
+        assert w is slot.tensor and (w.ptr, w.shape, w.strides) == (t.data_ptr(), tuple(t.shape), want)
+        for idx in itertools.product(*(range(n) for n in t.shape)):  # the same address for every element
+            assert sum(i * s for i, s in zip(idx, w.strides)) == sum(i * s for i, s in zip(idx, t.stride()))
     same(buf[:32].view(4, 8))
     same(buf.as_strided((4, 8), (1, 4)))          # same shape, transposed strides: not contiguous
     same(buf[:32].view(4, 8))                     # back to dense
