@@ -15,8 +15,7 @@ namespace {
 // counters in shared memory and skips the last-block election: the global counter atomics
 // and the election's two dependent gpu-scope round trips sat on the 1-token critical path,
 // and one block's bar.sync alone orders every thread's pushes before the publishing lanes'
-// fence. Its counters are zeroed by warp 0 before the block's first barrier, and read and
-// reset by warp 0 (publishing) after its last.
+// fence. Warp 0 alone takes the slots and publishes the counts, so it zeroes them itself.
 struct SlotCounters {
   unsigned* cnt;    // the local section's counters (grids of several blocks), 0 between kernels
   unsigned* local;  // shared memory, one-block grids
@@ -29,8 +28,7 @@ struct SlotCounters {
       __syncwarp();
     }
   }
-  // n consecutive slots on target t: the first.
-  EP_DEVICE unsigned take(int t, unsigned n) const { return atomicAdd(one_block ? &local[t] : &cnt[t], n); }
+  EP_DEVICE unsigned take(int t) const { return atomicAdd(one_block ? &local[t] : &cnt[t], 1u); }
   // By the publishing lanes: C for target t, leaving cnt[t] at 0 for the next step.
   EP_DEVICE unsigned read_and_reset(int t) const {
     const unsigned c = one_block ? local[t] : cnt[t];
@@ -60,48 +58,30 @@ EP_DEVICE int payload_of_group(const A2AParams& p, unsigned& x) {
   return q;
 }
 
-// Group u of this thread's share of token i's payloads (preload_groups), or zeros.
-EP_DEVICE void preload_token(const A2AParams& p, unsigned groups, int i, uint4 (&v)[PRELOAD_U]) {
-#pragma unroll
-  for (int u = 0; u < PRELOAD_U; ++u) {
-    unsigned x = threadIdx.x + u * blockDim.x;
-    v[u] = make_uint4(0, 0, 0, 0);
-    if (x < groups) {
-      const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
-      v[u] = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token)[x];
-    }
-  }
-}
-
-// Slots are taken for a chunk of the block's tokens at once (its tokens i, i + G, ... of a
-// grid of G blocks, up to one per warp): each warp selects the targets of its token and
-// numbers them within the chunk by shared atomics, then one atomic per target rank adds the
-// chunk's count to cnt[t] and returns where its slots begin. When a block holds several
-// tokens (from about 2 per block of the grid), the ids load and the slot atomic, two
-// dependent round trips, were paid once per token with the whole block waiting at two
-// barriers each time; now once per chunk, and the chunk's pushes follow each other with no
-// barrier between them.
-constexpr int SLOT_CHUNK = 16;
-
-#if EP_AB_NO_CHUNK
+// Lines 2-6: pick a slot on every distinct target rank, push the token.
 EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* records) {
-  __shared__ int s_target[EP_MAX_TOP_K];
-  __shared__ int s_slot[EP_MAX_TOP_K];
+  __shared__ int s_target[EP_MAX_TOP_K];  // D, in the order of first selection
+  __shared__ int s_slot[EP_MAX_TOP_K];    // j_t
   __shared__ int s_ntargets;
-  __shared__ unsigned s_zero[EP_MAX_RANKS];
-  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) s_zero[r] = 0;
-  __syncthreads();
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
   const unsigned groups = preload_groups(p);
   for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {
     uint4 v[PRELOAD_U];
-    if (groups) preload_token(p, groups, i, v);
+#pragma unroll
+    for (int u = 0; u < PRELOAD_U; ++u) {
+      unsigned x = threadIdx.x + u * blockDim.x;
+      v[u] = make_uint4(0, 0, 0, 0);
+      if (x < groups) {
+        const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
+        v[u] = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token)[x];
+      }
+    }
     if (threadIdx.x < 32) {
       const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k);
       const int lane = threadIdx.x;
       int rec = -1;
       if (sel.first) {
-        const int slot = cnt.take(sel.target, 1u);
+        const int slot = cnt.take(sel.target);
         const int j = __popc(sel.firsts & ((1u << lane) - 1));
         s_target[j] = sel.target;
         s_slot[j] = slot;
@@ -118,14 +98,14 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
         unsigned x = threadIdx.x + u * blockDim.x;
         if (x >= groups) continue;
         const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
-        const Targets tg{p.peer_base, s_target, s_slot, s_zero, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
-#pragma unroll 1
+        const Targets tg{p.peer_base, s_target, s_slot, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
+#pragma unroll 1  // (rolled, as in push_vectors)
         for (int j = 0; j < nt; ++j) reinterpret_cast<uint4*>(tg.dst(j, d.bytes_per_token))[x] = v[u];
       }
     } else {
       for (int q = 0; q < p.num_payloads; ++q) {
         const PayloadDesc& d = p.payloads[q];
-        const Targets tg{p.peer_base, s_target, s_slot, s_zero, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
+        const Targets tg{p.peer_base, s_target, s_slot, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
         push_payload(d.vec, reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
                      tg, d.bytes_per_token);
       }
@@ -133,72 +113,6 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
     __syncthreads();
   }
 }
-#else
-// Lines 2-6: pick a slot on every distinct target rank, push the token.
-EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* records) {
-  __shared__ int s_target[SLOT_CHUNK][EP_MAX_TOP_K];  // D of each token of the chunk, in the order of first selection
-  __shared__ int s_slot[SLOT_CHUNK][EP_MAX_TOP_K];    // j_t, counted from the chunk's first slot on t
-  __shared__ int s_ntargets[SLOT_CHUNK];
-  __shared__ unsigned s_count[EP_MAX_RANKS];          // the chunk's slots on each target (0 between chunks)
-  __shared__ unsigned s_first[EP_MAX_RANKS];          // the chunk's first slot on each target
-  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, G = gridDim.x;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int chunk = min(SLOT_CHUNK, static_cast<int>(blockDim.x >> 5));
-  const unsigned groups = preload_groups(p);
-  const int* const ids = reinterpret_cast<const int*>(p.payloads[0].src);
-  for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) s_count[r] = 0;
-  __syncthreads();
-  for (int i0 = blockIdx.x; i0 < p.local_num_tokens; i0 += chunk * G) {
-    const int n = min(chunk, (p.local_num_tokens - i0 + G - 1) / G);  // tokens i0, i0 + G, ... of this chunk
-    uint4 v[PRELOAD_U];  // the first token's payloads, loaded together with the ids
-    if (groups) preload_token(p, groups, i0, v);
-    Selection sel{-1, false, 0};
-    unsigned local = 0;
-    if (warp < n) {
-      sel = select_targets(p, ids + (i0 + warp * G) * p.top_k);
-      if (sel.first) {
-        local = atomicAdd(&s_count[sel.target], 1u);
-        const int j = __popc(sel.firsts & ((1u << lane) - 1));
-        s_target[warp][j] = sel.target;
-        s_slot[warp][j] = local;
-      }
-      if (lane == 0) s_ntargets[warp] = __popc(sel.firsts);
-    }
-    __syncthreads();
-    for (int r = threadIdx.x; r < p.ep_size; r += blockDim.x) {
-      const unsigned c = s_count[r];
-      s_count[r] = 0;
-      s_first[r] = c ? cnt.take(r, c) : 0;
-    }
-    __syncthreads();
-    if (warp < n && lane < p.top_k)
-      records[(i0 + warp * G) * p.top_k + lane] = sel.first ? pack_record(s_first[sel.target] + local, sel.target) : -1;
-    for (int c = 0; c < n; ++c) {
-      const int i = i0 + c * G, nt = s_ntargets[c];
-      if (groups) {
-        if (c) preload_token(p, groups, i, v);
-#pragma unroll
-        for (int u = 0; u < PRELOAD_U; ++u) {
-          unsigned x = threadIdx.x + u * blockDim.x;
-          if (x >= groups) continue;
-          const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
-          const Targets tg{p.peer_base, s_target[c], s_slot[c], s_first, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
-#pragma unroll 1  // (rolled, as in push_vectors)
-          for (int j = 0; j < nt; ++j) reinterpret_cast<uint4*>(tg.dst(j, d.bytes_per_token))[x] = v[u];
-        }
-      } else {
-        for (int q = 0; q < p.num_payloads; ++q) {
-          const PayloadDesc& d = p.payloads[q];
-          const Targets tg{p.peer_base, s_target[c], s_slot[c], s_first, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
-          push_payload(d.vec, reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
-                       tg, d.bytes_per_token);
-        }
-      }
-    }
-    __syncthreads();
-  }
-}
-#endif
 
 // Lines 7-10: the last block to finish publishes for the whole rank (FinishedBlocks says why
 // its one fence covers every block's pushes): F[r][s] <- (f, C[r][s], our step tag). It also
@@ -309,41 +223,22 @@ struct Sources {
   const char* scale[EP_MAX_TOP_K];  // FP8: their scales
   int n;
 };
-// Warp 0: lane k's record of work item w's token (lane_record). Our records were written by
-// our dispatch, a kernel before us, so they are read early: the block's first item while
-// the peers' flags are still polled.
-EP_DEVICE int item_record(const A2AParams& p, const int* records, int w) {
-  return threadIdx.x < 32 ? lane_record(records, p.top_k, w / p.combine_splits) : -1;
-}
-// Warp 0, while the flags are polled too: the records of the block's next 64 items into L1,
-// so that each later item's collect_item, between two reductions, costs an L1 hit instead of
-// a round trip. (A prefetch issued beside each reduction spilled registers on sm_100.)
-EP_DEVICE void prefetch_later_records(const A2AParams& p, const int* records) {
-  if (threadIdx.x >= 32) return;
-  const int items = p.local_num_tokens * p.combine_splits;
-  for (int m = threadIdx.x + 1; m <= 64; m += 32) {
-    const int w = blockIdx.x + m * gridDim.x;
-    if (w >= items) break;
-    const int* rec = records + (w / p.combine_splits) * p.top_k;
-    prefetch_l1(rec);
-    prefetch_l1(rec + p.top_k - 1);  // (a token's records may cross a line)
-  }
-}
-// Warp 0: where work item w's partial results wait (rec: item_record(w)). The caller
-// synchronizes the block.
+// Warp 0: where work item w's partial results wait, from our records (written by our
+// dispatch, a kernel before us: so the block's first item is collected while the peers'
+// flags are still polled). The caller synchronizes the block.
 template <typename T, bool Q8>
-EP_DEVICE void collect_item(const A2AParams& p, int rec, Sources& sh) {
-  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
+EP_DEVICE void collect_item(const A2AParams& p, const int* records, int w, Sources& sh) {
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, i = w / p.combine_splits;
   if constexpr (Q8) {
     const unsigned H = p.combine_bytes / sizeof(T);
-    collect_sources(rec, [&](int t, int slot) -> const char* {
+    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
       return workspace(p, t) + p.off_combine_q + (static_cast<size_t>(s) * tmax + slot) * H;
     }, sh.src, nullptr, &sh.n);
-    collect_sources(rec, [&](int t, int slot) -> const char* {
+    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
       return workspace(p, t) + p.off_combine_scales + (static_cast<size_t>(s) * tmax + slot) * (H / EP_Q8_BLOCK) * 4;
     }, sh.scale, nullptr, &sh.n);
   } else {
-    collect_sources(rec, [&](int t, int slot) -> const char* {
+    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
       return workspace(p, t) + p.off_combine + (static_cast<size_t>(s) * tmax + slot) * p.combine_bytes;
     }, sh.src, nullptr, &sh.n);
   }
@@ -351,15 +246,15 @@ EP_DEVICE void collect_item(const A2AParams& p, int rec, Sources& sh) {
 // Every item of the block; the first one's sources are in `sh` already (collect_item).
 template <typename T, bool Q8>
 EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records, Sources& sh) {
-  const int splits = p.combine_splits, items = p.local_num_tokens * splits;
+  const int splits = p.combine_splits;
   const unsigned H = p.combine_bytes / sizeof(T);
   const unsigned nvec = Q8 ? H / Q8_UNIT : p.combine_bytes / p.combine_vec;
-  for (int w = blockIdx.x; w < items; w += gridDim.x) {
+  for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
     const int i = w / splits, part = w % splits;
     const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
     char* const out = reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes;
     if (w != static_cast<int>(blockIdx.x)) {
-      collect_item<T, Q8>(p, item_record(p, records, w), sh);
+      collect_item<T, Q8>(p, records, w, sh);
       __syncthreads();
     }
     if constexpr (Q8)
@@ -395,11 +290,7 @@ __device__ void fence_combine(const A2AParams& p) {
   fence_step_done(p);                                      // (for the next dispatch: protocol.cuh)
   publish_partials<T, Q8>(p, f);                           // lines 17-19
   __shared__ Sources sh;
-  if (static_cast<int>(blockIdx.x) < p.local_num_tokens * p.combine_splits)
-    collect_item<T, Q8>(p, item_record(p, records, blockIdx.x), sh);
-#if !EP_AB_NO_PREFETCH
-  prefetch_later_records(p, records);
-#endif
+  if (static_cast<int>(blockIdx.x) < p.local_num_tokens * p.combine_splits) collect_item<T, Q8>(p, records, blockIdx.x, sh);
   __shared__ int s_missing;
   const bool came = wait_steps(p, p.off_combine_flags, f, EP_PHASE_COMBINE);  // line 20
   // line 21: the pollers' acquires order the whole block's pulls (the barrier is cumulative)

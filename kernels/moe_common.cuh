@@ -60,14 +60,12 @@ EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, 
 struct Targets {
   const unsigned long long* peer_base;  // A2AParams::peer_base
   const int* target;                    // shared: distinct target ranks of the token
-  const int* slot;                      // shared: slot taken on each, counted from first[target]
-  const unsigned* first;                // shared, per rank: where the slots of the token's chunk begin
+  const int* slot;                      // shared: slot taken on each
   int n;
   size_t region_slot0;                  // source rank * runtime_max_tokens_per_rank
   unsigned long long offset;            // section offset in every workspace
   EP_DEVICE char* dst(int j, unsigned bytes) const {
-    const int t = target[j];
-    return reinterpret_cast<char*>(peer_base[t]) + offset + (region_slot0 + first[t] + slot[j]) * bytes;
+    return reinterpret_cast<char*>(peer_base[target[j]]) + offset + (region_slot0 + slot[j]) * bytes;
   }
 };
 
@@ -224,18 +222,14 @@ EP_DEVICE void reduce_token(unsigned vec, const char* const* src, int n, char* o
   }
 }
 
-// Warp 0: lane k's record of token i (k < top_k), else -1. Loaded apart from its use, so a
-// caller can issue it early.
-EP_DEVICE int lane_record(const int* records, int top_k, int i) {
-  return threadIdx.x < static_cast<unsigned>(top_k) ? records[i * top_k + threadIdx.x] : -1;
-}
-// Warp 0: the targets recorded for a token by dispatch (rec: lane_record), in the order of
-// their first selection, into shared memory: src[j] = where(target, slot) and tgt[j] = target.
+// Warp 0: the targets recorded for token i by dispatch, in the order of their first
+// selection, into shared memory: src[j] = where(target, slot) and tgt[j] = target.
 // Returns nothing; *n (shared) gets the count. The caller synchronizes the block.
 template <typename Where>
-EP_DEVICE void collect_sources(int rec, Where where, const char** src, int* tgt, int* n) {
+EP_DEVICE void collect_sources(const int* records, int top_k, int i, Where where, const char** src, int* tgt, int* n) {
   if (threadIdx.x >= 32) return;
   const int lane = threadIdx.x;
+  const int rec = lane < top_k ? records[i * top_k + lane] : -1;
   const unsigned valid = __ballot_sync(0xffffffffu, rec >= 0);
   if (rec >= 0) {
     const int j = __popc(valid & ((1u << lane) - 1));

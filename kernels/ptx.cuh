@@ -110,10 +110,6 @@ EP_DEVICE uint32_t atomic_add_release_gpu(uint32_t* p, uint32_t v) {
 }
 EP_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
-// Bring a line into this SM's L1 without waiting for it (nor holding a register): a later
-// load of data written by an earlier kernel then hits L1 (which starts every kernel empty).
-EP_DEVICE void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" :: "l"(p)); }
-
 EP_DEVICE uint64_t globaltimer_ns() {
   uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t;
 }

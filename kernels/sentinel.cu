@@ -438,8 +438,8 @@ EP_DEVICE void reduce_part(const A2AParams& p, unsigned f, const int* records, i
                            const char** s_src, int* s_tgt, int* s_n) {
   constexpr int E = 16 / sizeof(T);
   const int s = p.rank;
-  collect_sources(threadIdx.x < 32 ? lane_record(records, p.top_k, i) : -1,
-                  [&](int t, int) -> const char* { return combine_slot(p, s, i, t); }, s_src, s_tgt, s_n);
+  collect_sources(records, p.top_k, i, [&](int t, int) -> const char* { return combine_slot(p, s, i, t); },
+                  s_src, s_tgt, s_n);
   __syncthreads();
   const int n = *s_n, splits = p.combine_splits;
   const unsigned groups = (p.combine_bytes + 15) / 16;
