@@ -56,18 +56,24 @@ def bare_launches(ranks) -> None:
         r.launch_empty()
 
 
-def interleaved_medians(measures: dict, repeats: int) -> tuple:
+def interleaved_medians(measures: dict, repeats: int, warmup: int = 1) -> tuple:
     """Every measure (name -> a call returning one figure) `repeats` times, taken in turn
     (a, b, c, a, b, c, ...), and each figure's median: a host's speed drifts within a run
     (its clock, cold caches, the interpreter specializing the first calls), and a figure
-    always taken first or last would carry that drift alone. Returns (name -> median,
-    name -> the samples in order)."""
+    always taken first or last would carry that drift alone. `warmup` rounds in the same
+    order come first and are dropped: on the H200 the first size a run measured read ~50%
+    slower in every torch figure than the same size measured again later in that run.
+    Returns (name -> median, name -> the samples in order, warm-up rounds left out)."""
     if not (isinstance(repeats, int) and repeats >= 1):
         raise ValueError(f"repeats: must be an int >= 1, got {repeats!r}")
+    if not (isinstance(warmup, int) and warmup >= 0):
+        raise ValueError(f"warmup: must be an int >= 0, got {warmup!r}")
     samples = {name: [] for name in measures}
-    for _ in range(repeats):
+    for k in range(warmup + repeats):
         for name, measure in measures.items():
-            samples[name].append(measure())
+            x = measure()
+            if k >= warmup:
+                samples[name].append(x)
     return {name: statistics.median(v) for name, v in samples.items()}, samples
 
 

@@ -313,12 +313,20 @@ def test_host_figures_are_taken_in_turn_and_reported_as_medians():
             return next(it)
         return m
     med, samples = bench_method.interleaved_medians(
-        dict(a=measure("a", [5.0, 1.0, 3.0]), b=measure("b", [10.0, 30.0, 20.0])), 3)
+        dict(a=measure("a", [5.0, 1.0, 3.0]), b=measure("b", [10.0, 30.0, 20.0])), 3, warmup=0)
     assert order == ["a", "b"] * 3                       # in turn, never all of one first
+    assert med == {"a": 3.0, "b": 20.0} and samples == {"a": [5.0, 1.0, 3.0], "b": [10.0, 30.0, 20.0]}
+    order.clear()                                        # the default: one warm-up round, in turn too, dropped
+    med, samples = bench_method.interleaved_medians(
+        dict(a=measure("a", [90.0, 5.0, 1.0, 3.0]), b=measure("b", [99.0, 10.0, 30.0, 20.0])), 3)
+    assert order == ["a", "b"] * 4
     assert med == {"a": 3.0, "b": 20.0} and samples == {"a": [5.0, 1.0, 3.0], "b": [10.0, 30.0, 20.0]}
     for bad in (0, 1.5, None):
         with pytest.raises(ValueError, match="repeats"):
             bench_method.interleaved_medians(dict(a=lambda: 1.0), bad)
+    for bad in (-1, 1.0, None):
+        with pytest.raises(ValueError, match="warmup"):
+            bench_method.interleaved_medians(dict(a=lambda: 1.0), 1, bad)
 
 
 def test_host_time_runs_the_warmup_then_times_only_the_loop_between_two_settles():
