@@ -14,8 +14,8 @@ header the same way; the `-m ep_a2a.layout` form needs the package on sys.path, 
 A rank's workspace is one VMM allocation, mapped into every rank of the group. Its
 sections (each 256-byte aligned; offsets identical on every rank):
 
-  sync        peers write here: dispatch flags u64[ep_size] (step << 32 | slot count),
-              the sender's step tag (T^ and active-set hash) u32[ep_size], combine flags
+  sync        peers write here: dispatch flags u64[ep_size][2] (step << 32 | slot count,
+              step << 32 | the sender's step tag: T^ and active-set hash), combine flags
               u32[ep_size]; the abort word (0, or 1 + the rank that gave up: abort mode
               only, written by whichever rank timed out first). SENTINEL adds nothing here.
   local       this rank only: step counter (epoch) and, in the word after it, 1 while a
@@ -82,7 +82,7 @@ def landing_bytes(bytes_per_token: int, kind: int) -> int:
 
 # error-record kinds and phases (host-mapped memory, read after a trap)
 ERR_TIMEOUT, ERR_TMAX_MISMATCH, ERR_PEER_ABORTED, ERR_PEER_REJECTED = 1, 2, 3, 4
-# SENTINEL's id slots and FENCE's T^ words carry a step tag: T^ (< 2**23) in the low bits and
+# SENTINEL's id slots and FENCE's dispatch flags carry a step tag: T^ (< 2**23) in the low bits and
 # 8 bits of the active-rank mask's CRC above (bit 31 stays clear, so a tag never equals the id
 # sentinel or -1), so a rank can tell both mismatches apart. A different mask is caught with
 # probability 255/256; a missed one ends as a timeout on the rank that waits for too many.

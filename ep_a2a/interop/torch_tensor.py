@@ -41,13 +41,16 @@ def torch_dtype(name: str):
 
 
 def _strides_of(t, shape: tuple) -> tuple:
-    """The strides the slot's Tensor takes from torch tensor t of this shape: the row-major ones
-    when torch calls t contiguous, which address every element of t exactly as t's own strides
-    do (torch's is_contiguous() ignores the stride of an extent of 1, and any strides of an
-    empty tensor), else t's own. So a slot's Tensor is dense (row-major strides) exactly when
-    its torch tensor is contiguous, and a later contiguous tensor of the same shape is seen
-    by is_contiguous() alone, at every batch size (extents of 1 included)."""
-    return contiguous_strides(shape) if t.is_contiguous() else t.stride()
+    """(strides, dense): the strides the slot's Tensor takes from torch tensor t of this shape,
+    and whether they are the row-major ones. Row-major when torch calls t contiguous: they
+    address every element of t exactly as t's own strides do (torch's is_contiguous() ignores
+    the stride of an extent of 1, and any strides of an empty tensor); else t's own. So a
+    slot's Tensor is dense exactly when its torch tensor is contiguous, and a later contiguous
+    tensor of the same shape is seen by is_contiguous() alone, at every batch size (extents
+    of 1 included)."""
+    if t.is_contiguous():
+        return contiguous_strides(shape), True
+    return t.stride(), False
 
 
 class TensorSlot:
@@ -83,8 +86,7 @@ class TensorSlot:
                 return w
         else:
             w.shape = tuple(shape)
-        w.strides = _strides_of(t, w.shape)
-        self.dense = w.strides == contiguous_strides(w.shape)
+        w.strides, self.dense = _strides_of(t, w.shape)
         return w
 
     __call__ = fill  # (slot(t) reads well; the hot paths call slot.fill(t): a bound-method call costs
@@ -97,13 +99,12 @@ class TensorSlot:
                             f"(ep_a2a handles {', '.join(DTYPES)})")
         device = (CUDA, ordinal) if ordinal >= 0 else (CPU, 0)  # -1 on the CPU: the all-to-all's device rule names it
         w, shape = self.tensor, tuple(t.shape)
-        strides = _strides_of(t, shape)
+        strides, dense = _strides_of(t, shape)
         if w is None:
             w = self.tensor = Tensor(t.data_ptr(), shape, d, device=device, strides=strides)
         else:
             w.ptr, w.shape, w.strides, w.dtype, w.device = t.data_ptr(), shape, strides, d, device
-        self.torch_dtype, self.ordinal = dt, ordinal
-        self.dense = strides == contiguous_strides(shape)
+        self.torch_dtype, self.ordinal, self.dense = dt, ordinal, dense
         return w
 
 

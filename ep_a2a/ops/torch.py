@@ -35,9 +35,10 @@ plain_eager()), where they run the same implementations directly: the dispatcher
 Host cost: the ops never call DLPack per call. Each tensor argument fills an ep_a2a Tensor
 kept per argument position (interop/torch_tensor.TensorSlot), so a step whose tensors sit
 where the last step's did takes the all-to-all's repeat fast path; the stream is read as a
-raw handle. combine(out=None) allocates its output (a few µs): engines pass out=. Expert ids are not copied to the host by default (bind(validate_expert_ids=
-False)): the kernel drops ids outside 0..num_experts-1 and -1; True checks them on the host
-at every eager dispatch (a synchronization; skipped under capture).
+raw handle. combine(out=None) allocates its output (a few µs): engines pass out=. Expert ids
+are not copied to the host by default (bind(validate_expert_ids=False)): the kernel drops
+ids outside 0..num_experts-1 and -1; True checks them on the host at every eager dispatch (a
+synchronization; skipped under capture).
 
 Streams: the kernels run on torch's current stream of the rank's GPU, or on `stream=`
 (which first waits for the current stream; the inputs are then held until an event after

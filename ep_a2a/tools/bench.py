@@ -18,9 +18,8 @@ Dispatch and combine: for FENCE, dispatch is a dispatch-only graph and combine =
 dispatch cannot be replayed alone either (it reuses its landing slots only after combine),
 so with --stamps, for every protocol a third graph of R round trips carries a one-thread
 timestamp kernel (kernels/floors.cu, ep_timestamp) on each rank's stream before the first
-dispatch and after
-every dispatch and combine; each stamp reads %globaltimer once the kernel before it has
-completed. On each rank, dispatch = stamp after dispatch - stamp before it (the end of the
+dispatch and after every dispatch and combine; each stamp reads %globaltimer once the
+kernel before it has completed. On each rank, dispatch = stamp after dispatch - stamp before it (the end of the
 previous combine), combine = stamp after combine - stamp after dispatch; round 0 left out,
 means over rounds, replays and ranks (`stamped_*`). The round trip measured without stamps
 is then divided in that proportion (SENTINEL's `dispatch_us` / `combine_us`, `split_method`
