@@ -165,8 +165,8 @@ class MoeAlltoAll(Owned):
         Collective over the surviving ranks: every active rank must call it, with the same
         set, between the same two steps (a rank that disagrees makes its peers' next step
         fail with ActiveRanksMismatchError; the check uses 8 bits of the set's hash, so 1 in
-        256 differing sets is missed and ends as a timeout). Ranks can only be removed; to add one back,
-        build a new all-to-all. An inactive rank of this process may not dispatch any more.
+        256 differing sets is missed and ends as a timeout). Ranks can only be removed; to add
+        one back, build a new all-to-all. An inactive rank of this process may not dispatch.
         """
         new = tuple(sorted({int(r) for r in ranks}))
         require(bool(new) and all(0 <= r < self.ep_size for r in new), "ranks",
@@ -245,8 +245,9 @@ class RankAlltoAll(RejectedStep):
         occ = min(occupancy(f, a2a.threads) for pair in fns.values() for f in pair)
         # kernels of every rank sharing this GPU spin on each other: all must be resident
         self.max_grid = max(1, occ * dev.sm_count // rank.ranks_on_device)
-        self.schedule = schedule.Schedule(a2a.ep_size, a2a.top_k, a2a.threads, a2a.combine_hidden_size,
-                                          L.combine_bytes, bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid)
+        groups = schedule.push_groups([p.payloads[q].bytes_per_token for q in range(p.num_payloads)], a2a.threads)
+        self.schedule = schedule.Schedule(a2a.ep_size, a2a.top_k, a2a.threads, a2a.combine_hidden_size, L.combine_bytes,
+                                          bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid, groups)
         self._launches = {pr: (Launch(dev, fd, [p], 1, a2a.threads, pdl=a2a.pdl),
                                Launch(dev, fc, [p], 1, a2a.threads, pdl=a2a.pdl)) for pr, (fd, fc) in fns.items()}
         self._empty = Launch(dev, load("util", dev).function("ep_empty"), [p], 1, a2a.threads, pdl=a2a.pdl)
@@ -373,13 +374,12 @@ class RankAlltoAll(RejectedStep):
         if self.steps <= 4:  # the first steps wait longer (peers may still be loading)
             p.timeout_ns = int(1e9 * (a.first_timeout_s if self.steps < 4 else a.timeout_s))
         for d, t in zip(self._descs, [ids] + ins):
-            d.src = t.ptr
-            d.vec = schedule.vector_bytes(d.bytes_per_token, t.ptr)
-        proto = a.protocol_for(tmax)
+            d.src, d.vec = t.ptr, schedule.vector_bytes(d.bytes_per_token, t.ptr)
+        vec16 = all(d.vec == 16 for d in self._descs)  # (FENCE may split such tokens over blocks)
+        proto, q, sch = a.protocol_for(tmax), self._quantizing_combine, self.schedule
         launch = self._launches[proto][0]
-        q = self._quantizing_combine
-        sch = self.schedule
-        launch.grid = self._grid(sch.dispatch_want(T, tmax, proto),
+        p.dispatch_splits = splits = sch.dispatch_splits(T, vec16) if proto == "fence" else 1
+        launch.grid = self._grid(sch.dispatch_want(T, tmax, proto, splits),
                                  sch.combine_want(T, tmax, proto, schedule.vector_bytes(a.layout.combine_bytes, 0), quantize=q)[0], q)
         self.device.make_current()
         self._launch(launch, s)
@@ -481,7 +481,7 @@ class RankAlltoAll(RejectedStep):
         self._quantizing_combine = a.combine_quant == "fp8" and not prequantized
         want, p.combine_splits = self.schedule.combine_want(T, tmax, proto, vec, quantize=not prequantized)
         launch = self._launches[proto][1]
-        launch.grid = self._grid(want, self.schedule.dispatch_want(T, tmax, proto))  # (the next step's, if alike)
+        launch.grid = self._grid(want, self.schedule.dispatch_want(T, tmax, proto, p.dispatch_splits))  # (the next step's, if alike)
         self.device.make_current()
         dst = self.base + a.layout.off_combine
         stage = (dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes) \

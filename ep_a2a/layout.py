@@ -103,6 +103,10 @@ RECORD_TARGET_BITS = 8
 RECORD_TARGET_MASK = (1 << RECORD_TARGET_BITS) - 1
 assert MAX_RANKS <= RECORD_TARGET_MASK + 1, "a target rank must fit its record bits"
 
+# FENCE dispatch: 16-byte groups of a token each thread loads in one round, all before the
+# selection (kernels/fence.cu preload_groups; the host splits only tokens that fit).
+PRELOAD_GROUPS = 4
+
 
 def record_target(rec):
     """Target rank of a record (int or NumPy integer array; only & is applied, so -1 is not
@@ -163,6 +167,7 @@ class A2AParams(ctypes.Structure):
         ("combine_slot_bytes", ctypes.c_int32),      # SENTINEL combine slot stride
         ("trigger_early", ctypes.c_int32),           # PDL: let the next kernel launch at once (small grids)
         ("combine_splits", ctypes.c_int32),          # blocks sharing one token's reduction (small batches)
+        ("dispatch_splits", ctypes.c_int32),         # FENCE: blocks sharing one token's pushes (small batches)
         ("combine_prequantized", ctypes.c_int32),    # FP8 combine: the MoE epilogue wrote combine_q itself
         ("abort_on_timeout", ctypes.c_int32),        # 1: a failed wait records, tells the peers and returns; 0: traps
         ("peers_on_device", ctypes.c_int32),         # 1: every rank lives on this GPU, so the flags use gpu scope
@@ -351,7 +356,8 @@ def c_header() -> str:
               "TAG_TMAX_BITS": TAG_TMAX_BITS, "TAG_REJECT": f"0x{TAG_REJECT:08X}u", "Q8_BLOCK": Q8_BLOCK,
               "PHASE_DISPATCH": PHASE_DISPATCH, "PHASE_COMBINE": PHASE_COMBINE,
               "PHASE_SENTINEL_DISPATCH": PHASE_SENTINEL_DISPATCH, "PHASE_SENTINEL_COMBINE": PHASE_SENTINEL_COMBINE,
-              "RECORD_TARGET_BITS": RECORD_TARGET_BITS, "RECORD_TARGET_MASK": f"0x{RECORD_TARGET_MASK:X}"}
+              "RECORD_TARGET_BITS": RECORD_TARGET_BITS, "RECORD_TARGET_MASK": f"0x{RECORD_TARGET_MASK:X}",
+              "PRELOAD_GROUPS": PRELOAD_GROUPS}
     parts = ["// Generated from ep_a2a/layout.py by kernels/build.py (make header). Do not edit.",
              "#pragma once"]
     parts += [f"#define EP_{k} {v}" for k, v in consts.items()]

@@ -42,7 +42,7 @@ struct SlotCounters {
 // thread loads all its groups of the token before the selection, so that those loads are in
 // flight together with the ids' (at decode batches the chain ids -> selection -> payload 1
 // -> payload 2 ... was one memory round trip per payload). 0 otherwise: payload by payload.
-constexpr int PRELOAD_U = 4;
+constexpr int PRELOAD_U = EP_PRELOAD_GROUPS;
 EP_DEVICE unsigned preload_groups(const A2AParams& p) {
   unsigned n = 0;
   for (int q = 0; q < p.num_payloads; ++q) {
@@ -58,45 +58,89 @@ EP_DEVICE int payload_of_group(const A2AParams& p, unsigned& x) {
   return q;
 }
 
-// Lines 2-6: pick a slot on every distinct target rank, push the token.
+// Token i's slot on target t when the token's push is split over blocks (dispatch_splits
+// > 1): every block of the token must pick the same slot, so none can take it from a
+// counter. Slot = the tokens before i that select t (the order the counters would give if
+// tokens were taken in turn). Warp 0, for the nt distinct targets of token i in s_target:
+// returns, in lane j < nt, the slot on s_target[j]. Lane L looks at token L of each round of
+// 32 earlier tokens; only small batches split, so i is small.
+EP_DEVICE int earlier_selections(const A2AParams& p, int i, const int* s_target, int nt) {
+  const int lane = threadIdx.x & 31;
+  int slot = 0;
+  for (int base = 0; base < i; base += 32) {
+    unsigned hit = 0;  // bit j: token base + lane selects s_target[j]
+    if (base + lane < i) {
+      const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + (base + lane) * p.top_k;
+      for (int k = 0; k < p.top_k; ++k) {
+        const int t = selected_rank(p, ids[k]);
+        for (int j = 0; j < nt; ++j) hit |= static_cast<unsigned>(t >= 0 && t == s_target[j]) << j;
+      }
+    }
+    for (int j = 0; j < nt; ++j) {
+      const int n = __popc(__ballot_sync(0xffffffffu, (hit >> j) & 1u));
+      if (lane == j) slot += n;
+    }
+  }
+  return slot;
+}
+
+// Lines 2-6: pick a slot on every distinct target rank, push the token. Work item w: token
+// w / S, part w % S of its 16-byte groups (S = dispatch_splits: at small batches a token's
+// pushes from one SM took most of the dispatch, so its groups are spread over S blocks).
 EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* records) {
   __shared__ int s_target[EP_MAX_TOP_K];  // D, in the order of first selection
   __shared__ int s_slot[EP_MAX_TOP_K];    // j_t
   __shared__ int s_ntargets;
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
   const unsigned groups = preload_groups(p);
-  for (int i = blockIdx.x; i < p.local_num_tokens; i += gridDim.x) {
+  const int S = groups && p.dispatch_splits > 1 ? p.dispatch_splits : 1;  // (the host splits only tokens that preload)
+  for (int w = blockIdx.x; w < p.local_num_tokens * S; w += gridDim.x) {
+    const int i = w / S, part = w % S;
+    const unsigned g0 = groups * part / S, g1 = groups * (part + 1) / S;
     uint4 v[PRELOAD_U];
 #pragma unroll
     for (int u = 0; u < PRELOAD_U; ++u) {
-      unsigned x = threadIdx.x + u * blockDim.x;
+      unsigned x = g0 + threadIdx.x + u * blockDim.x;
       v[u] = make_uint4(0, 0, 0, 0);
-      if (x < groups) {
+      if (x < g1) {
         const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
         v[u] = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token)[x];
       }
     }
     if (threadIdx.x < 32) {
-      const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k);
+      const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k, part == 0);
       const int lane = threadIdx.x;
+      const int j = __popc(sel.firsts & ((1u << lane) - 1));
+      const int nt = __popc(sel.firsts);
       int rec = -1;
-      if (sel.first) {
-        const int slot = cnt.take(sel.target);
-        const int j = __popc(sel.firsts & ((1u << lane) - 1));
-        s_target[j] = sel.target;
-        s_slot[j] = slot;
-        rec = pack_record(slot, sel.target);
+      if (S == 1) {
+        if (sel.first) {
+          const int slot = cnt.take(sel.target);
+          s_target[j] = sel.target;
+          s_slot[j] = slot;
+          rec = pack_record(slot, sel.target);
+        }
+      } else {
+        if (sel.first) s_target[j] = sel.target;
+        __syncwarp();
+        const int slot = earlier_selections(p, i, s_target, nt);
+        if (lane < nt) s_slot[lane] = slot;
+        __syncwarp();
+        if (sel.first) {
+          if (part == 0) cnt.take(sel.target);  // (only to count: C[t] for the flags)
+          rec = pack_record(s_slot[j], sel.target);
+        }
       }
-      if (lane < p.top_k) records[i * p.top_k + lane] = rec;
-      if (lane == 0) s_ntargets = __popc(sel.firsts);
+      if (part == 0 && lane < p.top_k) records[i * p.top_k + lane] = rec;
+      if (lane == 0) s_ntargets = nt;
     }
     __syncthreads();
     const int nt = s_ntargets;
     if (groups) {
 #pragma unroll
       for (int u = 0; u < PRELOAD_U; ++u) {
-        unsigned x = threadIdx.x + u * blockDim.x;
-        if (x >= groups) continue;
+        unsigned x = g0 + threadIdx.x + u * blockDim.x;
+        if (x >= g1) continue;
         const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
         const Targets tg{p.peer_base, s_target, s_slot, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
 #pragma unroll 1  // (rolled, as in push_vectors)

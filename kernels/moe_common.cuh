@@ -29,11 +29,20 @@ template <> struct VecT<4> { using T = unsigned int; };
 template <> struct VecT<2> { using T = unsigned short; };
 template <> struct VecT<1> { using T = unsigned char; };
 
+// The rank selection of expert e reaches: -1 for an id outside 0..num_experts-1 (only
+// possible when the host check is off: dropped, never followed) or an expert of an
+// inactive rank. FENCE's split pushes (earlier_selections) count with it too, so that
+// their slots agree with the selections taken here.
+EP_DEVICE int selected_rank(const A2AParams& p, int e) {
+  const int t = (e >= 0 && e < p.num_experts) ? rank_of_expert(p, e) : -1;
+  return t >= 0 && rank_active(p, t) ? t : -1;
+}
+
 // Warp 0 of a block turns token i's top_k expert ids into its distinct target ranks, in
 // the order of their first selection. Returns, in lanes < top_k, this selection's target
 // or -1, and whether this lane is the first selection of its target. Selections of experts
 // on inactive ranks are dropped and counted in our `dropped` word (the host reports it) when
-// count_lost (SENTINEL: only the first of the blocks that share a token counts it).
+// count_lost (where several blocks share a token, only the first of them counts it).
 struct Selection { int target; bool first; unsigned firsts; };
 EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, bool count_lost = true) {
   const int lane = threadIdx.x & 31;
@@ -41,9 +50,8 @@ EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, 
   bool inactive = false;
   if (lane < p.top_k) {
     const int e = ids_of_token[lane];
-    // ids past num_experts (only possible when the host check is off) are dropped, never followed
-    t = (e >= 0 && e < p.num_experts) ? rank_of_expert(p, e) : -1;
-    if (t >= 0 && !rank_active(p, t)) { t = -1; inactive = true; }
+    t = selected_rank(p, e);
+    inactive = t < 0 && e >= 0 && e < p.num_experts;
   }
   const unsigned lost = __ballot_sync(0xffffffffu, inactive);
   if (lost && count_lost && lane == 0)

@@ -374,3 +374,25 @@ def test_q8_tiny_blocks_stay_finite():
     assert not normal[0, 0, 0] and abs(d[0, 0] - x[0, 0]) <= 1e-37 / 16
     assert d[0, 3] == 0 and not np.signbit(d[0, 3])
     assert scales[1, 0] == 1 and d[1, 0] == 0 and np.signbit(d[1, 1])
+
+
+def test_dispatch_splits_spread_small_batches_within_half_the_share():
+    """FENCE splits a token's pushes over blocks only at small batches, within half the rank's
+    share (the grid keeps PDL's early trigger), with at least MIN_SPLIT_GROUPS 16-byte groups
+    per block, and only for tokens that move in 16-byte groups."""
+    from ep_a2a import schedule
+    from ep_a2a.schedule import Schedule
+    groups = (7168 * 2 + 8 * 4 + 8 * 4) // 16  # deepseek-v3 bf16: hidden states, ids, weights
+    s = Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=33, push_groups=groups)
+    cap = min(schedule.MAX_DISPATCH_SPLITS, groups // schedule.MIN_SPLIT_GROUPS)
+    for T in (1, 2, 4, 8, 16, 17, 128):
+        n = s.dispatch_splits(T, True)
+        assert n == max(1, min(16 // T, cap)), (T, n)
+        assert T * n <= 16 or n == 1
+        assert s.dispatch_want(T, T, "fence", n) == max(T * n, -(-8 * T * 8 // 2048))
+        assert s.grid(s.dispatch_want(T, T, "fence", n), 1, False)[1] == (T <= 16), T  # early trigger kept
+    assert s.dispatch_splits(1, True) > 1
+    assert s.dispatch_splits(1, False) == 1 and s.dispatch_splits(0, True) == 1
+    small = Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=33, push_groups=schedule.MIN_SPLIT_GROUPS - 1)
+    assert small.dispatch_splits(1, True) == 1
+    assert Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=33).dispatch_splits(1, True) == 1  # no groups

@@ -53,6 +53,38 @@ def test_large_top_k_and_routing(top_k, route):
             run(a2a, rng, list(rng.integers(1, 129, 8)), 128, route=route, invalid_fraction=0.1)
 
 
+@pytest.mark.parametrize("ep,top_k", [(2, 4), (4, 8), (8, 8), (8, 16), (16, 4), (5, 6)])
+@pytest.mark.parametrize("route", ["uniform", "zipf", "perfect"])
+def test_split_pushes(ep, top_k, route, monkeypatch):
+    """At small batches FENCE spreads each token's pushes over several blocks
+    (schedule.dispatch_splits), every block taking the slots the counters would have given
+    in token order. Splitting forced down to one 16-byte group per block, so that these small
+    tokens split too: bitwise as the reference with invalid ids, repeated targets (zipf, large
+    top_k), T < T^ and 0-token ranks, and then with an inactive rank, whose selections are
+    counted once per token. top_k 6 (24-byte ids: no 16-byte groups) never splits."""
+    from ep_a2a import schedule
+    from ep_a2a.testing.reference import dropped_selections
+    monkeypatch.setattr(schedule, "MIN_SPLIT_GROUPS", 1)
+    monkeypatch.setattr(schedule, "MAX_DISPATCH_SPLITS", 64)
+    rng = np.random.default_rng()
+    group, a2a = make(ep, top_k=top_k, max_tokens=40)
+    splits = set()
+    with group, a2a:
+        for T in (1, 2, 5, 16, 40):
+            tokens = [T] * ep if T < 40 else list(rng.integers(0, 41, ep))
+            tokens[-1] = min(tokens[-1], T - 1)
+            run(a2a, rng, tokens, T, route=route, invalid_fraction=0.1)
+            splits |= {r.params.dispatch_splits for r in a2a.ranks if tokens[r.rank]}
+        assert (max(splits) > 1) == (top_k != 6), splits
+        before = [r.dropped_selections() for r in a2a.ranks[:-1]]
+        a2a.set_active_ranks(list(range(ep - 1)))
+        tokens = [3] * (ep - 1) + [0]
+        rep = run(a2a, rng, tokens, 4, route=route, invalid_fraction=0.1)
+        for r in a2a.ranks[:-1]:
+            want = dropped_selections([rep.expert_ids[r.rank]], a2a.num_experts, ep, range(ep - 1))
+            assert r.dropped_selections() - before[r.rank] == want, (r.rank, want)
+
+
 @pytest.mark.parametrize("protocol,route", [("fence", "zipf"), ("sentinel", "perfect")])
 @pytest.mark.parametrize("fmt", ["bf16", "mxfp8", "nvfp4", "opaque"])
 @pytest.mark.parametrize("hidden", [7168, 200, 7])  # 7 and 200: byte counts not multiples of 16
