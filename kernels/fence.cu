@@ -62,23 +62,24 @@ EP_DEVICE int payload_of_group(const A2AParams& p, unsigned& x) {
 // > 1): every block of the token must pick the same slot, so none can take it from a
 // counter. Slot = the tokens before i that select t (the order the counters would give if
 // tokens were taken in turn). Warp 0, for the nt distinct targets of token i in s_target:
-// returns, in lane j < nt, the slot on s_target[j]. Lane L looks at token L of each round of
-// 32 earlier tokens; only small batches split, so i is small.
-EP_DEVICE int earlier_selections(const A2AParams& p, int i, const int* s_target, int nt) {
-  const int lane = threadIdx.x & 31;
+// returns, in lane j < nt, the slot on s_target[j]. The lanes read the earlier tokens' ids
+// in rounds of whole tokens, one id per lane (e0: the first round's, loaded by the caller
+// together with token i's own ids): read token by token, the dependent loads cost more
+// than the split saved.
+EP_DEVICE int ids_per_round(const A2AParams& p) { return 32 / p.top_k * p.top_k; }
+EP_DEVICE int earlier_selections(const A2AParams& p, int i, const int* s_target, int nt, int e0) {
+  const int lane = threadIdx.x & 31, k = p.top_k, n = i * k, round = ids_per_round(p);
+  const int* const ids = reinterpret_cast<const int*>(p.payloads[0].src);
+  const unsigned same_token_below = ((1u << lane) - 1) & ~((1u << (lane / k * k)) - 1);
   int slot = 0;
-  for (int base = 0; base < i; base += 32) {
-    unsigned hit = 0;  // bit j: token base + lane selects s_target[j]
-    if (base + lane < i) {
-      const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + (base + lane) * p.top_k;
-      for (int k = 0; k < p.top_k; ++k) {
-        const int t = selected_rank(p, ids[k]);
-        for (int j = 0; j < nt; ++j) hit |= static_cast<unsigned>(t >= 0 && t == s_target[j]) << j;
-      }
-    }
+  for (int base = 0; base < n; base += round) {
+    const bool mine = lane < round && base + lane < n;
+    const int t = mine ? selected_rank(p, base ? ids[base + lane] : e0) : -1;
     for (int j = 0; j < nt; ++j) {
-      const int n = __popc(__ballot_sync(0xffffffffu, (hit >> j) & 1u));
-      if (lane == j) slot += n;
+      const unsigned hits = __ballot_sync(0xffffffffu, t >= 0 && t == s_target[j]);
+      const bool first = (hits >> lane) & 1u && !(hits & same_token_below);  // once per token
+      const int c = __popc(__ballot_sync(0xffffffffu, first));
+      if (lane == j) slot += c;
     }
   }
   return slot;
@@ -108,8 +109,10 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
       }
     }
     if (threadIdx.x < 32) {
-      const Selection sel = select_targets(p, reinterpret_cast<const int*>(p.payloads[0].src) + i * p.top_k, part == 0);
       const int lane = threadIdx.x;
+      const int* const ids = reinterpret_cast<const int*>(p.payloads[0].src);
+      const int e0 = S > 1 && lane < ids_per_round(p) && lane < i * p.top_k ? ids[lane] : -1;  // (earlier_selections)
+      const Selection sel = select_targets(p, ids + i * p.top_k, part == 0);
       const int j = __popc(sel.firsts & ((1u << lane) - 1));
       const int nt = __popc(sel.firsts);
       int rec = -1;
@@ -123,7 +126,7 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
       } else {
         if (sel.first) s_target[j] = sel.target;
         __syncwarp();
-        const int slot = earlier_selections(p, i, s_target, nt);
+        const int slot = earlier_selections(p, i, s_target, nt, e0);
         if (lane < nt) s_slot[lane] = slot;
         __syncwarp();
         if (sel.first) {
