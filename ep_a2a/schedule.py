@@ -55,8 +55,13 @@ def push_groups(bytes_per_token, threads: int) -> int:
     return n if n <= PRELOAD_GROUPS * threads else 0
 
 
+def ids_per_load(top_k: int) -> int:
+    """Expert ids of whole tokens one warp-wide load reads (kernels/fence.cu, ids_per_round)."""
+    return 32 // top_k * top_k
+
+
 MIN_SPLIT_GROUPS = 32  # (512 bytes: fewer per block and the block's own fixed costs dominate)
-MAX_DISPATCH_SPLITS = int(os.environ.get("EP_AB_DISPATCH_SPLITS", "8"))  # (A/B switch: removed after the run)
+MAX_DISPATCH_SPLITS = 8
 
 
 @dataclass(frozen=True)
@@ -76,12 +81,15 @@ class Schedule:
 
     def dispatch_splits(self, T: int, vec16: bool) -> int:
         """FENCE: blocks that share one token's pushes. A small batch's token is pushed from
-        one SM otherwise, and on the H200 that push took most of the dispatch (at 1 token per
-        rank, deepseek-v3: 5.9 µs against 4.0 with a seventh of the bytes). Spread over
-        several blocks while the grid stays within half the share (PDL's early trigger) and
-        each block keeps at least MIN_SPLIT_GROUPS groups. Only tokens whose payloads all move
-        in 16-byte vectors at these addresses (vec16) split: the kernel spreads those groups."""
-        if not (vec16 and self.push_groups and T):
+        one SM otherwise, and on the H200 that push took most of the dispatch (1 token per
+        rank, deepseek-v3: 6.0 µs, 4.0 with a seventh of the bytes; split over 8 blocks 5.2).
+        Every block of a split token counts the earlier tokens' selections itself
+        (kernels/fence.cu, earlier_selections), so splits stay where their ids fit one
+        warp-wide load: measured, 2 and 4 tokens gained 1.1 and 0.6 µs, while 8 and 16 lost
+        0.7-1.5. Within half the share (PDL's early trigger), at least MIN_SPLIT_GROUPS
+        groups per block, at most MAX_DISPATCH_SPLITS (16 measured no faster than 8); only
+        tokens whose payloads all move in 16-byte vectors at these addresses (vec16)."""
+        if not (vec16 and self.push_groups and T) or (T - 1) * self.top_k > ids_per_load(self.top_k):
             return 1
         half = max(1, self.max_grid // 2)
         return max(1, min(half // T, self.push_groups // MIN_SPLIT_GROUPS, MAX_DISPATCH_SPLITS))

@@ -1,7 +1,8 @@
 // NVLinkOneSided, FENCE protocol (paper §4.1, Algorithm 1).
 //
-// One thread block per token (grid-stride over tokens: grids are capped so that the
-// kernels of every rank sharing a GPU are co-resident, since they spin on each other).
+// One thread block per token, or at small batches per part of one (dispatch_splits;
+// grid-stride over tokens: grids are capped so that the kernels of every rank sharing a
+// GPU are co-resident, since they spin on each other).
 // Names as in Algorithm 1: s this rank, f the step, D the target ranks of a token, cnt[t]
 // the slot counters, done the finished blocks, C[r][s] and F[r][s] the slot count and flag
 // source s leaves on rank r, Wd / Wc the dispatch and combine workspaces.

@@ -61,11 +61,14 @@ def test_split_pushes(ep, top_k, route, monkeypatch):
     in token order. Splitting forced down to one 16-byte group per block, so that these small
     tokens split too: bitwise as the reference with invalid ids, repeated targets (zipf, large
     top_k), T < T^ and 0-token ranks, and then with an inactive rank, whose selections are
-    counted once per token. top_k 6 (24-byte ids: no 16-byte groups) never splits."""
+    counted once per token. The host splits only tokens whose earlier ids fit one warp-wide
+    load; lifted here, so that 16 and 40 tokens read them in several rounds.
+    top_k 6 (24-byte ids: no 16-byte groups) never splits."""
     from ep_a2a import schedule
     from ep_a2a.testing.reference import dropped_selections
     monkeypatch.setattr(schedule, "MIN_SPLIT_GROUPS", 1)
     monkeypatch.setattr(schedule, "MAX_DISPATCH_SPLITS", 64)
+    monkeypatch.setattr(schedule, "ids_per_load", lambda top_k: 1 << 30)
     rng = np.random.default_rng()
     group, a2a = make(ep, top_k=top_k, max_tokens=40)
     splits = set()
