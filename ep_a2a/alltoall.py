@@ -250,8 +250,6 @@ class RankAlltoAll(RejectedStep):
                                           bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid, groups)
         self._launches = {pr: (Launch(dev, fd, [p], 1, a2a.threads, pdl=a2a.pdl),
                                Launch(dev, fc, [p], 1, a2a.threads, pdl=a2a.pdl)) for pr, (fd, fc) in fns.items()}
-        c = schedule.CLUSTER_BLOCKS  # FENCE: small split grids of one cluster (schedule.dispatch_cluster)
-        self._clustered = {c: Launch(dev, fns["fence"][0], [p], c, a2a.threads, pdl=a2a.pdl, cluster=c)} if "fence" in fns else {}
         self._empty = Launch(dev, load("util", dev).function("ep_empty"), [p], 1, a2a.threads, pdl=a2a.pdl)
         self.last_protocol = protos[0]
 
@@ -377,12 +375,12 @@ class RankAlltoAll(RejectedStep):
             p.timeout_ns = int(1e9 * (a.first_timeout_s if self.steps < 4 else a.timeout_s))
         for d, t in zip(self._descs, [ids] + ins):
             d.src, d.vec = t.ptr, schedule.vector_bytes(d.bytes_per_token, t.ptr)
+        vec16 = all(d.vec == 16 for d in self._descs)  # (FENCE may split such tokens over blocks)
         proto, q, sch = a.protocol_for(tmax), self._quantizing_combine, self.schedule
-        p.dispatch_splits = splits = sch.dispatch_splits(T, self._descs) if proto == "fence" else 1
-        grid = self._grid(sch.dispatch_want(T, tmax, proto, splits),
-                          sch.combine_want(T, tmax, proto, schedule.vector_bytes(a.layout.combine_bytes, 0), quantize=q)[0], q)
-        launch = self._clustered.get(sch.dispatch_cluster(T, splits, grid)) or self._launches[proto][0]
-        launch.grid = grid
+        launch = self._launches[proto][0]
+        p.dispatch_splits = splits = sch.dispatch_splits(T, vec16) if proto == "fence" else 1
+        launch.grid = self._grid(sch.dispatch_want(T, tmax, proto, splits),
+                                 sch.combine_want(T, tmax, proto, schedule.vector_bytes(a.layout.combine_bytes, 0), quantize=q)[0], q)
         self.device.make_current()
         self._launch(launch, s)
         self.last_protocol = proto
@@ -411,8 +409,9 @@ class RankAlltoAll(RejectedStep):
         self._dispatched_tmax = None
 
     def dispatch_records(self, num_tokens: int) -> Tensor:
-        """The (target rank, slot) record (layout.record_target / record_slot) the last dispatch left
-        for combine: int32 [num_tokens, top_k], -1 where a selection has no slot; until the next dispatch."""
+        """The (target rank, slot) record the last dispatch left for combine, for its first
+        `num_tokens` local tokens and every selection: int32 [num_tokens, top_k] (layout.record_target /
+        record_slot read it), -1 where the selection has no slot. Valid until the next dispatch."""
         self._check_open()
         n = self.a2a.max_tokens_per_rank
         require(type(num_tokens) is int and 0 <= num_tokens <= n, "num_tokens", f"must be an int in 0..{n}, got {num_tokens!r}")
@@ -498,8 +497,9 @@ class RankAlltoAll(RejectedStep):
         return out_t
 
     def _fp8_input(self, tmax: int) -> tuple:
-        """(combine_input(T^, fp8=True), the geometry its views must have), made once per T^ (combine's
-        check is then a few comparisons; kept apart because a caller may change a Tensor's fields)."""
+        """(combine_input(T^, fp8=True), the geometry its views must have), made once per T^:
+        an engine asks for it every step and hands it to combine, whose check is then a few
+        comparisons. The geometry is kept apart because a caller may change a Tensor's fields."""
         got = self._fp8_inputs.get(tmax)
         if got is None:
             a = self.a2a

@@ -62,13 +62,6 @@ def ids_per_load(top_k: int) -> int:
 
 MIN_SPLIT_GROUPS = 32  # (512 bytes: fewer per block and the block's own fixed costs dominate)
 MAX_DISPATCH_SPLITS = 8
-# A split dispatch of at most CLUSTER_TOKENS tokens runs as one cluster of CLUSTER_BLOCKS
-# (the portable cluster size): its blocks meet at the cluster barrier instead of electing
-# the last one (kernels/fence.cu, publish_counts). On the H200 (8 in-process ranks,
-# deepseek-v3, one call) that saved 0.6 µs of the round trip at 1 token and 0.1-0.2 at 2;
-# at 4 tokens (2 blocks a token) the round trip lost 0.6 µs although the dispatch alone
-# gained 0.5, so larger batches elect.
-CLUSTER_BLOCKS, CLUSTER_TOKENS = 8, 2
 
 
 @dataclass(frozen=True)
@@ -86,7 +79,7 @@ class Schedule:
     #                       payload is a whole number of them and a block loads them in one round,
     #                       else 0 (kernels/fence.cu: preload_groups)
 
-    def dispatch_splits(self, T: int, payloads) -> int:
+    def dispatch_splits(self, T: int, vec16: bool) -> int:
         """FENCE: blocks that share one token's pushes. A small batch's token is pushed from
         one SM otherwise, and on the H200 that push took most of the dispatch (1 token per
         rank, deepseek-v3: 6.0 µs, 4.0 with a seventh of the bytes; split over 8 blocks 5.2).
@@ -95,16 +88,11 @@ class Schedule:
         warp-wide load: measured, 2 and 4 tokens gained 1.1 and 0.6 µs, while 8 and 16 lost
         0.7-1.5. Within half the share (PDL's early trigger), at least MIN_SPLIT_GROUPS
         groups per block, at most MAX_DISPATCH_SPLITS (16 measured no faster than 8); only
-        tokens whose payloads (their PayloadDescs, ids first) all move in 16-byte vectors."""
-        if not (self.push_groups and T and all(d.vec == 16 for d in payloads)) or (T - 1) * self.top_k > ids_per_load(self.top_k):
+        tokens whose payloads all move in 16-byte vectors at these addresses (vec16)."""
+        if not (vec16 and self.push_groups and T) or (T - 1) * self.top_k > ids_per_load(self.top_k):
             return 1
         half = max(1, self.max_grid // 2)
-        n = max(1, min(half // T, self.push_groups // MIN_SPLIT_GROUPS, MAX_DISPATCH_SPLITS))
-        return CLUSTER_BLOCKS // T if T <= CLUSTER_TOKENS and CLUSTER_BLOCKS // T <= n else n
-
-    def dispatch_cluster(self, T: int, splits: int, grid: int) -> int:
-        """Blocks of the one cluster a FENCE dispatch's grid forms, or 0 (not clustered)."""
-        return grid if T <= CLUSTER_TOKENS and splits > 1 and grid == T * splits == CLUSTER_BLOCKS else 0
+        return max(1, min(half // T, self.push_groups // MIN_SPLIT_GROUPS, MAX_DISPATCH_SPLITS))
 
     def dispatch_want(self, T: int, tmax: int, proto: str, splits: int = 1) -> int:
         """Blocks a dispatch would use: a block per token, or per part of one (splits; FENCE:

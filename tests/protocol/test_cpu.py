@@ -383,25 +383,19 @@ def test_dispatch_splits_spread_small_batches_within_half_the_share():
     tokens that move in 16-byte groups."""
     from ep_a2a import schedule
     from ep_a2a.schedule import Schedule
-    from types import SimpleNamespace
     groups = (7168 * 2 + 8 * 4 + 8 * 4) // 16  # deepseek-v3 bf16: hidden states, ids, weights
-    V16, V8 = [SimpleNamespace(vec=16)] * 3, [SimpleNamespace(vec=16), SimpleNamespace(vec=8)]
     s = Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66, push_groups=groups)
     cap = min(schedule.MAX_DISPATCH_SPLITS, groups // schedule.MIN_SPLIT_GROUPS)
     for T in (1, 2, 3, 4, 5, 6, 8, 16, 128):
-        n = s.dispatch_splits(T, V16)
-        if T <= schedule.CLUSTER_TOKENS:  # the grid one cluster of 8
-            assert n == 8 // T and s.dispatch_cluster(T, n, T * n) == 8, (T, n)
-        else:
-            assert s.dispatch_cluster(T, n, T * n) == 0
-            assert n == (max(1, min(33 // T, cap)) if T <= 5 else 1), (T, n)  # (T - 1) * 8 ids in one load of 32
+        n = s.dispatch_splits(T, True)
+        assert n == (max(1, min(33 // T, cap)) if T <= 5 else 1), (T, n)  # (T - 1) * 8 ids in one load of 32
         assert T * n <= 33 or n == 1
         assert s.dispatch_want(T, T, "fence", n) == max(T * n, -(-8 * T * 8 // 2048))
         assert s.grid(s.dispatch_want(T, T, "fence", n), 1, False)[1] == (T <= 33), T  # early trigger kept
-    assert s.dispatch_splits(1, V16) > 1
-    assert s.dispatch_splits(1, V8) == 1 and s.dispatch_splits(0, V16) == 1
+    assert s.dispatch_splits(1, True) == cap > 1
+    assert s.dispatch_splits(1, False) == 1 and s.dispatch_splits(0, True) == 1
     wide = Schedule(8, 22, 256, 7168, 14336, False, pdl=True, max_grid=66, push_groups=groups)
-    assert wide.dispatch_splits(2, V16) > 1 and wide.dispatch_splits(3, V16) == 1  # 22 ids a load
+    assert wide.dispatch_splits(2, True) > 1 and wide.dispatch_splits(3, True) == 1  # 22 ids a load
     small = Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66, push_groups=schedule.MIN_SPLIT_GROUPS - 1)
-    assert small.dispatch_splits(1, V16) == 1
-    assert Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66).dispatch_splits(1, V16) == 1  # no groups
+    assert small.dispatch_splits(1, True) == 1
+    assert Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66).dispatch_splits(1, True) == 1  # no groups

@@ -37,7 +37,7 @@ def recorder(monkeypatch):
     rec = []
 
     class FakeLaunch:
-        def __init__(self, dev, fn, args, grid, block, pdl=False, cluster=1):
+        def __init__(self, dev, fn, args, grid, block, pdl=False):
             self.grid, self.fn, self.p = grid, fn, args[0]
 
         def __call__(self, stream):
