@@ -53,9 +53,10 @@ def test_large_top_k_and_routing(top_k, route):
             run(a2a, rng, list(rng.integers(1, 129, 8)), 128, route=route, invalid_fraction=0.1)
 
 
-@pytest.mark.parametrize("ep,top_k", [(2, 4), (4, 8), (8, 8), (8, 16), (16, 4), (5, 6)])
+@pytest.mark.parametrize("ep,top_k,scope", [(2, 4, "auto"), (4, 8, "auto"), (8, 8, "auto"), (8, 8, "sys"),
+                                             (8, 16, "auto"), (16, 4, "auto"), (5, 6, "auto")])
 @pytest.mark.parametrize("route", ["uniform", "zipf", "perfect"])
-def test_split_pushes(ep, top_k, route, monkeypatch):
+def test_split_pushes(ep, top_k, scope, route, monkeypatch):
     """At small batches FENCE spreads each token's pushes over several blocks
     (schedule.dispatch_splits), every block taking the slots the counters would have given
     in token order. Splitting forced down to one 16-byte group per block, so that these small
@@ -63,16 +64,19 @@ def test_split_pushes(ep, top_k, route, monkeypatch):
     top_k), T < T^ and 0-token ranks, and then with an inactive rank, whose selections are
     counted once per token. The host splits only tokens whose earlier ids fit one warp-wide
     load; lifted here, so that 16 and 40 tokens read them in several rounds.
-    top_k 6 (24-byte ids: no 16-byte groups) never splits."""
+    top_k 6 (24-byte ids: no 16-byte groups) never splits. "sys": the flags at system scope,
+    as between GPUs ($EP_A2A_PEER_SCOPE; "auto" is gpu scope for ranks sharing a GPU)."""
     from ep_a2a import schedule
     from ep_a2a.testing.reference import dropped_selections
     monkeypatch.setattr(schedule, "MIN_SPLIT_GROUPS", 1)
     monkeypatch.setattr(schedule, "MAX_DISPATCH_SPLITS", 64)
     monkeypatch.setattr(schedule, "ids_per_load", lambda top_k: 1 << 30)
+    monkeypatch.setenv("EP_A2A_PEER_SCOPE", scope)
     rng = np.random.default_rng()
     group, a2a = make(ep, top_k=top_k, max_tokens=40)
     splits = set()
     with group, a2a:
+        assert {r.params.peers_on_device for r in a2a.ranks} == {int(scope == "auto")}
         for T in (1, 2, 5, 16, 40):
             tokens = [T] * ep if T < 40 else list(rng.integers(0, 41, ep))
             tokens[-1] = min(tokens[-1], T - 1)
