@@ -245,7 +245,8 @@ class RankAlltoAll(RejectedStep):
         occ = min(occupancy(f, a2a.threads) for pair in fns.values() for f in pair)
         # kernels of every rank sharing this GPU spin on each other: all must be resident
         self.max_grid = max(1, occ * dev.sm_count // rank.ranks_on_device)
-        groups = schedule.push_groups([p.payloads[q].bytes_per_token for q in range(p.num_payloads)], a2a.threads)
+        self._descs = [p.payloads[q] for q in range(p.num_payloads)]  # (indexing makes a new wrapper)
+        groups = schedule.push_groups([d.bytes_per_token for d in self._descs], a2a.threads)
         self.schedule = schedule.Schedule(a2a.ep_size, a2a.top_k, a2a.threads, a2a.combine_hidden_size, L.combine_bytes,
                                           bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid, groups)
         self._launches = {pr: (Launch(dev, fd, [p], 1, a2a.threads, pdl=a2a.pdl),
@@ -267,7 +268,6 @@ class RankAlltoAll(RejectedStep):
         self._quantizing_combine = a2a.combine_quant == "fp8"
         self._fp8_inputs = {}          # T^ -> (its Fp8Partial, the (ptr, shape, dtype) each view must keep)
         self._combine_inputs = {}      # T^ -> combine_input(T^): one object, so a step passing it repeats the last
-        self._descs = [p.payloads[q] for q in range(p.num_payloads)]  # (indexing makes a new wrapper)
         self._payload_names = [f"payloads[{q}] ({spec.name})" for q, spec in enumerate(a2a.payload_specs)]
         self._payload_shapes = [tuple(spec.shape) for spec in a2a.payload_specs]
         self._tells_peers, self.rejected = not a2a.group.is_local and a2a.ep_size > 1, None  # (rejection.py)
