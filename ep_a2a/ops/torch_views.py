@@ -28,12 +28,13 @@ INDEXES = {}   # handle -> TorchIndex
 _BOUND = {}    # id(RankAlltoAll) -> its TorchRank (the binding keeps the rank alive, so ids stay unique)
 
 
-def current_stream_handle(ordinal: int) -> int:
-    """torch's current stream on cuda:`ordinal` as a raw handle (~0.1 µs; building a
-    torch.cuda.Stream object to read it costs ten times that)."""
-    if _raw_stream is not None:
-        return _raw_stream(ordinal)
+def _current_stream_object(ordinal: int) -> int:
     return torch.cuda.current_stream(ordinal).cuda_stream
+
+
+# torch's current stream on cuda:`ordinal` as a raw handle (~0.1 µs; building a torch.cuda.Stream
+# object to read it, the fallback where torch lacks the raw accessor, costs ten times that)
+current_stream_handle = _raw_stream if _raw_stream is not None else _current_stream_object
 
 
 def lookup(table: dict, handle: int, what: str):
@@ -62,7 +63,7 @@ class StreamUse:
 
     def pick(self, stream: int) -> tuple:
         """(handle to launch on, whether it is an explicit other stream)."""
-        cur = _raw_stream(self.ordinal) if _raw_stream is not None else current_stream_handle(self.ordinal)
+        cur = current_stream_handle(self.ordinal)
         if stream == -1 or stream == cur:
             return cur, False
         if self.fork is None:
@@ -101,6 +102,7 @@ class TorchRank:
         self.validate_expert_ids = bool(validate_expert_ids)
         r.validate_expert_ids = False
         self.hidden, self.combine_dtype = a.combine_hidden_size, torch_dtype_of(a.combine_dtype.name)
+        self.out_like = torch.empty(0, dtype=self.combine_dtype, device=self.device)  # (combine's new outputs: new_empty)
         self.ids_slot = TensorSlot("token_selected_experts")
         self.payload_slots = [TensorSlot(f"payloads[{q}] ({s.name})") for q, s in enumerate(a.payload_specs)]
         self.partial_slot, self.out_slot = TensorSlot("partial"), TensorSlot("out")
