@@ -20,7 +20,7 @@ from . import fastpath, schedule
 from .config import PROTOCOLS, Fp8Partial, Options, PayloadSpec, REDUCE_DTYPES, peers_on_device  # noqa: F401 (PayloadSpec: re-exported)
 from .driver.errors import CudaError
 from .driver.lifetime import Owned
-from .driver.launch import Launch, launch_once, occupancy
+from .driver.launch import Launch, launch_once, max_active_clusters, occupancy
 from .driver.memory import DeviceAllocation, copy_dtod_async, copy_dtoh, memset_d8_async, release_held
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
@@ -247,8 +247,12 @@ class RankAlltoAll(RejectedStep):
         self.max_grid = max(1, occ * dev.sm_count // rank.ranks_on_device)
         self._descs = [p.payloads[q] for q in range(p.num_payloads)]  # (indexing makes a new wrapper)
         groups = schedule.push_groups([d.bytes_per_token for d in self._descs], a2a.threads)
+        c, cl = schedule.CLUSTER_BLOCKS, None  # FENCE: small split grids of one cluster (schedule.dispatch_cluster)
+        if "fence" in fns and schedule.clusters_fit(occ, dev.sm_count, rank.ranks_on_device, self.max_grid):
+            cl = Launch(dev, fns["fence"][0], [p], c, a2a.threads, pdl=a2a.pdl, cluster=c)
+        self._clustered = {c: cl} if cl and max_active_clusters(cl) >= rank.ranks_on_device else {}  # (room for each rank's)
         self.schedule = schedule.Schedule(a2a.ep_size, a2a.top_k, a2a.threads, a2a.combine_hidden_size, L.combine_bytes,
-                                          bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid, groups)
+                                          bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid, groups, bool(self._clustered))
         self._launches = {pr: (Launch(dev, fd, [p], 1, a2a.threads, pdl=a2a.pdl),
                                Launch(dev, fc, [p], 1, a2a.threads, pdl=a2a.pdl)) for pr, (fd, fc) in fns.items()}
         self._empty = Launch(dev, load("util", dev).function("ep_empty"), [p], 1, a2a.threads, pdl=a2a.pdl)
@@ -375,12 +379,12 @@ class RankAlltoAll(RejectedStep):
             p.timeout_ns = int(1e9 * (a.first_timeout_s if self.steps < 4 else a.timeout_s))
         for d, t in zip(self._descs, [ids] + ins):
             d.src, d.vec = t.ptr, schedule.vector_bytes(d.bytes_per_token, t.ptr)
-        vec16 = all(d.vec == 16 for d in self._descs)  # (FENCE may split such tokens over blocks)
         proto, q, sch = a.protocol_for(tmax), self._quantizing_combine, self.schedule
-        launch = self._launches[proto][0]
-        p.dispatch_splits = splits = sch.dispatch_splits(T, vec16) if proto == "fence" else 1
-        launch.grid = self._grid(sch.dispatch_want(T, tmax, proto, splits),
-                                 sch.combine_want(T, tmax, proto, schedule.vector_bytes(a.layout.combine_bytes, 0), quantize=q)[0], q)
+        p.dispatch_splits = splits = sch.dispatch_splits(T, tmax, self._descs) if proto == "fence" else 1
+        grid = self._grid(sch.dispatch_want(T, tmax, proto, splits),
+                          sch.combine_want(T, tmax, proto, schedule.vector_bytes(a.layout.combine_bytes, 0), quantize=q)[0], q)
+        launch = self._clustered.get(sch.dispatch_cluster(T, tmax, splits, grid)) or self._launches[proto][0]
+        launch.grid = self._launches[proto][0].grid = grid  # (the latter also for last_grids)
         self.device.make_current()
         self._launch(launch, s)
         self.last_protocol = proto
@@ -409,9 +413,8 @@ class RankAlltoAll(RejectedStep):
         self._dispatched_tmax = None
 
     def dispatch_records(self, num_tokens: int) -> Tensor:
-        """The (target rank, slot) record the last dispatch left for combine, for its first
-        `num_tokens` local tokens and every selection: int32 [num_tokens, top_k] (layout.record_target /
-        record_slot read it), -1 where the selection has no slot. Valid until the next dispatch."""
+        """The (target rank, slot) record (layout.record_target / record_slot) the last dispatch left
+        for combine: int32 [num_tokens, top_k], -1 where a selection has no slot; until the next dispatch."""
         self._check_open()
         n = self.a2a.max_tokens_per_rank
         require(type(num_tokens) is int and 0 <= num_tokens <= n, "num_tokens", f"must be an int in 0..{n}, got {num_tokens!r}")
@@ -469,8 +472,7 @@ class RankAlltoAll(RejectedStep):
         if out is None:  # [T, H] views of the internal buffer, one per T (no object per call)
             out_t = self._out_views.get(T)
             if out_t is None:
-                out_t = self._out_views[T] = Tensor(self._out.ptr, (T, H), a.combine_dtype,
-                                                    device=(CUDA, self.device.ordinal), owner=self._out)
+                out_t = self._out_views[T] = Tensor(self._out.ptr, (T, H), a.combine_dtype, device=(CUDA, self.device.ordinal), owner=self._out)
         else:
             out_t = self._input(out, "out", (H,), a.combine_dtype.name, T, s)
         p = self.params
@@ -484,8 +486,7 @@ class RankAlltoAll(RejectedStep):
         launch.grid = self._grid(want, self.schedule.dispatch_want(T, tmax, proto, p.dispatch_splits))  # (the next step's, if alike)
         self.device.make_current()
         dst = self.base + a.layout.off_combine
-        stage = (dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes) \
-            if not prequantized and part.ptr != dst else None
+        stage = (dst, part.ptr, a.ep_size * tmax * a.layout.combine_bytes) if not prequantized and part.ptr != dst else None
         if stage:  # staged: the partial results live outside the workspace
             copy_dtod_async(*stage, s)
         self._launch(launch, s)
@@ -497,9 +498,8 @@ class RankAlltoAll(RejectedStep):
         return out_t
 
     def _fp8_input(self, tmax: int) -> tuple:
-        """(combine_input(T^, fp8=True), the geometry its views must have), made once per T^:
-        an engine asks for it every step and hands it to combine, whose check is then a few
-        comparisons. The geometry is kept apart because a caller may change a Tensor's fields."""
+        """(combine_input(T^, fp8=True), the geometry its views must have), made once per T^ (combine's
+        check is then a few comparisons; kept apart because a caller may change a Tensor's fields)."""
         got = self._fp8_inputs.get(tmax)
         if got is None:
             a = self.a2a

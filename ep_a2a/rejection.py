@@ -68,6 +68,7 @@ class RejectedStep:
                          "PeerRejectedError: build a new all-to-all on every rank")
         dispatch, combine = self._launches[proto]
         p.local_num_tokens, p.runtime_max_tokens_per_rank, p.step_tag = 0, tmax, TAG_REJECT | self.rank
+        p.dispatch_splits = 1
         self.device.make_current()
         dispatch.grid = self._grid(sch.dispatch_want(0, tmax, proto), 1)
         self._launch(dispatch, s)

@@ -62,6 +62,27 @@ def ids_per_load(top_k: int) -> int:
 
 MIN_SPLIT_GROUPS = 32  # (512 bytes: fewer per block and the block's own fixed costs dominate)
 MAX_DISPATCH_SPLITS = 8
+# A split dispatch at T^ of at most CLUSTER_TOKENS runs as one cluster of CLUSTER_BLOCKS
+# (the portable cluster size): its blocks meet at the cluster barrier instead of electing
+# the last one (kernels/fence.cu, publish_counts). On the H200 (8 in-process ranks,
+# deepseek-v3, one call) that saved 0.6 µs of the round trip at 1 token and 0.1-0.2 at 2;
+# at 4 tokens (2 blocks a token) the round trip lost 0.6 µs although the dispatch alone
+# gained 0.5, so larger batches elect.
+CLUSTER_BLOCKS, CLUSTER_TOKENS = 8, 2
+
+
+def clusters_fit(blocks_per_sm: int, sm_count: int, ranks_on_device: int, max_grid: int) -> bool:
+    """Whether a cluster always finds room on a GPU whose ranks spin on each other. A
+    cluster needs CLUSTER_BLOCKS free block slots within one GPC, while the block budget
+    (max_grid) counts slots anywhere. At T^ <= CLUSTER_TOKENS a rank holds at most its
+    dispatch and its combine (each at most CLUSTER_BLOCKS blocks: Schedule caps the combine
+    there) and the next launch, which PDL may make resident early but holds to half the
+    share; the earlier step's kernels end without waiting on this step. Room is guaranteed
+    once the slots those leave free outnumber (CLUSTER_BLOCKS - 1) per GPC: then some GPC
+    holds a whole cluster. GPCs counted as one per 8 SMs (none has fewer)."""
+    gpcs = max(1, sm_count // 8)
+    held = ranks_on_device * (2 * CLUSTER_BLOCKS + max(1, max_grid // 2))
+    return blocks_per_sm * sm_count - held > gpcs * (CLUSTER_BLOCKS - 1)
 
 
 @dataclass(frozen=True)
@@ -78,8 +99,9 @@ class Schedule:
     push_groups: int = 0  # FENCE: 16-byte groups of one token's payloads (ids included) when every
     #                       payload is a whole number of them and a block loads them in one round,
     #                       else 0 (kernels/fence.cu: preload_groups)
+    clusters: bool = False  # FENCE: small split dispatches may run as one cluster (clusters_fit)
 
-    def dispatch_splits(self, T: int, vec16: bool) -> int:
+    def dispatch_splits(self, T: int, tmax: int, payloads) -> int:
         """FENCE: blocks that share one token's pushes. A small batch's token is pushed from
         one SM otherwise, and on the H200 that push took most of the dispatch (1 token per
         rank, deepseek-v3: 6.0 µs, 4.0 with a seventh of the bytes; split over 8 blocks 5.2).
@@ -88,11 +110,19 @@ class Schedule:
         warp-wide load: measured, 2 and 4 tokens gained 1.1 and 0.6 µs, while 8 and 16 lost
         0.7-1.5. Within half the share (PDL's early trigger), at least MIN_SPLIT_GROUPS
         groups per block, at most MAX_DISPATCH_SPLITS (16 measured no faster than 8); only
-        tokens whose payloads all move in 16-byte vectors at these addresses (vec16)."""
-        if not (vec16 and self.push_groups and T) or (T - 1) * self.top_k > ids_per_load(self.top_k):
+        tokens whose payloads (their PayloadDescs, ids first) all move in 16-byte vectors."""
+        if not (self.push_groups and T and all(d.vec == 16 for d in payloads)) or (T - 1) * self.top_k > ids_per_load(self.top_k):
             return 1
         half = max(1, self.max_grid // 2)
-        return max(1, min(half // T, self.push_groups // MIN_SPLIT_GROUPS, MAX_DISPATCH_SPLITS))
+        n = max(1, min(half // T, self.push_groups // MIN_SPLIT_GROUPS, MAX_DISPATCH_SPLITS))
+        return CLUSTER_BLOCKS // T if self._clustered(tmax) and CLUSTER_BLOCKS // T <= n else n
+
+    def _clustered(self, tmax: int) -> bool:
+        return self.clusters and tmax <= CLUSTER_TOKENS
+
+    def dispatch_cluster(self, T: int, tmax: int, splits: int, grid: int) -> int:
+        """Blocks of the one cluster a FENCE dispatch's grid forms, or 0 (not clustered)."""
+        return grid if self._clustered(tmax) and splits > 1 and grid == T * splits == CLUSTER_BLOCKS else 0
 
     def dispatch_want(self, T: int, tmax: int, proto: str, splits: int = 1) -> int:
         """Blocks a dispatch would use: a block per token, or per part of one (splits; FENCE:
@@ -123,7 +153,8 @@ class Schedule:
         units = self.combine_hidden_size // 8 if self.fp8_combine else self.combine_bytes // vec
         splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
         slots = self.fp8_combine and quantize
-        return max(T * splits, self.ep_size * tmax if slots else 0), splits
+        blocks = max(T * splits, self.ep_size * tmax if slots else 0)
+        return (min(blocks, CLUSTER_BLOCKS) if self._clustered(tmax) else blocks), splits  # (clusters_fit)
 
     def grid(self, want: int, successor_want: int, prev_early: bool, successor_fills: bool = False) -> tuple:
         """(blocks, trigger early) of the next launch, given whether the previous one triggered

@@ -165,16 +165,22 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
 // Lines 7-10: the last block to finish publishes for the whole rank (FinishedBlocks says why
 // its one fence covers every block's pushes): F[r][s] <- (f, C[r][s], our step tag). It also
 // moves the step counter, which every block has read.
+// A grid that is one cluster (the host launches small split batches so) elects no block:
+// the cluster barrier orders every block's pushes and counts before block 0's fence, as
+// bar.sync does within one block, without the counter's dependent gpu-scope round trip.
 EP_DEVICE void publish_counts(const A2AParams& p, const SlotCounters& cnt, unsigned f) {
   const FinishedBlocks blocks(p);
-  if (blocks.elect_last(cnt.one_block) && threadIdx.x < 32) {
-    if (!cnt.one_block) blocks.acquire();  // every publishing lane acquires, not only thread 0
+  const bool cluster = gridDim.x > 1 && cluster_blocks() == gridDim.x;
+  if (cluster) cluster_barrier();
+  const bool elected = !cnt.one_block && !cluster;
+  if ((cluster ? cluster_block_rank() == 0 : blocks.elect_last(cnt.one_block)) && threadIdx.x < 32) {
+    if (elected) blocks.acquire();  // every publishing lane acquires, not only thread 0
     publish_flags<ulonglong2>(p, p.off_dispatch_flags,
                               [&](int r) { return dispatch_flag(f, cnt.read_and_reset(r), p.step_tag); });
     if (threadIdx.x == 0) {
-      if (!cnt.one_block) blocks.reset();
+      if (elected) blocks.reset();
       advance_epoch(p, f);
-      // (every block read it before the election): the wait it asked for is done, so a
+      // (every block read it before the election or cluster barrier): the wait it asked for is done, so a
       // dispatch-only repeat of this kernel does not wait for a combine that never ran
       *last_combine_sentinel(p) = 0;
     }

@@ -129,3 +129,26 @@ EP_DEVICE void griddep_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::);
 #endif
 }
+
+// Thread block clusters (sm_90+): the blocks of this block's cluster, its rank among them,
+// and a barrier of every thread of the cluster whose arrival releases and whose wait
+// acquires at cluster scope (every thread of the cluster calls it, warps converged).
+EP_DEVICE uint32_t cluster_blocks() {
+  uint32_t n = 1;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
+#endif
+  return n;
+}
+EP_DEVICE uint32_t cluster_block_rank() {
+  uint32_t r = 0;
+#if __CUDA_ARCH__ >= 900
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+#endif
+  return r;
+}
+EP_DEVICE void cluster_barrier() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}

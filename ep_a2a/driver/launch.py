@@ -40,7 +40,8 @@ class Launch:
     before reading what that one wrote.
     """
 
-    def __init__(self, device: Device, function, args, grid, block, shared_bytes: int = 0, pdl: bool = False):
+    def __init__(self, device: Device, function, args, grid, block, shared_bytes: int = 0, pdl: bool = False,
+                 cluster: int = 1):
         self.device, self.function, self.args = device, function, list(args)
         self._ptrs = (ctypes.c_void_p * max(1, len(self.args)))(*[ctypes.addressof(a) for a in self.args])
         self.params_address = ctypes.addressof(self._ptrs)
@@ -49,14 +50,20 @@ class Launch:
         cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = (grid, 1, 1) if isinstance(grid, int) else grid
         cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = (block, 1, 1) if isinstance(block, int) else block
         cfg.sharedMemBytes = shared_bytes
+        attrs = []
         if self.pdl:
             attr = _drv.CUlaunchAttribute()
             attr.id = _drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attr.value.programmaticStreamSerializationAllowed = 1
-            cfg.attrs = [attr]
-            cfg.numAttrs = 1
-        else:
-            cfg.numAttrs = 0
+            attrs.append(attr)
+        if cluster > 1:  # blocks in clusters of `cluster` (sm_90+; the grid must be a multiple)
+            attr = _drv.CUlaunchAttribute()
+            attr.id = _drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster, 1, 1
+            attrs.append(attr)
+        if attrs:
+            cfg.attrs = attrs
+        cfg.numAttrs = len(attrs)
         self.config = cfg
         self._stream, self._grid = None, cfg.gridDimX
 
@@ -84,6 +91,11 @@ def occupancy(function, block: int, shared_bytes: int = 0) -> int:
     """Resident blocks per SM of `function` at `block` threads."""
     return check(_drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, block, shared_bytes),
                  "cuOccupancyMaxActiveBlocksPerMultiprocessor")
+
+
+def max_active_clusters(launch: Launch) -> int:
+    """Clusters of `launch`'s shape (a Launch made with cluster > 1) that fit on its GPU at once."""
+    return check(_drv.cuOccupancyMaxActiveClusters(launch.function, launch.config), "cuOccupancyMaxActiveClusters")
 
 
 def launch_once(device: Device, function, args, grid, block, stream: int, shared_bytes: int = 0) -> None:

@@ -380,22 +380,45 @@ def test_dispatch_splits_spread_small_batches_within_half_the_share():
     """FENCE splits a token's pushes over blocks only at small batches: while the earlier
     tokens' ids fit one warp-wide load, within half the rank's share (the grid keeps PDL's
     early trigger), with at least MIN_SPLIT_GROUPS 16-byte groups per block, and only for
-    tokens that move in 16-byte groups."""
+    tokens that move in 16-byte groups. At T^ <= CLUSTER_TOKENS, where clusters always find
+    room (clusters_fit), the grid is one cluster of CLUSTER_BLOCKS."""
+    from types import SimpleNamespace
     from ep_a2a import schedule
     from ep_a2a.schedule import Schedule
     groups = (7168 * 2 + 8 * 4 + 8 * 4) // 16  # deepseek-v3 bf16: hidden states, ids, weights
-    s = Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66, push_groups=groups)
+    V16, V8 = [SimpleNamespace(vec=16)] * 3, [SimpleNamespace(vec=16), SimpleNamespace(vec=8)]
     cap = min(schedule.MAX_DISPATCH_SPLITS, groups // schedule.MIN_SPLIT_GROUPS)
-    for T in (1, 2, 3, 4, 5, 6, 8, 16, 128):
-        n = s.dispatch_splits(T, True)
-        assert n == (max(1, min(33 // T, cap)) if T <= 5 else 1), (T, n)  # (T - 1) * 8 ids in one load of 32
-        assert T * n <= 33 or n == 1
-        assert s.dispatch_want(T, T, "fence", n) == max(T * n, -(-8 * T * 8 // 2048))
-        assert s.grid(s.dispatch_want(T, T, "fence", n), 1, False)[1] == (T <= 33), T  # early trigger kept
-    assert s.dispatch_splits(1, True) == cap > 1
-    assert s.dispatch_splits(1, False) == 1 and s.dispatch_splits(0, True) == 1
+    for clusters in (True, False):
+        s = Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66, push_groups=groups, clusters=clusters)
+        for T in (1, 2, 3, 4, 5, 6, 8, 16, 128):
+            n = s.dispatch_splits(T, T, V16)
+            if clusters and T <= schedule.CLUSTER_TOKENS:  # the grid one cluster of 8
+                assert n == 8 // T and s.dispatch_cluster(T, T, n, T * n) == 8, (T, n)
+            else:
+                assert s.dispatch_cluster(T, T, n, T * n) == 0
+                assert n == (max(1, min(33 // T, cap)) if T <= 5 else 1), (T, n)  # (T - 1) * 8 ids in one load of 32
+            assert T * n <= 33 or n == 1
+            assert s.dispatch_want(T, T, "fence", n) == max(T * n, -(-8 * T * 8 // 2048))
+            assert s.grid(s.dispatch_want(T, T, "fence", n), 1, False)[1] == (T <= 33), T  # early trigger kept
+        n = s.dispatch_splits(1, 4, V16)  # T < T^: T^ decides, as on every rank
+        assert n == max(1, min(33, cap)) and s.dispatch_cluster(1, 4, n, n) == 0
+    assert s.dispatch_splits(1, 1, V16) > 1
+    assert s.dispatch_splits(1, 1, V8) == 1 and s.dispatch_splits(0, 1, V16) == 1
+    assert s.dispatch_cluster(1, 1, 8, 8) == 0  # (clusters=False)
     wide = Schedule(8, 22, 256, 7168, 14336, False, pdl=True, max_grid=66, push_groups=groups)
-    assert wide.dispatch_splits(2, True) > 1 and wide.dispatch_splits(3, True) == 1  # 22 ids a load
+    assert wide.dispatch_splits(2, 2, V16) > 1 and wide.dispatch_splits(3, 3, V16) == 1  # 22 ids a load
     small = Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66, push_groups=schedule.MIN_SPLIT_GROUPS - 1)
-    assert small.dispatch_splits(1, True) == 1
-    assert Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66).dispatch_splits(1, True) == 1  # no groups
+    assert small.dispatch_splits(1, 1, V16) == 1
+    assert Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66).dispatch_splits(1, 1, V16) == 1  # no groups
+
+
+def test_clusters_only_where_one_always_finds_room():
+    """H200: 132 SMs, 4 blocks of 256 threads each (528 slots), counted as 16 GPCs of 8 SMs
+    (112 slots must stay free). 8 in-process ranks (share 66) hold at most 8 * (16 + 33) =
+    392 slots at T^ <= 2; 16 ranks (share 33) 16 * (16 + 16) = 512."""
+    from ep_a2a.schedule import Schedule, clusters_fit
+    assert clusters_fit(4, 132, 1, 528) and clusters_fit(4, 132, 8, 66)
+    assert not clusters_fit(4, 132, 16, 33) and not clusters_fit(1, 132, 8, 16)
+    s = Schedule(8, 8, 256, 7168, 14336, True, pdl=True, max_grid=66, push_groups=900, clusters=True)
+    for T in (1, 2):  # the combine at T^ <= 2 held to one cluster's blocks (a quantizing FP8 one wants ep_size * T^)
+        assert s.combine_want(T, T, "fence", 1)[0] == 8 and s.combine_want(T, 3, "fence", 1)[0] > 8

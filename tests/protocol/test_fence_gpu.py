@@ -62,8 +62,9 @@ def test_split_pushes(ep, top_k, scope, route, monkeypatch):
     in token order. Splitting forced down to one 16-byte group per block, so that these small
     tokens split too: bitwise as the reference with invalid ids, repeated targets (zipf, large
     top_k), T < T^ and 0-token ranks, and then with an inactive rank, whose selections are
-    counted once per token. The host splits only tokens whose earlier ids fit one warp-wide
-    load; lifted here, so that 16 and 40 tokens read them in several rounds.
+    counted once per token. 1 and 2 tokens run as one cluster of 8 blocks (the cluster
+    barrier), the others elect the last block. The host splits only tokens whose earlier ids
+    fit one warp-wide load; lifted here, so that 16 and 40 tokens read them in several rounds.
     top_k 6 (24-byte ids: no 16-byte groups) never splits. "sys": the flags at system scope,
     as between GPUs ($EP_A2A_PEER_SCOPE; "auto" is gpu scope for ranks sharing a GPU)."""
     from ep_a2a import schedule

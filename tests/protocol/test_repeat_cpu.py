@@ -37,7 +37,7 @@ def recorder(monkeypatch):
     rec = []
 
     class FakeLaunch:
-        def __init__(self, dev, fn, args, grid, block, pdl=False):
+        def __init__(self, dev, fn, args, grid, block, pdl=False, cluster=1):
             self.grid, self.fn, self.p = grid, fn, args[0]
 
         def __call__(self, stream):
@@ -47,6 +47,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(A, "Launch", FakeLaunch)
     monkeypatch.setattr(A, "load", lambda name, dev: _Module())
     monkeypatch.setattr(A, "occupancy", lambda f, t: 4)
+    monkeypatch.setattr(A, "max_active_clusters", lambda launch: 64)
     monkeypatch.setattr(A, "DeviceAllocation", lambda dev, n: types.SimpleNamespace(ptr=1 << 32))
     monkeypatch.setattr(A, "copy_dtod_async", lambda *args: rec.append(("copy", args)))
     # a Tensor last used on another stream is ordered before the call's (as_tensor): both
