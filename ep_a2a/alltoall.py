@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import zlib
 
 import numpy as np
@@ -20,7 +21,7 @@ from . import fastpath, schedule
 from .config import PROTOCOLS, Fp8Partial, Options, PayloadSpec, REDUCE_DTYPES, peers_on_device  # noqa: F401 (PayloadSpec: re-exported)
 from .driver.errors import CudaError
 from .driver.lifetime import Owned
-from .driver.launch import Launch, launch_once, max_active_clusters, occupancy
+from .driver.launch import Launch, cluster_launch, launch_once, occupancy
 from .driver.memory import DeviceAllocation, copy_dtod_async, copy_dtoh, memset_d8_async, release_held
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
@@ -247,12 +248,11 @@ class RankAlltoAll(RejectedStep):
         self.max_grid = max(1, occ * dev.sm_count // rank.ranks_on_device)
         self._descs = [p.payloads[q] for q in range(p.num_payloads)]  # (indexing makes a new wrapper)
         groups = schedule.push_groups([d.bytes_per_token for d in self._descs], a2a.threads)
-        c, cl = schedule.CLUSTER_BLOCKS, None  # FENCE: small split grids of one cluster (schedule.dispatch_cluster)
-        if "fence" in fns and schedule.clusters_fit(occ, dev.sm_count, rank.ranks_on_device, self.max_grid):
-            cl = Launch(dev, fns["fence"][0], [p], c, a2a.threads, pdl=a2a.pdl, cluster=c)
-        self._clustered = {c: cl} if cl and max_active_clusters(cl) >= rank.ranks_on_device else {}  # (room for each rank's)
-        self.schedule = schedule.Schedule(a2a.ep_size, a2a.top_k, a2a.threads, a2a.combine_hidden_size, L.combine_bytes,
-                                          bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid, groups, bool(self._clustered))
+        sch = schedule.Schedule(a2a.ep_size, a2a.top_k, a2a.threads, a2a.combine_hidden_size, L.combine_bytes,
+                                bool(a2a.combine_quant), bool(a2a.pdl), self.max_grid, groups)
+        cl = "fence" in fns and sch.clusters_fit(occ, dev.sm_count, rank.ranks_on_device) and cluster_launch(
+            dev, fns["fence"][0], [p], schedule.CLUSTER_BLOCKS, a2a.threads, a2a.pdl, rank.ranks_on_device)
+        self._cluster, self.schedule = (cl, dataclasses.replace(sch, clusters=True)) if cl else (None, sch)  # FENCE's one-cluster grids
         self._launches = {pr: (Launch(dev, fd, [p], 1, a2a.threads, pdl=a2a.pdl),
                                Launch(dev, fc, [p], 1, a2a.threads, pdl=a2a.pdl)) for pr, (fd, fc) in fns.items()}
         self._empty = Launch(dev, load("util", dev).function("ep_empty"), [p], 1, a2a.threads, pdl=a2a.pdl)
@@ -383,7 +383,7 @@ class RankAlltoAll(RejectedStep):
         p.dispatch_splits = splits = sch.dispatch_splits(T, tmax, self._descs) if proto == "fence" else 1
         grid = self._grid(sch.dispatch_want(T, tmax, proto, splits),
                           sch.combine_want(T, tmax, proto, schedule.vector_bytes(a.layout.combine_bytes, 0), quantize=q)[0], q)
-        launch = self._clustered.get(sch.dispatch_cluster(T, tmax, splits, grid)) or self._launches[proto][0]
+        launch = self._cluster if sch.dispatch_cluster(T, tmax, splits, grid) else self._launches[proto][0]
         launch.grid = self._launches[proto][0].grid = grid  # (the latter also for last_grids)
         self.device.make_current()
         self._launch(launch, s)

@@ -65,24 +65,10 @@ MAX_DISPATCH_SPLITS = 8
 # A split dispatch at T^ of at most CLUSTER_TOKENS runs as one cluster of CLUSTER_BLOCKS
 # (the portable cluster size): its blocks meet at the cluster barrier instead of electing
 # the last one (kernels/fence.cu, publish_counts). On the H200 (8 in-process ranks,
-# deepseek-v3, one call) that saved 0.6 µs of the round trip at 1 token and 0.1-0.2 at 2;
-# at 4 tokens (2 blocks a token) the round trip lost 0.6 µs although the dispatch alone
-# gained 0.5, so larger batches elect.
-CLUSTER_BLOCKS, CLUSTER_TOKENS = 8, 2
-
-
-def clusters_fit(blocks_per_sm: int, sm_count: int, ranks_on_device: int, max_grid: int) -> bool:
-    """Whether a cluster always finds room on a GPU whose ranks spin on each other. A
-    cluster needs CLUSTER_BLOCKS free block slots within one GPC, while the block budget
-    (max_grid) counts slots anywhere. At T^ <= CLUSTER_TOKENS a rank holds at most its
-    dispatch and its combine (each at most CLUSTER_BLOCKS blocks: Schedule caps the combine
-    there) and the next launch, which PDL may make resident early but holds to half the
-    share; the earlier step's kernels end without waiting on this step. Room is guaranteed
-    once the slots those leave free outnumber (CLUSTER_BLOCKS - 1) per GPC: then some GPC
-    holds a whole cluster. GPCs counted as one per 8 SMs (none has fewer)."""
-    gpcs = max(1, sm_count // 8)
-    held = ranks_on_device * (2 * CLUSTER_BLOCKS + max(1, max_grid // 2))
-    return blocks_per_sm * sm_count - held > gpcs * (CLUSTER_BLOCKS - 1)
+# deepseek-v3) that took the 1-token round trip from 8.3 to 7.9 µs in two A/B pairs; 2 tokens
+# read 8.9-9.0 either way, and 4 tokens lost 0.6 µs, so only T^ = 1 forms a cluster.
+CLUSTER_BLOCKS, CLUSTER_TOKENS = 8, 1
+GPC_SMS = 16  # SMs per GPC that clusters_fit assumes at least (Hopper and Blackwell data-center GPUs: 16-18)
 
 
 @dataclass(frozen=True)
@@ -100,6 +86,25 @@ class Schedule:
     #                       payload is a whole number of them and a block loads them in one round,
     #                       else 0 (kernels/fence.cu: preload_groups)
     clusters: bool = False  # FENCE: small split dispatches may run as one cluster (clusters_fit)
+
+    def clusters_fit(self, blocks_per_sm: int, sm_count: int, ranks_on_device: int) -> bool:
+        """Whether a one-cluster dispatch always finds room on a GPU whose ranks spin on each
+        other: a cluster needs its blocks within one GPC, while the block budget (max_grid)
+        counts slots anywhere. What can be resident and waiting on a rank's pending cluster at
+        T^ <= CLUSTER_TOKENS is every rank's dispatch of that step (one cluster, or the blocks
+        that sanitize its ids) and one PDL successor each, which is that step's combine
+        (capped at CLUSTER_BLOCKS there: combine_want) or, in dispatch-only replays, the next
+        dispatch alike; the next one cannot launch before its dispatch is done, and earlier
+        steps' kernels finish without waiting on this one. Room is then guaranteed both if the
+        blocks of a cluster may share an SM (the free slots outnumber CLUSTER_BLOCKS - 1 per
+        GPC, GPCs counted as one per 8 SMs: none has fewer) and if they need SMs of their own
+        (the SMs the held blocks can fill leave some GPC CLUSTER_BLOCKS SMs with a free slot,
+        GPCs counted as one per GPC_SMS). Work on other streams, which waits on nothing of
+        ours, can only delay a cluster."""
+        held = ranks_on_device * 2 * max(CLUSTER_BLOCKS, self.dispatch_want(0, CLUSTER_TOKENS, "fence"))
+        shared = blocks_per_sm * sm_count - held > (sm_count // 8) * (CLUSTER_BLOCKS - 1)
+        apart = held // blocks_per_sm < sm_count - (CLUSTER_BLOCKS - 1) * max(1, sm_count // GPC_SMS)
+        return shared and apart
 
     def dispatch_splits(self, T: int, tmax: int, payloads) -> int:
         """FENCE: blocks that share one token's pushes. A small batch's token is pushed from
@@ -154,7 +159,7 @@ class Schedule:
         splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
         slots = self.fp8_combine and quantize
         blocks = max(T * splits, self.ep_size * tmax if slots else 0)
-        return (min(blocks, CLUSTER_BLOCKS) if self._clustered(tmax) else blocks), splits  # (clusters_fit)
+        return (min(blocks, CLUSTER_BLOCKS) if self._clustered(tmax) else blocks), splits  # (Schedule.clusters_fit)
 
     def grid(self, want: int, successor_want: int, prev_early: bool, successor_fills: bool = False) -> tuple:
         """(blocks, trigger early) of the next launch, given whether the previous one triggered

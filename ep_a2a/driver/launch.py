@@ -12,7 +12,7 @@ import ctypes
 from cuda.bindings import driver as _drv
 
 from .device import Device
-from .errors import check
+from .errors import CudaError, check
 
 
 _dry = None  # while dry_run() is active: the list each skipped launch is appended to
@@ -96,6 +96,17 @@ def occupancy(function, block: int, shared_bytes: int = 0) -> int:
 def max_active_clusters(launch: Launch) -> int:
     """Clusters of `launch`'s shape (a Launch made with cluster > 1) that fit on its GPU at once."""
     return check(_drv.cuOccupancyMaxActiveClusters(launch.function, launch.config), "cuOccupancyMaxActiveClusters")
+
+
+def cluster_launch(device: Device, function, args, cluster: int, block, pdl: bool, at_once: int):
+    """A Launch of one cluster of `cluster` blocks, or None where fewer than `at_once` such
+    clusters fit on the idle GPU, or where the driver cannot tell (no cluster occupancy, as
+    under MIG or MPS may be: the caller's kernels then go without clusters)."""
+    launch = Launch(device, function, args, cluster, block, pdl=pdl, cluster=cluster)
+    try:
+        return launch if max_active_clusters(launch) >= at_once else None
+    except CudaError:
+        return None
 
 
 def launch_once(device: Device, function, args, grid, block, stream: int, shared_bytes: int = 0) -> None:

@@ -413,12 +413,22 @@ def test_dispatch_splits_spread_small_batches_within_half_the_share():
 
 
 def test_clusters_only_where_one_always_finds_room():
-    """H200: 132 SMs, 4 blocks of 256 threads each (528 slots), counted as 16 GPCs of 8 SMs
-    (112 slots must stay free). 8 in-process ranks (share 66) hold at most 8 * (16 + 33) =
-    392 slots at T^ <= 2; 16 ranks (share 33) 16 * (16 + 16) = 512."""
-    from ep_a2a.schedule import Schedule, clusters_fit
-    assert clusters_fit(4, 132, 1, 528) and clusters_fit(4, 132, 8, 66)
-    assert not clusters_fit(4, 132, 16, 33) and not clusters_fit(1, 132, 8, 16)
-    s = Schedule(8, 8, 256, 7168, 14336, True, pdl=True, max_grid=66, push_groups=900, clusters=True)
-    for T in (1, 2):  # the combine at T^ <= 2 held to one cluster's blocks (a quantizing FP8 one wants ep_size * T^)
-        assert s.combine_want(T, T, "fence", 1)[0] == 8 and s.combine_want(T, 3, "fence", 1)[0] > 8
+    """H200: 132 SMs, 4 blocks of 256 threads each (528 slots). At T^ = 1 a rank holds at most
+    2 * 8 slots (its one-cluster dispatch and one PDL successor, the combine capped at 8), so
+    8 ranks hold 128: 400 slots free against 16 * 7 (blocks of a cluster sharing SMs), and at
+    most 32 SMs full against 132 - 8 * 7 (blocks on SMs of their own). 16 ranks (256 held)
+    still fit, 32 ranks (512) do not, nor 8 ranks at one block per SM. A dispatch whose id
+    sanitizing needs more blocks than the cluster counts those."""
+    from ep_a2a.schedule import Schedule
+    s = Schedule(8, 8, 256, 7168, 14336, True, pdl=True, max_grid=66, push_groups=900)
+    assert s.clusters_fit(4, 132, 1) and s.clusters_fit(4, 132, 8) and s.clusters_fit(4, 132, 16)
+    assert not s.clusters_fit(4, 132, 32) and not s.clusters_fit(1, 132, 8)
+    wide = Schedule(512, 32, 32, 7168, 14336, False, pdl=True, max_grid=66, push_groups=900)  # 64 sanitizing blocks
+    assert wide.dispatch_want(0, 1, "fence") == 64
+    assert wide.clusters_fit(4, 132, 1) and not wide.clusters_fit(4, 132, 4)
+    on = Schedule(8, 8, 256, 7168, 14336, True, pdl=True, max_grid=66, push_groups=900, clusters=True)
+    # the combine at T^ = 1 held to one cluster's blocks (a quantizing FP8 one wants ep_size * T^ blocks)
+    assert on.combine_want(1, 1, "fence", 1)[0] == 8 and on.combine_want(1, 2, "fence", 1)[0] > 8
+    big = Schedule(16, 8, 256, 7168, 14336, True, pdl=True, max_grid=66, push_groups=900, clusters=True)
+    from dataclasses import replace
+    assert big.combine_want(1, 1, "fence", 16)[0] == 8 and replace(big, clusters=False).combine_want(1, 1, "fence", 16)[0] == 16

@@ -62,7 +62,7 @@ def test_split_pushes(ep, top_k, scope, route, monkeypatch):
     in token order. Splitting forced down to one 16-byte group per block, so that these small
     tokens split too: bitwise as the reference with invalid ids, repeated targets (zipf, large
     top_k), T < T^ and 0-token ranks, and then with an inactive rank, whose selections are
-    counted once per token. 1 and 2 tokens run as one cluster of 8 blocks (the cluster
+    counted once per token. 1 token at T^ = 1 runs as one cluster of 8 blocks (the cluster
     barrier), the others elect the last block. The host splits only tokens whose earlier ids
     fit one warp-wide load; lifted here, so that 16 and 40 tokens read them in several rounds.
     top_k 6 (24-byte ids: no 16-byte groups) never splits. "sys": the flags at system scope,
@@ -83,7 +83,12 @@ def test_split_pushes(ep, top_k, scope, route, monkeypatch):
             tokens[-1] = min(tokens[-1], T - 1)
             run(a2a, rng, tokens, T, route=route, invalid_fraction=0.1)
             splits |= {r.params.dispatch_splits for r in a2a.ranks if tokens[r.rank]}
+            if T == 1:  # the grids that were one cluster (8 blocks), or 0
+                clustered = {r.schedule.dispatch_cluster(1, 1, r.params.dispatch_splits, r.last_grids[0])
+                             for r in a2a.ranks if tokens[r.rank]}
         assert (max(splits) > 1) == (top_k != 6), splits
+        assert all(r._cluster is not None for r in a2a.ranks)  # (sm_90: clusters_fit holds for up to 16 ranks)
+        assert clustered == ({8} if top_k != 6 else {0}), clustered
         before = [r.dropped_selections() for r in a2a.ranks[:-1]]
         a2a.set_active_ranks(list(range(ep - 1)))
         tokens = [3] * (ep - 1) + [0]

@@ -38,7 +38,7 @@ def recorder(monkeypatch):
 
     class FakeLaunch:
         def __init__(self, dev, fn, args, grid, block, pdl=False, cluster=1):
-            self.grid, self.fn, self.p = grid, fn, args[0]
+            self.grid, self.fn, self.p = grid, fn if cluster == 1 else f"{fn}@cluster{cluster}", args[0]
 
         def __call__(self, stream):
             rec.append(("launch", self.fn, bytes(self.p), self.grid, stream))
@@ -47,7 +47,8 @@ def recorder(monkeypatch):
     monkeypatch.setattr(A, "Launch", FakeLaunch)
     monkeypatch.setattr(A, "load", lambda name, dev: _Module())
     monkeypatch.setattr(A, "occupancy", lambda f, t: 4)
-    monkeypatch.setattr(A, "max_active_clusters", lambda launch: 64)
+    monkeypatch.setattr(A, "cluster_launch", lambda dev, fn, args, cluster, block, pdl, at_once:
+                        FakeLaunch(dev, fn, args, cluster, block, pdl, cluster))
     monkeypatch.setattr(A, "DeviceAllocation", lambda dev, n: types.SimpleNamespace(ptr=1 << 32))
     monkeypatch.setattr(A, "copy_dtod_async", lambda *args: rec.append(("copy", args)))
     # a Tensor last used on another stream is ordered before the call's (as_tensor): both
@@ -162,6 +163,27 @@ def test_repeat_fast_path_launches_exactly_what_the_full_path_launches(seed, com
     assert len(full) == len(fast)
     bad = [i for i, (x, y) in enumerate(zip(full, fast)) if x != y]
     assert not bad, f"{len(bad)} of {len(full)} records differ, first {full[bad[0]][:2]} at {bad[0]}"
+
+
+def test_one_token_fence_dispatch_runs_as_one_cluster_and_its_repeat_too(recorder, monkeypatch):
+    """At T^ = CLUSTER_TOKENS a split FENCE dispatch launches the clustered kernel (full path
+    and repeats alike); at a larger T^ the plain one, with the same grid of 8 blocks."""
+    from ep_a2a import schedule
+    a2a, r, specs = _rank()
+    a2a.protocol = "fence"
+
+    def launched(T, tmax, steps=8):
+        ids = Tensor(1 << 33, (T, 8), "int32", device=(2, 0))
+        pays = [Tensor((1 << 34) + 4096 * k, (T,) + tuple(s.shape), s.dtype, device=(2, 0)) for k, s in enumerate(specs)]
+        recorder.clear()
+        for _ in range(steps):
+            r.dispatch(ids, pays, tmax)
+            r.combine(r.combine_input(tmax), tmax)
+        return {(x[1], x[3]) for x in recorder if x[0] == "launch" and x[1].startswith("fence_dispatch")}
+    assert schedule.CLUSTER_TOKENS == 1 and r.schedule.clusters
+    assert launched(1, 1) == {("fence_dispatch@cluster8", 8)}
+    assert launched(1, 2) == {("fence_dispatch", 8)}  # T^ decides, as on every rank
+    assert r.last_grids[0] == 8
 
 
 def test_framework_tensors_and_stream_objects_never_repeat(recorder, monkeypatch):
