@@ -566,7 +566,7 @@ class RankAlltoAll(RejectedStep):
         return error_from_record(self.record) if self.record.kind else None
 
     def raise_recorded(self, cause=None) -> None:
-        err = error_from_record(self.record)
+        err = error_from_record(self.record, lost=cause is not None)
         if err is not None:
             raise err from cause
 

@@ -67,8 +67,16 @@ class ActiveRanksMismatchError(PeerError):
     """Ranks used different active-rank sets (set_active_ranks) in one step."""
 
 
-def error_from_record(rec):
+def error_from_record(rec, lost: bool = False):
+    """The PeerError a record holds, or None. lost: the context died (a CudaError), so a
+    record whose fields were written but whose kind was not (the claim taken; another rank's
+    trap ended the kernel first) is reported too, rather than only the driver's
+    'unspecified launch failure'. While kernels run such a record is still being written."""
     phase = PHASE_NAMES.get(rec.phase, rec.phase)
+    if lost and rec.claim and not rec.kind:
+        return PeerError(rec, f"rank {rec.rank} was recording a failed wait in {phase} (for rank {rec.peer} at step "
+                         f"{rec.epoch}, its word read {rec.observed:#x}) when the CUDA context was lost, most likely "
+                         "by another rank's trap; the record's kind never arrived")
     if rec.kind == ERR_TIMEOUT:
         return PeerTimeoutError(rec, f"rank {rec.rank} timed out in {phase} "
                                 f"waiting for rank {rec.peer} at step {rec.epoch} (its flag read {rec.observed})")

@@ -72,17 +72,35 @@ EP_DEVICE void store_word(unsigned char* dst, unsigned bytes, unsigned vec, unsi
   if (vec >= 4 && o + 4 <= bytes) { *reinterpret_cast<unsigned*>(dst + o) = v; return; }
   for (unsigned b = 0; b < 4 && o + b < bytes; ++b) dst[o + b] = static_cast<unsigned char>(v >> (8 * b));
 }
+// Code size. Rows that do not move in 16-byte vectors, and KIND_RAW16 payloads, take the
+// out-of-line paths below (EP_OUT_OF_LINE); the 16-byte path stays inline. Inlined at every
+// unrolled use, their byte loops made the kernels several times larger, and at decode
+// batches fetching that code, not memory, set the pace: on the H200 (8 in-process ranks,
+// deepseek-v3 bf16, 1 token per rank) a third of the code took the round trip from 14.8 to
+// 13.0 µs. On sm_100/103 the calls cost sentinel_dispatch spills under its 64 registers
+// (ptxas), so there they stay inline.
+#if __CUDA_ARCH__ >= 1000
+#define EP_OUT_OF_LINE EP_DEVICE
+#else
+#define EP_OUT_OF_LINE __device__ __noinline__
+#endif
+//
 // Words 4g..4g+3 of a row of `bytes` bytes (zero past its end), whatever its alignment.
-EP_DEVICE uint4 load_group(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
-  if (vec == 16) return reinterpret_cast<const uint4*>(src)[g];
+EP_OUT_OF_LINE uint4 load_group_any(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
   return make_uint4(load_word(src, bytes, vec, 4 * g), load_word(src, bytes, vec, 4 * g + 1),
                     load_word(src, bytes, vec, 4 * g + 2), load_word(src, bytes, vec, 4 * g + 3));
 }
+EP_DEVICE uint4 load_group(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
+  return vec == 16 ? reinterpret_cast<const uint4*>(src)[g] : load_group_any(src, bytes, vec, g);
+}
 // The same four words into a row (nothing past its end).
-EP_DEVICE void store_group(unsigned char* dst, unsigned bytes, unsigned vec, unsigned g, uint4 v) {
-  if (vec == 16) { reinterpret_cast<uint4*>(dst)[g] = v; return; }
+EP_OUT_OF_LINE void store_group_any(unsigned char* dst, unsigned bytes, unsigned vec, unsigned g, uint4 v) {
   store_word(dst, bytes, vec, 4 * g, v.x); store_word(dst, bytes, vec, 4 * g + 1, v.y);
   store_word(dst, bytes, vec, 4 * g + 2, v.z); store_word(dst, bytes, vec, 4 * g + 3, v.w);
+}
+EP_DEVICE void store_group(unsigned char* dst, unsigned bytes, unsigned vec, unsigned g, uint4 v) {
+  if (vec == 16) reinterpret_cast<uint4*>(dst)[g] = v;
+  else store_group_any(dst, bytes, vec, g, v);
 }
 
 // ---- landing groups: the 16-byte vectors of one token slot's landing slots, payloads 1..,
@@ -100,21 +118,29 @@ EP_DEVICE int locate(const A2AParams& p, unsigned& x) {
 }
 // Landing group g of payload d, from the token's row: escaped words, or (KIND_RAW16) data
 // words 2g, 2g + 1 as four 16-bit halves, so that no landing word can equal the sentinel.
-EP_DEVICE uint4 landing_value(const PayloadDesc& d, const unsigned char* row, unsigned g) {
+EP_OUT_OF_LINE uint4 landing_value_any(const PayloadDesc& d, const unsigned char* row, unsigned g) {
   if (d.sentinel_kind == EP_KIND_RAW16) {
     const unsigned a = load_word(row, d.bytes_per_token, d.vec, 2 * g), b = load_word(row, d.bytes_per_token, d.vec, 2 * g + 1);
     return make_uint4(a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16);
   }
-  return escape4(load_group(row, d.bytes_per_token, d.vec, g), d.sentinel_kind);
+  return escape4(load_group_any(row, d.bytes_per_token, d.vec, g), d.sentinel_kind);
+}
+EP_DEVICE bool vector_path(const PayloadDesc& d) { return d.vec == 16 && d.sentinel_kind != EP_KIND_RAW16; }
+EP_DEVICE uint4 landing_value(const PayloadDesc& d, const unsigned char* row, unsigned g) {
+  return vector_path(d) ? escape4(reinterpret_cast<const uint4*>(row)[g], d.sentinel_kind) : landing_value_any(d, row, g);
 }
 // Its inverse, into the dispatch workspace row.
-EP_DEVICE void store_received(const PayloadDesc& d, unsigned char* row, unsigned g, uint4 v) {
+EP_OUT_OF_LINE void store_received_any(const PayloadDesc& d, unsigned char* row, unsigned g, uint4 v) {
   if (d.sentinel_kind == EP_KIND_RAW16) {
     store_word(row, d.bytes_per_token, d.vec, 2 * g, v.x | (v.y << 16));
     store_word(row, d.bytes_per_token, d.vec, 2 * g + 1, v.z | (v.w << 16));
   } else {
-    store_group(row, d.bytes_per_token, d.vec, g, v);
+    store_group_any(row, d.bytes_per_token, d.vec, g, v);
   }
+}
+EP_DEVICE void store_received(const PayloadDesc& d, unsigned char* row, unsigned g, uint4 v) {
+  if (vector_path(d)) reinterpret_cast<uint4*>(row)[g] = v;
+  else store_received_any(d, row, g, v);
 }
 // Byte offset, in every workspace, of landing group g of payload d in slot i of `source`.
 EP_DEVICE size_t landing_at(const A2AParams& p, const PayloadDesc& d, int source, int i, unsigned g) {
@@ -493,6 +519,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __g
   // the previous kernel instead of following it (as in fence.cu).
   int* const records = section<int>(p, p.rank, p.off_records);
   if (threadIdx.x == 0) s_state = ~0u;  // no item's tag (the first barrier below publishes it)
+  warm_params(p);
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const int tmax = p.runtime_max_tokens_per_rank;
@@ -530,6 +557,7 @@ __device__ void sentinel_combine(const A2AParams& p) {
   __shared__ int s_tgt[EP_MAX_TOP_K];
   __shared__ int s_n;
   const int* const records = section<const int>(p, p.rank, p.off_records);  // (before the wait, as in dispatch)
+  warm_params(p);
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);

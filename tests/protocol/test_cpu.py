@@ -241,6 +241,13 @@ def test_error_records_decode_into_the_documented_errors():
     assert isinstance(e, errors.ActiveRanksMismatchError)
     e = errors.error_from_record(_record(layout.ERR_TMAX_MISMATCH, 8 | 3 << B, 16 | 3 << B))
     assert isinstance(e, errors.RuntimeMaxMismatchError) and "used 16" in str(e) and "used 8" in str(e)
+    # fields written, kind not (the context was lost first): reported only once it is lost
+    rec = _record(0, observed=layout.SENTINEL_IDS, phase=3, peer=4)
+    rec.claim = 1
+    assert errors.error_from_record(rec) is None
+    e = errors.error_from_record(rec, lost=True)
+    assert type(e) is errors.PeerError and (e.rank, e.peer, e.phase, e.epoch) == (0, 4, "sentinel-dispatch", 7)
+    assert "0x88888888" in str(e) and "context was lost" in str(e)
 
 
 def test_reference_dispatch_drops_inactive_ranks_and_counts_them():
