@@ -247,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
   // together) let the next kernel launch once their pushes are issued: its launch is still
   // hidden behind our publish and wait, and its blocks are not placed while we push (on the
   // H200 at 32 tokens per rank, triggering here rather than at the start took the round trip
-  // from 27.9-29.5 to 26.7-27.1 µs; 1-16 tokens within ±0.3).
+  // from 28.1-29.5 to 26.7-27.1 µs; 1-16 tokens within ±0.3).
   if (p.trigger_early) griddep_launch_dependents();
   publish_counts(p, cnt, f);  // lines 7-10
   wait_counts(p, f, s_count); // line 11
