@@ -26,7 +26,7 @@ from .driver.memory import DeviceAllocation, copy_dtod_async, copy_dtoh, memset_
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
 from .driver.vmm import HostMapped
-from .errors import StateError, error_from_record
+from .errors import StateError, error_from_record, error_from_records
 from .group import hold_frees_for, release_frees_if_safe
 from .interop.tensor import CUDA, Tensor, as_dtype as lookup_dtype
 from .layout import A2AParams, ErrorRecord, Q8_BLOCK, TAG_TMAX_BITS, WorkspaceLayout, landing_bytes, sentinel_kind
@@ -565,8 +565,8 @@ class RankAlltoAll(RejectedStep):
         """This rank's recorded PeerError, or None (see MoeAlltoAll.error)."""
         return error_from_record(self.record) if self.record.kind else None
 
-    def raise_recorded(self, cause=None) -> None:
-        err = error_from_record(self.record, lost=cause is not None)
+    def raise_recorded(self, cause=None) -> None:  # (cause: the CudaError; a lost context reads every rank's record)
+        err = error_from_records(self.record, [r.record for r in self.a2a.ranks] if cause is not None else (), cause)
         if err is not None:
             raise err from cause
 
@@ -587,7 +587,7 @@ class RankAlltoAll(RejectedStep):
         try:
             self.device.synchronize()  # a recorded PeerError was raised already; closing is allowed
         except CudaError:
-            if not self.record.kind:
+            if not (self.record.kind or self.record.claim):
                 raise
         finally:
             # the record outlives the host-mapped page it lives in: raise_recorded and

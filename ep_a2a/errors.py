@@ -67,16 +67,32 @@ class ActiveRanksMismatchError(PeerError):
     """Ranks used different active-rank sets (set_active_ranks) in one step."""
 
 
-def error_from_record(rec, lost: bool = False):
-    """The PeerError a record holds, or None. lost: the context died (a CudaError), so a
-    record whose fields were written but whose kind was not (the claim taken; another rank's
-    trap ended the kernel first) is reported too, rather than only the driver's
-    'unspecified launch failure'. While kernels run such a record is still being written."""
+LAUNCH_FAILED = 719  # CUDA_ERROR_LAUNCH_FAILED: what a kernel's trap leaves (the context is lost)
+
+
+def error_from_records(own, others=(), cause=None):
+    """The PeerError of record `own`, or None. When `cause` is the CudaError a trap leaves,
+    the context is lost for every rank of this process, so the first complete record among
+    `others` (those ranks' records) comes next, and failing that a record whose claim was
+    taken but whose kind never arrived (its writer was ended first: by a block of its own
+    rank that lost the claim and trapped at once, or by another rank's trap). While kernels
+    run such a record is still being written, so only a lost context reads it."""
+    err = error_from_record(own)
+    if err is not None or getattr(cause, "code", None) != LAUNCH_FAILED:
+        return err
+    recs = [own, *others]
+    err = next((e for e in map(error_from_record, recs) if e is not None), None)
+    rec = next((r for r in recs if r.claim and not r.kind), None)
+    if err is not None or rec is None:
+        return err
+    what = (f"rank {rec.rank} was recording a failure in {PHASE_NAMES[rec.phase]} (its fields, which may be incomplete, "
+            f"name rank {rec.peer} at step {rec.epoch} and the word {rec.observed:#x})" if rec.phase in PHASE_NAMES
+            else "a kernel had begun recording a failure (none of its fields arrived)")
+    return PeerError(rec, f"{what} when the CUDA context was lost, before the record's kind was written")
+
+
+def error_from_record(rec):
     phase = PHASE_NAMES.get(rec.phase, rec.phase)
-    if lost and rec.claim and not rec.kind:
-        return PeerError(rec, f"rank {rec.rank} was recording a failed wait in {phase} (for rank {rec.peer} at step "
-                         f"{rec.epoch}, its word read {rec.observed:#x}) when the CUDA context was lost, most likely "
-                         "by another rank's trap; the record's kind never arrived")
     if rec.kind == ERR_TIMEOUT:
         return PeerTimeoutError(rec, f"rank {rec.rank} timed out in {phase} "
                                 f"waiting for rank {rec.peer} at step {rec.epoch} (its flag read {rec.observed})")

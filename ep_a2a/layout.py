@@ -165,7 +165,7 @@ class A2AParams(ctypes.Structure):
         ("num_payloads", ctypes.c_int32),
         ("combine_kind", ctypes.c_int32),            # SENTINEL escape of the partial results
         ("combine_slot_bytes", ctypes.c_int32),      # SENTINEL combine slot stride
-        ("trigger_early", ctypes.c_int32),           # PDL: let the next kernel launch at once (small grids)
+        ("trigger_early", ctypes.c_int32),           # PDL: let the next kernel launch early (small grids; FENCE dispatch: after its pushes)
         ("combine_splits", ctypes.c_int32),          # blocks sharing one token's reduction (small batches)
         ("dispatch_splits", ctypes.c_int32),         # FENCE: blocks sharing one token's pushes (small batches)
         ("combine_prequantized", ctypes.c_int32),    # FP8 combine: the MoE epilogue wrote combine_q itself

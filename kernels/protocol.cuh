@@ -15,10 +15,12 @@
 // misses. One load per 64-byte line, all issued together by the first warp before
 // griddep_wait, moves those misses onto the previous kernel's tail (on the H200, 8 in-process
 // ranks: FENCE's 1-token round trip 7.9-8.0 -> 7.5-7.6 µs). Only grids that trigger their
-// successor early do it: they follow a kernel that did the same (the host decides both alike
-// for one batch size), so they were launched early and wait at griddep_wait anyway, while a
-// kernel launched as its predecessor ends would wait for the misses itself. The shared store
-// is a use that ptxas cannot drop; every thread writes its own word.
+// successor early do it, as the kernel cannot tell whether it was itself launched early: in
+// steady state at one batch size the host decides both phases alike, so those grids wait at
+// griddep_wait anyway; where a kernel launched as its predecessor ended (the first step, after
+// a larger one, a held launch), the misses sit on its own path, as they did unconditionally at
+// 64 and 128 tokens (+1.5 µs). The shared store is a use that ptxas cannot drop; every thread
+// writes its own word.
 EP_DEVICE void warm_params(const A2AParams& p) {
   if (!p.trigger_early) return;
   constexpr unsigned LINE = 64 / sizeof(unsigned), N = sizeof(A2AParams) / sizeof(unsigned);

@@ -153,8 +153,8 @@ EP_DEVICE size_t landing_at(const A2AParams& p, const PayloadDesc& d, int source
 // last block to arrive, which acquires (sentinel_dispatch's end), moves the counter after
 // every read. Counting at the start, not at the end, keeps the election's round trip off the
 // end of the kernel: nobody waits for the result until the block's work is done. The thread
-// is the last warp's first: that warp selects no targets and, at decode batches, loads no
-// payload groups, so the release waits for the counter read alone and not for the selection
+// is the last warp's first: that warp selects no targets and, at decode batches and 256
+// threads, loads no payload groups, so the release waits for the counter read alone, not the selection
 // (thread 0, which selects, took 0.35 µs longer to the barrier at 1 token on the H200).
 EP_DEVICE unsigned counter_thread() { return blockDim.x - 32; }
 EP_DEVICE unsigned arrive(const A2AParams& p) {

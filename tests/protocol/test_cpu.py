@@ -241,13 +241,23 @@ def test_error_records_decode_into_the_documented_errors():
     assert isinstance(e, errors.ActiveRanksMismatchError)
     e = errors.error_from_record(_record(layout.ERR_TMAX_MISMATCH, 8 | 3 << B, 16 | 3 << B))
     assert isinstance(e, errors.RuntimeMaxMismatchError) and "used 16" in str(e) and "used 8" in str(e)
-    # fields written, kind not (the context was lost first): reported only once it is lost
-    rec = _record(0, observed=layout.SENTINEL_IDS, phase=3, peer=4)
-    rec.claim = 1
-    assert errors.error_from_record(rec) is None
-    e = errors.error_from_record(rec, lost=True)
+    # claim taken, kind not written (the context was lost first): reported only for a trap's
+    # launch failure, and only when no record is complete
+    class Lost(Exception):
+        code = errors.LAUNCH_FAILED
+    half = _record(0, observed=layout.SENTINEL_IDS, phase=3, peer=4)
+    half.claim = 1
+    assert errors.error_from_record(half) is None and errors.error_from_records(half) is None
+    e = errors.error_from_records(half, (), Lost())
     assert type(e) is errors.PeerError and (e.rank, e.peer, e.phase, e.epoch) == (0, 4, "sentinel-dispatch", 7)
     assert "0x88888888" in str(e) and "context was lost" in str(e)
+    assert errors.error_from_records(half, (), ValueError()) is None  # not a lost context
+    whole = _record(layout.ERR_TIMEOUT, phase=4, peer=6)
+    assert isinstance(errors.error_from_records(half, [half, whole], Lost()), errors.PeerTimeoutError)  # a complete one wins
+    assert errors.error_from_records(half, [whole], ValueError()) is None  # others' records only for a lost context
+    blank = _record(0, phase=0)
+    blank.claim = 1
+    assert "none of its fields arrived" in str(errors.error_from_records(blank, (), Lost()))
 
 
 def test_reference_dispatch_drops_inactive_ranks_and_counts_them():
