@@ -1,6 +1,6 @@
-// The steps FENCE and SENTINEL share (paper §4): workspace access, the step counter, the
-// bounded wait and its failure record, the last-block election, publishing flags to the
-// peers, and the hand-over between the protocols (protocol="auto").
+// The steps FENCE and SENTINEL share (paper §4): warming the parameters, workspace access,
+// the step counter, the bounded wait and its failure record, the last-block election,
+// publishing flags to the peers, and the hand-over between the protocols (protocol="auto").
 //
 // Names follow the paper: s is this rank, f the step (flag value), done the local counter
 // of finished blocks, F[r][s] the flag source s writes on rank r.
@@ -8,8 +8,7 @@
 #include "ptx.cuh"
 #include "generated/params.cuh"
 
-// ---- workspaces
-// Rank r's workspace as mapped here (r == p.rank: our own).
+// ---- parameters
 // The parameters live in constant bank 0, which a kernel finds cold: each first access to a
 // line of it misses, and the address computations after griddep_wait chain several such
 // misses. One load per 64-byte line, all issued together by the first warp before
@@ -29,6 +28,9 @@ EP_DEVICE void warm_params(const A2AParams& p) {
   const unsigned i = threadIdx.x * LINE;
   if (i < N) st_volatile(&sink[threadIdx.x], reinterpret_cast<const unsigned*>(&p)[i]);
 }
+
+// ---- workspaces
+// Rank r's workspace as mapped here (r == p.rank: our own).
 EP_DEVICE char* workspace(const A2AParams& p, int r) { return reinterpret_cast<char*>(p.peer_base[r]); }
 // The section at byte `offset` of rank r's workspace, as an array of T.
 template <typename T>
