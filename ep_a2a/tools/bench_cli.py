@@ -67,8 +67,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--stamps", action="store_true",
                     help="also time a graph with device timestamps between the phases (SENTINEL's dispatch / "
                          "combine split, and FENCE's as a check); off by default: on the H200 with 8 in-process "
-                         "ranks that graph ended in a launch failure at FENCE 128 and SENTINEL 16 tokens per rank "
-                         "(cause not found yet), while 1 and 4 tokens ran")
+                         "ranks that graph hung (a timeout's launch failure) at FENCE 128 and SENTINEL 16 tokens per "
+                         "rank, where every rank's grid is its whole share of the GPU (cause not found yet), while 1 "
+                         "and 4 tokens ran; such sizes now take no stamped graph and say why (stamps_refused)")
     ap.add_argument("--threads", type=int, default=256, help="threads per block of the protocol kernels")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/<device>-<date>.json)")
     ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
