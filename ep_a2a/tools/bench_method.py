@@ -176,9 +176,8 @@ def stamps_refused(grids, max_grids, ranks_on_device) -> str | None:
     GPU exactly, and the graph with stamp kernels between the phases hung there on the H200
     (SENTINEL at 16 tokens, 66 of 66 blocks; FENCE at 128 tokens with PDL stamps): the row
     then gives the round trip without a stamped split instead of ending the sweep."""
-    full = [i for i, (g, m, n) in enumerate(zip(grids, max_grids, ranks_on_device)) if n > 1 and max(g) >= m]
-    if not full:
+    i = next((i for i, (g, m, n) in enumerate(zip(grids, max_grids, ranks_on_device)) if n > 1 and max(g) >= m), None)
+    if i is None:
         return None
-    return (f"rank {full[0]}'s grid fills its share of the GPU ({max(grids[full[0]])} of {max_grids[full[0]]} blocks, "
-            f"{ranks_on_device[full[0]]} ranks on it): stamp kernels between the phases hung there")
-
+    return (f"rank {i}'s grid fills its share of the GPU ({max(grids[i])} of {max_grids[i]} blocks, "
+            f"{ranks_on_device[i]} ranks on it): stamp kernels between the phases hung there")
