@@ -100,15 +100,10 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
     const int i = w / S, part = w % S;
     const unsigned g0 = groups * part / S, g1 = groups * (part + 1) / S;
     uint4 v[PRELOAD_U];
-#pragma unroll
-    for (int u = 0; u < PRELOAD_U; ++u) {
-      unsigned x = g0 + threadIdx.x + u * blockDim.x;
-      v[u] = make_uint4(0, 0, 0, 0);
-      if (x < g1) {
-        const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
-        v[u] = reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token)[x];
-      }
-    }
+    load_groups(v, g0, g1, [&](unsigned x) {
+      const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
+      return reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token)[x];
+    });
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
       const int* const ids = reinterpret_cast<const int*>(p.payloads[0].src);

@@ -118,6 +118,20 @@ EP_DEVICE void push_payload(unsigned vec, const char* src, const Targets& tg, un
   }
 }
 
+// Groups [g0, g1) of a token's 16-byte groups, thread by thread: group g0 + threadIdx.x +
+// u * blockDim.x into v[u] (zero past g1), every load issued before any is used, so that a
+// round of a token's loads is in flight together (FENCE's preloaded push, SENTINEL's send).
+// load(x) reads group x.
+template <int U, typename Load>
+EP_DEVICE void load_groups(uint4 (&v)[U], unsigned g0, unsigned g1, const Load& load) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const unsigned x = g0 + threadIdx.x + u * blockDim.x;
+    v[u] = make_uint4(0, 0, 0, 0);
+    if (x < g1) v[u] = load(x);
+  }
+}
+
 template <typename T> EP_DEVICE float to_float(T x);
 template <> EP_DEVICE float to_float<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 template <> EP_DEVICE float to_float<__half>(__half x) { return __half2float(x); }

@@ -178,15 +178,10 @@ EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int*
   const unsigned total = token ? slot_groups(p) : 0;
   const unsigned g0 = total * c / C, g1 = total * (c + 1) / C;
   uint4 v[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    unsigned x = g0 + threadIdx.x + u * blockDim.x;
-    v[u] = make_uint4(0, 0, 0, 0);
-    if (x < g1) {
-      const PayloadDesc& d = p.payloads[locate(p, x)];
-      v[u] = landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
-    }
-  }
+  load_groups(v, g0, g1, [&](unsigned x) {
+    const PayloadDesc& d = p.payloads[locate(p, x)];
+    return landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
+  });
   const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + static_cast<size_t>(i) * K;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
