@@ -29,6 +29,16 @@ its help: that graph failed at some sizes) SENTINEL rows give the round trip onl
 a size whose grids fill a shared GPU takes no stamped graph either, and its row says why
 (`stamps_refused`, bench_method.stamps_refused).
 
+What the graph is not: a MoE step. Dispatch and combine run back to back, and the partial
+results combine reads are written once, before the graphs (the step's expert compute writes
+them just before its combine). So where all ranks' bytes outgrow the L2 (one GPU,
+deepseek-v3: from 16-32 tokens per rank), each dispatch's pushes evict the partial results
+and the combine figure includes their misses, which a step would not pay: on the H200,
+marking the pushes evict-first took 0.4-0.8 µs off the 16-token and 1.6-2.1 off the 32-token
+combine, nothing off dispatch
+(bench/results/ab-cache-hints-cold-paths-1f5c414). The byte floors' buffers, replayed
+alone, stay in L2 at such sizes.
+
 Floors, measured in the same run:
   * latency: the same graphs with every kernel replaced by an empty kernel of the same
     launch shape (`floor_round_trip_us`, `floor_dispatch_us`, `floor_combine_us`);
