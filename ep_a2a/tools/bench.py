@@ -35,9 +35,8 @@ them just before its combine). So where all ranks' bytes outgrow the L2 (one GPU
 deepseek-v3: from 16-32 tokens per rank), each dispatch's pushes evict the partial results
 and the combine figure includes their misses, which a step would not pay: on the H200,
 marking the pushes evict-first took 0.4-0.8 µs off the 16-token and 1.6-2.1 off the 32-token
-combine, nothing off dispatch
-(bench/results/ab-cache-hints-cold-paths-1f5c414). The byte floors' buffers, replayed
-alone, stay in L2 at such sizes.
+combine, nothing off dispatch (bench/results/ab-cache-hints-cold-paths-1f5c414). The byte
+floors' buffers, replayed alone, stay in L2 at such sizes.
 
 Floors, measured in the same run:
   * latency: the same graphs with every kernel replaced by an empty kernel of the same
