@@ -158,7 +158,10 @@ EP_DEVICE size_t landing_at(const A2AParams& p, const PayloadDesc& d, int source
 // a selection's stores (on thread 0 it did: moving it took the H200's 1-token round trip from
 // 11.0 to 10.7 µs, 8 in-process ranks, deepseek-v3 bf16).
 EP_DEVICE unsigned counter_thread() { return blockDim.x - 32; }
-EP_DEVICE unsigned arrive(const A2AParams& p) {
+// By counter_thread: the step f into `f`, then the block counted in; returns the blocks
+// counted before it.
+EP_DEVICE unsigned arrive(const A2AParams& p, unsigned& f) {
+  f = read_epoch(p) + 1;
   return atomic_add_release_gpu(section<unsigned>(p, p.rank, p.off_done), 1u);
 }
 
@@ -202,10 +205,7 @@ EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int*
     if (c == 0 && token && lane < K) records[i * K + lane] = sel_first ? pack_record(i, t) : -1;
     if (lane == 0) sh.n = __popc(firsts);
   }
-  if (first && threadIdx.x == counter_thread()) {
-    sh.f = read_epoch(p) + 1;
-    arrival = arrive(p);
-  }
+  if (first && threadIdx.x == counter_thread()) arrival = arrive(p, sh.f);
   __syncthreads();
   const int n = sh.n;
   for (unsigned x0 = g0 + threadIdx.x; n > 0; x0 += U * blockDim.x) {
@@ -530,10 +530,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __g
   bool first = true;
   for (int w = blockIdx.x; w < tmax * C; w += gridDim.x, first = false) send_part(p, sh, w / C, w % C, C, records, first, arrival);
   if (first) {  // no part to send: the step counter as in send_part
-    if (threadIdx.x == counter_thread()) {
-      sh.f = read_epoch(p) + 1;
-      arrival = arrive(p);
-    }
+    if (threadIdx.x == counter_thread()) arrival = arrive(p, sh.f);
     __syncthreads();
   }
   const unsigned f = sh.f;
