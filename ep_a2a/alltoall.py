@@ -213,7 +213,7 @@ class MoeAlltoAll(Owned):
             raise first
 
 
-class RankAlltoAll(RejectedStep):
+class RankAlltoAll(RejectedStep, fastpath.RepeatedCalls):
     """Dispatch and combine of one rank; all state lives on the device except a phase check."""
 
     def __init__(self, a2a: MoeAlltoAll, index: int, rank):
@@ -420,21 +420,6 @@ class RankAlltoAll(RejectedStep):
         require(type(num_tokens) is int and 0 <= num_tokens <= n, "num_tokens", f"must be an int in 0..{n}, got {num_tokens!r}")
         return self._view(self.a2a.layout.off_records, (num_tokens, self.a2a.top_k), "int32", None)
 
-    def _dispatch_again(self, r: "fastpath.Repeat", ids) -> tuple:
-        """dispatch() as the last one (fastpath): only the ids' check, PDL's trigger and the count redone."""
-        if self.validate_expert_ids and r.T and not is_capturing(r.s):
-            check_expert_ids_on_host(ids, r.s, self.a2a.num_experts)
-        self.params.trigger_early, self._prev_early = r.early, r.early
-        self.device.make_current()
-        self._launch(r.launch, r.s)
-        self.last_protocol = r.proto
-        self.steps += 1
-        self._dispatched_tmax, self._local_tokens = r.tmax, r.T
-        views = r.extra
-        for v in (views[0], *views[1]):
-            v.stream = r.s
-        return views
-
     def combine(self, partial, runtime_max_tokens_per_rank: int = None, stream=None, out=None) -> Tensor:
         """Sum, for each local token, the partial results its target ranks computed.
 
@@ -449,8 +434,7 @@ class RankAlltoAll(RejectedStep):
         if self._dispatched_tmax is None:
             raise StateError(f"rank {self.rank}: combine called without a dispatch before it")
         rep = self._repeat_combine
-        if (rep is not None and type(tmax) is int and tmax == self._dispatched_tmax and self._local_tokens == rep.T
-                and self.last_protocol == rep.proto and rep.matches(self, partial, (out,), tmax, stream)):
+        if rep is not None and self._combine_repeats(rep, tmax) and rep.matches(self, partial, (out,), tmax, stream):
             return self._combine_again(rep)
         a = self.a2a
         steps_before, early_before = self.steps, self._prev_early
@@ -510,29 +494,12 @@ class RankAlltoAll(RejectedStep):
             got = self._fp8_inputs[tmax] = (part, tuple((t.ptr, t.shape, t.dtype.name) for t in part[:2]))
         return got
 
-    def _combine_again(self, r: "fastpath.Repeat") -> Tensor:
-        """combine() as the last one (fastpath): the staging copy, if any, and the launch."""
-        out_t, stage = r.extra
-        self.params.trigger_early, self._prev_early = r.early, r.early
-        self.device.make_current()
-        if stage:
-            copy_dtod_async(*stage, r.s)
-        self._launch(r.launch, r.s)
-        self._dispatched_tmax = None
-        release_frees_if_safe(r.s)
-        out_t.stream = r.s
-        return out_t
-
     def _grid(self, want: int, successor_want: int, successor_fills: bool = False) -> int:
         """schedule.Schedule.grid with this rank's PDL history: the blocks of the next launch."""
         grid, early = self.schedule.grid(want, successor_want, self._prev_early, successor_fills)
         self.params.trigger_early = int(early)
         self._prev_early = early
         return grid
-
-    def repeat_state(self) -> tuple:
-        """What a repeated call's result depends on besides its arguments (fastpath.Repeat)."""
-        return (self._prev_early, self.a2a.protocol, self._tag_hi, self._quantizing_combine)
 
     @property
     def last_grids(self) -> tuple:

@@ -67,30 +67,38 @@ class TensorSlot:
         # (torch_dtype None until the first fill: no torch dtype is None, so that fill takes _refill)
         self.name, self.tensor, self.torch_dtype, self.ordinal, self.dense = name, None, None, None, False
 
-    def fill(self, t) -> Tensor:
-        """The slot's Tensor, rewritten from torch tensor `t`."""
+    def update(self, t) -> bool:
+        """Rewrite the slot's Tensor from torch tensor `t`; True when that changed nothing (t
+        has the address, shape, strides, dtype and device of the tensor filled in last), which
+        lets the torch ops vouch for a repeated call (RankAlltoAll.dispatch_same)."""
         # (hot path: five accessor calls, ~0.35 µs, when the dtype and device are the last call's;
-        # the slot alone writes its Tensor, so its dtype and device fields still hold what they
-        # were set to. is_contiguous() costs less than stride(), and stands for it when the last
+        # the slot alone writes its Tensor's geometry, so its fields still hold what they were
+        # set to. is_contiguous() costs less than stride(), and stands for it when the last
         # tensor was contiguous too and the shape is unchanged: _strides_of.)
         dt, ordinal = t.dtype, t.get_device()
         if dt is not self.torch_dtype or ordinal != self.ordinal:
-            return self._refill(t, dt, ordinal)
-        w = self.tensor
-        w.ptr = t.data_ptr()
-        shape = t.shape
+            self._refill(t, dt, ordinal)
+            return False
+        w, ptr, shape = self.tensor, t.data_ptr(), t.shape
         if shape == w.shape:  # (a torch.Size equals the tuple of its extents)
-            if self.dense and t.is_contiguous():
-                return w
-            if not self.dense and t.stride() == w.strides:
-                return w
+            if t.is_contiguous() if self.dense else t.stride() == w.strides:
+                if ptr == w.ptr:
+                    return True
+                w.ptr = ptr
+                return False
         else:
             w.shape = tuple(shape)
+        w.ptr = ptr
         w.strides, self.dense = _strides_of(t, w.shape)
-        return w
+        return False
 
-    __call__ = fill  # (slot(t) reads well; the hot paths call slot.fill(t): a bound-method call costs
-    #                  less than a call through __call__, ~30 ns against ~75 on CPython 3.11)
+    def fill(self, t) -> Tensor:
+        """The slot's Tensor, rewritten from torch tensor `t`."""
+        self.update(t)
+        return self.tensor
+
+    __call__ = fill  # (slot(t) reads well; the hot paths call slot.update(t) or slot.fill(t): a bound-method
+    #                  call costs less than a call through __call__, ~30 ns against ~75 on CPython 3.11)
 
     def _refill(self, t, dt, ordinal: int) -> Tensor:
         d = (_BY_TORCH or _tables()).get(dt)

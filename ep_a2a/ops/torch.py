@@ -34,8 +34,9 @@ plain_eager()), where they run the same implementations directly: the dispatcher
 
 Host cost: the ops never call DLPack per call. Each tensor argument fills an ep_a2a Tensor
 kept per argument position (interop/torch_tensor.TensorSlot), so a step whose tensors sit
-where the last step's did takes the all-to-all's repeat fast path; the stream is read as a
-raw handle. combine(out=None) allocates its output (a few µs): engines pass out=. Expert ids
+where the last step's did takes the all-to-all's repeat fast path; since the slots see
+whether a fill changed anything, such a step repeats without the all-to-all's geometry
+compare (RankAlltoAll.dispatch_same / combine_same); the stream is read as a raw handle. combine(out=None) allocates its output (a few µs): engines pass out=. Expert ids
 are not copied to the host by default (bind(validate_expert_ids=False)): the kernel drops
 ids outside 0..num_experts-1 and -1; True checks them on the host at every eager dispatch (a
 synchronization; skipped under capture).
@@ -106,13 +107,20 @@ def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tok
     # (torch's current stream, the usual case, read here: StreamUse.pick's call costs ~0.15 µs)
     s, explicit = (current_stream_handle(b.ordinal), False) if stream == -1 else b.streams.pick(stream)
     try:
-        ids, pays = b.dispatch_args(token_selected_experts, payloads)
+        ids, pays, same = b.dispatch_args(token_selected_experts, payloads)
         if b.validate_expert_ids and ids.shape[0] and not is_capturing(s):
             check_expert_ids_on_host(ids, s, b.a2a.num_experts)
     except (TypeError, ValueError) as e:  # refused here, before the all-to-all saw it:
+        b.vouched_dispatch = None
         b.r.reject_step(runtime_max_tokens_per_rank, s, e)  # peers in other processes may have launched
         raise
-    b.r.dispatch(ids, pays, runtime_max_tokens_per_rank, s)
+    # (the slots' own objects, none of their fields changed: the all-to-all's repeat without its
+    # geometry compare, ~0.7 µs less per call)
+    if not (same and b.vouched_dispatch is not None
+            and b.r.dispatch_same(b.vouched_dispatch, runtime_max_tokens_per_rank, s) is not None):
+        b.vouched_dispatch = None
+        b.r.dispatch(ids, pays, runtime_max_tokens_per_rank, s)
+        b.vouched_dispatch = b.r.last_repeats[0]
     b.local_tokens = ids.shape[0]
     if explicit:
         b.streams.hold(s, (token_selected_experts, *payloads))
@@ -121,8 +129,14 @@ def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tok
 def run_combine(b: TorchRank, partial, scales, runtime_max_tokens_per_rank, out, stream: int) -> None:
     """The combine itself, into `out` (see run_dispatch)."""
     s, explicit = (current_stream_handle(b.ordinal), False) if stream == -1 else b.streams.pick(stream)
-    part = b.partial_arg(partial, scales, runtime_max_tokens_per_rank)
-    b.r.combine(part, runtime_max_tokens_per_rank, s, b.out_slot.fill(out))  # (positional: cheaper than keywords)
+    part, same = b.partial_arg(partial, scales, runtime_max_tokens_per_rank)
+    same &= b.out_slot.update(out)
+    record, vouched_part = b.vouched_combine
+    if not (same and record is not None and part is vouched_part
+            and b.r.combine_same(record, runtime_max_tokens_per_rank, s) is not None):
+        b.vouched_combine = None, None
+        b.r.combine(part, runtime_max_tokens_per_rank, s, b.out_slot.tensor)  # (positional: cheaper than keywords)
+        b.vouched_combine = b.r.last_repeats[1], part
     if explicit:
         b.streams.hold(s, (partial, out))
 

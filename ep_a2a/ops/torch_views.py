@@ -108,6 +108,11 @@ class TorchRank:
         self.partial_slot, self.out_slot = TensorSlot("partial"), TensorSlot("out")
         self.streams = StreamUse(r.device, self.ordinal)
         self.local_tokens = None  # tokens of the last dispatch (combine's default output rows)
+        # The all-to-all's repeat records (RankAlltoAll.last_repeats) as our last call of each
+        # phase left them, with the partial it was given: a call handing the same objects,
+        # none of whose fields an update changed, repeats it without the geometry compare
+        # (dispatch_same). None from a call that changed a slot until that call succeeded.
+        self.vouched_dispatch, self.vouched_combine = None, (None, None)
         self._dispatch, self._combine, self._fp8 = {}, {}, {}
         self.handle = next(_HANDLES)
         RANKS[self.handle] = self
@@ -154,40 +159,46 @@ class TorchRank:
 
     # -- what the op implementations use ---------------------------------------------------------
     def dispatch_args(self, token_selected_experts, payloads) -> tuple:
-        """(ids, [payloads]) as the all-to-all takes them: this rank's slots rewritten from the
-        torch tensors, in one frame. A payload count other than the rank's goes on as it is
-        given (the all-to-all names the count it expects)."""
-        ids, slots = self.ids_slot.fill(token_selected_experts), self.payload_slots
+        """(ids, [payloads], same) as the all-to-all takes them: this rank's slots rewritten from
+        the torch tensors, in one frame; same: no slot changed (TensorSlot.update). A payload
+        count other than the rank's goes on as it is given (the all-to-all names the count it
+        expects)."""
+        ids_slot, slots = self.ids_slot, self.payload_slots
         n = len(payloads)
         if n != len(slots):
-            return ids, [(slots[q] if q < len(slots) else TensorSlot(f"payloads[{q}]"))(t) for q, t in enumerate(payloads)]
+            return ids_slot.fill(token_selected_experts), [
+                (slots[q] if q < len(slots) else TensorSlot(f"payloads[{q}]"))(t) for q, t in enumerate(payloads)], False
         # (straight calls for the usual counts: a loop, map or comprehension over two payloads
-        # costs ~0.25 µs more per dispatch on CPython 3.11)
+        # costs ~0.25 µs more per dispatch on CPython 3.11; `&`, not `and`: every slot is filled)
         if n == 2:
-            return ids, [slots[0].fill(payloads[0]), slots[1].fill(payloads[1])]
-        if n == 1:
-            return ids, [slots[0].fill(payloads[0])]
-        return ids, list(map(TensorSlot.fill, slots, payloads))
+            same = ids_slot.update(token_selected_experts) & slots[0].update(payloads[0]) & slots[1].update(payloads[1])
+            return ids_slot.tensor, [slots[0].tensor, slots[1].tensor], same
+        same = ids_slot.update(token_selected_experts)
+        for slot, t in zip(slots, payloads):
+            same &= slot.update(t)
+        return ids_slot.tensor, [slot.tensor for slot in slots], same
 
-    def partial_arg(self, partial, scales, tmax: int):
-        """combine's partial as the all-to-all takes it: this rank's own workspace view when
-        `partial` is the torch combine_input(T^) (zero copy, and the same Tensor object every
-        step; the view object itself is checked by its address alone: changing its shape or
-        strides in place is not supported), an FP8 input only as this rank's own views, else
-        a slot (staged by combine)."""
+    def partial_arg(self, partial, scales, tmax: int) -> tuple:
+        """(combine's partial as the all-to-all takes it, same): this rank's own workspace view
+        when `partial` is the torch combine_input(T^) (zero copy, and the same Tensor object
+        every step; the view object itself is checked by its address alone: changing its shape
+        or strides in place is not supported), an FP8 input only as this rank's own views, else
+        a slot (staged by combine). same: the object returned has the geometry it had at
+        the last call that returned it (TensorSlot.update)."""
         if scales is not None:
             got = self._fp8.get(tmax)
             if got is None or partial.data_ptr() != got[1].values.ptr or scales.data_ptr() != got[1].scales.ptr:
                 raise ValueError(f"partial: an FP8 combine input must be this rank's combine_input({tmax}, fp8=True) "
                                  "(values and scales, as that call returned them)")
-            return got[1]
+            return got[1], True
         own = self._combine.get(tmax)
         if own is not None:
             ptr = partial.data_ptr()
             if ptr == own[1].ptr and (partial is own[0] or (partial.shape == own[0].shape
                                                            and partial.dtype == own[0].dtype and partial.is_contiguous())):
-                return own[1]  # (the view itself, as combine_input made it: only set_ could have moved it)
-        return self.partial_slot.fill(partial)
+                return own[1], True  # (the view itself, as combine_input made it: only set_ could have moved it)
+        same = self.partial_slot.update(partial)
+        return self.partial_slot.tensor, same
 
     def release(self) -> None:
         RANKS.pop(self.handle, None)

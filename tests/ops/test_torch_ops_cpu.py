@@ -160,9 +160,14 @@ def test_slot_sees_every_stride_change_even_where_is_contiguous_stands_for_strid
     slot = TensorSlot("x")
 
     def same(t):
-        w = slot.fill(t)
+        before = None if slot.tensor is None else (slot.tensor.ptr, slot.tensor.shape, slot.tensor.strides,
+                                                    slot.tensor.dtype, slot.tensor.device)
+        unchanged = slot.update(t)
+        w = slot.tensor
         want = contiguous_strides(tuple(t.shape)) if t.is_contiguous() else t.stride()
-        assert w is slot.tensor and (w.ptr, w.shape, w.strides) == (t.data_ptr(), tuple(t.shape), want)
+        assert (w.ptr, w.shape, w.strides) == (t.data_ptr(), tuple(t.shape), want)
+        # update() says "unchanged" exactly when the Tensor's fields are what they were
+        assert unchanged == (before == (w.ptr, w.shape, w.strides, w.dtype, w.device)), (t.shape, t.stride(), before)
         for idx in itertools.product(*(range(n) for n in t.shape)):  # the same address for every element
             assert sum(i * s for i, s in zip(idx, w.strides)) == sum(i * s for i, s in zip(idx, t.stride()))
     same(buf[:32].view(4, 8))
@@ -173,6 +178,9 @@ def test_slot_sees_every_stride_change_even_where_is_contiguous_stands_for_strid
     same(buf.as_strided((1, 8), (100, 1)))        # contiguous to torch, other strides: an extent of 1
     same(buf.as_strided((0, 8), (8, 1)))
     same(buf.as_strided((0, 8), (3, 5)))          # numel 0: any strides are contiguous to torch
+    same(buf[8:40].view(4, 8))                    # another address, same geometry
+    same(buf[8:40].view(4, 8))                    # unchanged
+    same(buf[8:40].view(4, 8).to(torch.float64)[:, :4].contiguous())  # another dtype
     gen = torch.Generator().manual_seed(int(torch.randint(0, 2 ** 31, ()).item()))
     for _ in range(400):  # random walks over shapes and strides, repeats included (fresh each run)
         nd = int(torch.randint(1, 4, (), generator=gen))
@@ -188,8 +196,10 @@ def test_slot_sees_every_stride_change_even_where_is_contiguous_stands_for_strid
 
 
 def test_dispatch_args_fill_every_slot_for_any_payload_count():
-    """TorchRank.dispatch_args (straight calls for 1 and 2 payloads, map beyond, the given count
-    when it is not the rank's): each Tensor mirrors its torch tensor, the same slot objects."""
+    """TorchRank.dispatch_args (straight calls for 1 and 2 payloads, a loop beyond, the given count
+    when it is not the rank's): each Tensor mirrors its torch tensor, the same slot objects;
+    `same` only when the rank's count of tensors left every slot as it was (every slot is
+    filled even after one changed)."""
     from ep_a2a.ops.torch_views import TorchRank
     for n_slots in (1, 2, 3):
         b = TorchRank.__new__(TorchRank)
@@ -199,7 +209,15 @@ def test_dispatch_args_fill_every_slot_for_any_payload_count():
                 rows = int(torch.randint(1, 9, ()))
                 ids = torch.randint(0, 8, (rows, 4), dtype=torch.int32)
                 pays = [torch.randn(rows, 3 + q).to(torch.bfloat16 if q % 2 else torch.float32) for q in range(n)]
-                w, ws = b.dispatch_args(ids, pays)
+                w, ws, same = b.dispatch_args(ids, pays)
+                assert not same, "new tensors are never the same"
+                assert b.dispatch_args(ids, pays)[2] == (n == n_slots), (n, n_slots)
+                moved = [p.clone() for p in pays]
+                if n == n_slots:  # one payload elsewhere: not the same, and every slot still rewritten
+                    assert not b.dispatch_args(ids, pays[:-1] + moved[-1:])[2]
+                    assert not b.dispatch_args(ids, pays)[2]
+                    assert b.dispatch_args(ids, pays)[2]
+                w, ws, _ = b.dispatch_args(ids, pays)
                 assert w is b.ids_slot.tensor and (w.ptr, w.shape) == (ids.data_ptr(), (rows, 4))
                 assert len(ws) == n
                 for q, (t, p) in enumerate(zip(ws, pays)):

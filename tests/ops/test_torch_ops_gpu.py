@@ -215,6 +215,98 @@ def test_explicit_stream_keeps_freed_inputs_until_the_kernels_ran():
         _close(group, a2a, binds)
 
 
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_steady_state_repeats_vouched_by_the_slots_and_every_change_is_seen(protocol, monkeypatch):
+    """An engine's steady state: the same torch tensors every step, their contents rewritten
+    in place, so the ops repeat the all-to-all's last call without its geometry compare
+    (RankAlltoAll.dispatch_same / combine_same, counted here: the test fails if they never
+    run). Between such steps every way a call can differ: a payload at another address, a
+    tensor changed in place (set_ onto other memory, same shape), another token count, a
+    combine into another out, a staged partial, a call refused for a bad dtype, another T^;
+    each step checked bitwise against the reference (the identity 'MoE')."""
+    from ep_a2a.testing.torch_step import host_bits, to_torch
+    dev = _cuda()
+    rng, seed = fresh_rng()
+    ep, T = 4, 8
+    group, a2a = _make(ep, protocol=protocol, max_tokens=16, validate_expert_ids=False)
+    binds = [ops.bind(r) for r in a2a.ranks]
+    streams = [torch.cuda.Stream() for _ in binds]
+    hits = {"dispatch": 0, "combine": 0}
+    for r in a2a.ranks:
+        for phase in hits:
+            def counted(*args, _f=getattr(r, f"{phase}_same"), _phase=phase):
+                got = _f(*args)
+                hits[_phase] += got is not None
+                return got
+            monkeypatch.setattr(r, f"{phase}_same", counted)
+
+    def tensors(n):
+        return [(torch.zeros(n, 4, dtype=torch.int32, device=dev), torch.zeros(n, 256, dtype=torch.bfloat16, device=dev),
+                 torch.zeros(n, 4, dtype=torch.float32, device=dev), torch.empty(n, 256, dtype=torch.bfloat16, device=dev))
+                for _ in binds]
+    live, spare = tensors(T), tensors(T)
+
+    def run(tmax, cur, staged=False):
+        drawn = [_draw(rng, a2a, ids.shape[0]) for ids, _, _, _ in cur]
+        for (ids, x, w), (ti, tx, tw, out) in zip(drawn, cur):  # in place: the addresses stay
+            ti.copy_(to_torch(ids, dev, "int32"))
+            tx.copy_(to_torch(x, dev, "bfloat16"))
+            tw.copy_(to_torch(w, dev, "float32"))
+            out.view(torch.int16).fill_(-1)  # poison
+        torch.cuda.synchronize()
+        for b, st, (ti, tx, tw, _) in zip(binds, streams, cur):
+            with torch.cuda.stream(st):
+                ops.dispatch(b, ti, [tx, tw], tmax)
+        for b, st, (ti, _, _, out) in zip(binds, streams, cur):
+            with torch.cuda.stream(st):
+                recv = b.dispatch_views(tmax)[1][0]  # the identity 'MoE'
+                if staged:
+                    ops.combine(b, recv.clone(), tmax, out=out)
+                else:
+                    cin = ops.combine_input(b, tmax)
+                    cin.copy_(recv)
+                    ops.combine(b, cin, tmax, out=out)
+        torch.cuda.synchronize()
+        return drawn
+
+    def check(drawn, cur, what):
+        for s, ((ids, x, w), (_, _, _, out)) in enumerate(zip(drawn, cur)):
+            assert np.array_equal(host_bits(out), _identity_want(ids, x, a2a)), f"{seed} {protocol} {what}: rank {s}"
+    try:
+        for step in range(8):
+            check(run(T, live), live, f"steady step {step}")
+        assert hits["dispatch"] >= ep and hits["combine"] >= ep, f"the vouched repeat never ran: {hits}"
+        changes = {  # what changes -> the phases whose call it changes
+            "payload at another address": (lambda: [(i, spare[k][1], w, o) for k, (i, _, w, o) in enumerate(live)],
+                                           ["dispatch"]),
+            "out at another address": (lambda: [(i, x, w, spare[k][3]) for k, (i, x, w, _) in enumerate(live)],
+                                       ["combine"]),
+            "ids set_ onto other memory": (lambda: [(i.set_(spare[k][0].clone()), x, w, o)
+                                                    for k, (i, x, w, o) in enumerate(live)], ["dispatch"]),
+            "fewer tokens": (lambda: [(i[:5], x[:5], w[:5], o[:5]) for i, x, w, o in live], ["dispatch", "combine"]),
+        }
+        for what, (change, phases) in changes.items():
+            live = change()
+            before = dict(hits)
+            check(run(T, live), live, what)
+            assert all(hits[p] == before[p] for p in phases), f"{what}: a changed call was repeated {hits} vs {before}"
+            check(run(T, live), live, f"after {what}")
+            assert all(hits[p] > before[p] for p in phases), f"{what}: the unchanged next call did not repeat {hits}"
+        check(run(T, live, staged=True), live, "staged partial")
+        check(run(T, live, staged=True), live, "staged partial again")
+        check(run(T, live), live, "workspace partial after staged")
+        bad = [(i, x.to(torch.float16), w, o) for i, x, w, o in live]
+        with pytest.raises(TypeError, match="payloads"):
+            ops.dispatch(binds[0], bad[0][0], [bad[0][1], bad[0][2]], T)
+        check(run(T, live), live, "after a refused call")
+        check(run(16, live), live, "another T^")
+        check(run(16, live), live, "another T^ again")
+        check(run(T, live), live, "back to the first T^")
+    finally:
+        torch.cuda.synchronize()
+        _close(group, a2a, binds)
+
+
 def _moe_step(tr, ix, ids, x, w, T, fc2_rows):
     """dispatch -> index -> gather -> a stand-in expert (x * 3 in bf16) -> finalize -> combine."""
     ids_v, (x_v, w_v) = ops.dispatch(tr, ids, [x, w], T)

@@ -71,8 +71,9 @@ def test_a_repeated_call_refused_by_the_host_id_check_also_runs_the_rejected_ste
     def check(ids, stream, num_experts):
         if refuse:
             raise ValueError("token_selected_experts: ids must be in 0..num_experts-1 or -1")
-    monkeypatch.setattr(A, "check_expert_ids_on_host", check)
-    monkeypatch.setattr(A, "is_capturing", lambda stream: False)
+    for module in (A, fastpath):  # (the full path's check and the repeat's)
+        monkeypatch.setattr(module, "check_expert_ids_on_host", check)
+        monkeypatch.setattr(module, "is_capturing", lambda stream: False)
     a2a, r, _ = _rank(local=False)
     a2a.protocol = "fence"
     r.validate_expert_ids = True
