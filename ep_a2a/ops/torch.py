@@ -36,7 +36,8 @@ Host cost: the ops never call DLPack per call. Each tensor argument fills an ep_
 kept per argument position (interop/torch_tensor.TensorSlot), so a step whose tensors sit
 where the last step's did takes the all-to-all's repeat fast path; since the slots see
 whether a fill changed anything, such a step repeats without the all-to-all's geometry
-compare (RankAlltoAll.dispatch_same / combine_same); the stream is read as a raw handle. combine(out=None) allocates its output (a few µs): engines pass out=. Expert ids
+compare (RankAlltoAll.dispatch_same / combine_same); the stream is read as a raw handle.
+combine(out=None) allocates its output (a few µs): engines pass out=. Expert ids
 are not copied to the host by default (bind(validate_expert_ids=False)): the kernel drops
 ids outside 0..num_experts-1 and -1; True checks them on the host at every eager dispatch (a
 synchronization; skipped under capture).

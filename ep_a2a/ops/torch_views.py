@@ -168,7 +168,7 @@ class TorchRank:
         if n != len(slots):
             return ids_slot.fill(token_selected_experts), [
                 (slots[q] if q < len(slots) else TensorSlot(f"payloads[{q}]"))(t) for q, t in enumerate(payloads)], False
-        # (straight calls for the usual counts: a loop, map or comprehension over two payloads
+        # (straight calls for the usual count: a loop, map or comprehension over two payloads
         # costs ~0.25 µs more per dispatch on CPython 3.11; `&`, not `and`: every slot is filled)
         if n == 2:
             same = ids_slot.update(token_selected_experts) & slots[0].update(payloads[0]) & slots[1].update(payloads[1])
