@@ -107,21 +107,23 @@ def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tok
     without the dispatcher."""
     # (torch's current stream, the usual case, read here: StreamUse.pick's call costs ~0.15 µs)
     s, explicit = (current_stream_handle(b.ordinal), False) if stream == -1 else b.streams.pick(stream)
+    # The record is taken off until this call has succeeded: a call that fails after a slot
+    # took a new tensor leaves that slot "unchanged" for the next call with the same tensor,
+    # which then must not repeat the record's launch (TorchRank.vouched_dispatch).
+    record, b.vouched_dispatch = b.vouched_dispatch, None
     try:
         ids, pays, same = b.dispatch_args(token_selected_experts, payloads)
         if b.validate_expert_ids and ids.shape[0] and not is_capturing(s):
             check_expert_ids_on_host(ids, s, b.a2a.num_experts)
     except (TypeError, ValueError) as e:  # refused here, before the all-to-all saw it:
-        b.vouched_dispatch = None
         b.r.reject_step(runtime_max_tokens_per_rank, s, e)  # peers in other processes may have launched
         raise
     # (the slots' own objects, none of their fields changed: the all-to-all's repeat without its
     # geometry compare, ~0.7 µs less per call)
-    if not (same and b.vouched_dispatch is not None
-            and b.r.dispatch_same(b.vouched_dispatch, runtime_max_tokens_per_rank, s) is not None):
-        b.vouched_dispatch = None
+    if not (same and record is not None and b.r.dispatch_same(record, runtime_max_tokens_per_rank, s) is not None):
         b.r.dispatch(ids, pays, runtime_max_tokens_per_rank, s)
-        b.vouched_dispatch = b.r.last_repeats[0]
+        record = b.r.last_repeats[0]
+    b.vouched_dispatch = record
     b.local_tokens = ids.shape[0]
     if explicit:
         b.streams.hold(s, (token_selected_experts, *payloads))
@@ -130,14 +132,14 @@ def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tok
 def run_combine(b: TorchRank, partial, scales, runtime_max_tokens_per_rank, out, stream: int) -> None:
     """The combine itself, into `out` (see run_dispatch)."""
     s, explicit = (current_stream_handle(b.ordinal), False) if stream == -1 else b.streams.pick(stream)
+    (record, vouched_part), b.vouched_combine = b.vouched_combine, (None, None)  # (as in run_dispatch)
     part, same = b.partial_arg(partial, scales, runtime_max_tokens_per_rank)
     same &= b.out_slot.update(out)
-    record, vouched_part = b.vouched_combine
     if not (same and record is not None and part is vouched_part
             and b.r.combine_same(record, runtime_max_tokens_per_rank, s) is not None):
-        b.vouched_combine = None, None
         b.r.combine(part, runtime_max_tokens_per_rank, s, b.out_slot.tensor)  # (positional: cheaper than keywords)
-        b.vouched_combine = b.r.last_repeats[1], part
+        record = b.r.last_repeats[1]
+    b.vouched_combine = record, part
     if explicit:
         b.streams.hold(s, (partial, out))
 

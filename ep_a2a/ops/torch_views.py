@@ -111,7 +111,7 @@ class TorchRank:
         # The all-to-all's repeat records (RankAlltoAll.last_repeats) as our last call of each
         # phase left them, with the partial it was given: a call handing the same objects,
         # none of whose fields an update changed, repeats it without the geometry compare
-        # (dispatch_same). None from a call that changed a slot until that call succeeded.
+        # (dispatch_same). None while a call runs: one that fails leaves none.
         self.vouched_dispatch, self.vouched_combine = None, (None, None)
         self._dispatch, self._combine, self._fp8 = {}, {}, {}
         self.handle = next(_HANDLES)
@@ -184,7 +184,7 @@ class TorchRank:
         every step; the view object itself is checked by its address alone: changing its shape
         or strides in place is not supported), an FP8 input only as this rank's own views, else
         a slot (staged by combine). same: the object returned has the geometry it had at
-        the last call that returned it (TensorSlot.update)."""
+        the last call that returned it (TensorSlot.update), and the view no stream to wait for."""
         if scales is not None:
             got = self._fp8.get(tmax)
             if got is None or partial.data_ptr() != got[1].values.ptr or scales.data_ptr() != got[1].scales.ptr:
@@ -196,7 +196,9 @@ class TorchRank:
             ptr = partial.data_ptr()
             if ptr == own[1].ptr and (partial is own[0] or (partial.shape == own[0].shape
                                                            and partial.dtype == own[0].dtype and partial.is_contiguous())):
-                return own[1], True  # (the view itself, as combine_input made it: only set_ could have moved it)
+                # (the view itself, as combine_input made it: only set_ could have moved it; the
+                # all-to-all hands that Tensor to any caller, so its stream field is its own)
+                return own[1], own[1].stream is None
         same = self.partial_slot.update(partial)
         return self.partial_slot.tensor, same
 

@@ -223,7 +223,8 @@ def test_steady_state_repeats_vouched_by_the_slots_and_every_change_is_seen(prot
     run). Between such steps every way a call can differ: a payload at another address, a
     tensor changed in place (set_ onto other memory, same shape), another token count, a
     combine into another out, a staged partial, a call refused for a bad dtype, another T^;
-    each step checked bitwise against the reference (the identity 'MoE')."""
+    each step checked bitwise against the reference (the identity 'MoE'); and calls that fail
+    in a slot after another slot took a new tensor, whose next call passes that tensor again."""
     from ep_a2a.testing.torch_step import host_bits, to_torch
     dev = _cuda()
     rng, seed = fresh_rng()
@@ -246,7 +247,9 @@ def test_steady_state_repeats_vouched_by_the_slots_and_every_change_is_seen(prot
                 for _ in binds]
     live, spare = tensors(T), tensors(T)
 
-    def run(tmax, cur, staged=False):
+    def run(tmax, cur, staged=False, parts=None, before_combine=None):
+        """One checked step; parts: a staged partial per rank kept by the caller (else the
+        workspace's, or a new clone with staged); before_combine(b, part, out) runs first."""
         drawn = [_draw(rng, a2a, ids.shape[0]) for ids, _, _, _ in cur]
         for (ids, x, w), (ti, tx, tw, out) in zip(drawn, cur):  # in place: the addresses stay
             ti.copy_(to_torch(ids, dev, "int32"))
@@ -260,12 +263,15 @@ def test_steady_state_repeats_vouched_by_the_slots_and_every_change_is_seen(prot
         for b, st, (ti, _, _, out) in zip(binds, streams, cur):
             with torch.cuda.stream(st):
                 recv = b.dispatch_views(tmax)[1][0]  # the identity 'MoE'
-                if staged:
-                    ops.combine(b, recv.clone(), tmax, out=out)
+                if parts is not None:
+                    part = parts[b.rank][:, :tmax]
+                    part.copy_(recv)
                 else:
-                    cin = ops.combine_input(b, tmax)
-                    cin.copy_(recv)
-                    ops.combine(b, cin, tmax, out=out)
+                    part = recv.clone() if staged else ops.combine_input(b, tmax)
+                    part.copy_(recv)
+                if before_combine:
+                    before_combine(b, part, out)
+                ops.combine(b, part, tmax, out=out)
         torch.cuda.synchronize()
         return drawn
 
@@ -299,6 +305,24 @@ def test_steady_state_repeats_vouched_by_the_slots_and_every_change_is_seen(prot
         with pytest.raises(TypeError, match="payloads"):
             ops.dispatch(binds[0], bad[0][0], [bad[0][1], bad[0][2]], T)
         check(run(T, live), live, "after a refused call")
+        # A call that fails in a slot after another slot took a new tensor; the next call passes
+        # that tensor again (its slot reads "unchanged") and must not repeat the call before.
+        kept = {b.rank: [torch.empty(ep, T, 256, dtype=torch.bfloat16, device=dev) for _ in range(2)] for b in binds}
+        for _ in range(3):
+            check(run(T, live, parts={r: p[0] for r, p in kept.items()}), live, "kept staged partials")
+
+        def refused_out(b, part, out):
+            kept[b.rank][0].view(torch.int16).fill_(0x7FC0)  # the partial before: NaN now
+            with pytest.raises(TypeError, match="out"):
+                ops.combine(b, part, T, out=torch.empty(out.shape, dtype=torch.complex64, device=dev))
+        check(run(T, live, parts={r: p[1] for r, p in kept.items()}, before_combine=refused_out), live,
+              "a staged partial whose first call failed at its out")
+        moved = [(spare[k][0][:n], x, w, o) for k, ((i, x, w, o), n) in enumerate(zip(live, [t[0].shape[0] for t in live]))]
+        for b, (i, x, w, _) in zip(binds, moved):
+            with pytest.raises(RuntimeError):  # the ids slot takes the new ids, then a payload's data_ptr() raises
+                ops.dispatch(b, i, [x.to_sparse(), w], T)
+        live = moved
+        check(run(T, live), live, "ids whose first call failed at a payload")
         check(run(16, live), live, "another T^")
         check(run(16, live), live, "another T^ again")
         check(run(T, live), live, "back to the first T^")

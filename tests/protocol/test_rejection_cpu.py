@@ -60,9 +60,10 @@ def test_an_invalid_runtime_max_forms_no_step(recorder, monkeypatch):
     assert _launches(recorder) == [] and r.rejected is None
 
 
-def test_a_repeated_call_refused_by_the_host_id_check_also_runs_the_rejected_step(recorder, monkeypatch):
+@pytest.mark.parametrize("vouched", [False, True], ids=["dispatch", "dispatch_same"])
+def test_a_repeated_call_refused_by_the_host_id_check_also_runs_the_rejected_step(vouched, recorder, monkeypatch):
     """The repeat fast path's host id check can refuse too (same tensors, new values): the
-    peers are told the same way."""
+    peers are told the same way, also when a caller vouched for its Tensors (dispatch_same)."""
     import ep_a2a.alltoall as A
     from ep_a2a import fastpath
     monkeypatch.setattr(rejection, "memset_d8_async", lambda *args: None)
@@ -88,6 +89,6 @@ def test_a_repeated_call_refused_by_the_host_id_check_also_runs_the_rejected_ste
     refuse.append(1)
     n = len(_launches(recorder))
     with pytest.raises(ValueError, match="token_selected_experts"):
-        r.dispatch(ids, pays, 8)
+        r.dispatch_same(r.last_repeats[0], 8, None) if vouched else r.dispatch(ids, pays, 8)
     new = _launches(recorder)[n:]
     assert [p.step_tag for _, p in new] == [layout.TAG_REJECT | r.rank] * 2 and r.rejected

@@ -184,6 +184,43 @@ def test_repeat_fast_path_launches_exactly_what_the_full_path_launches(seed, com
     assert len(full) == len(vouched) and not bad, f"vouched: {len(bad)} records differ, first at {bad[:1]}"
 
 
+def test_vouched_repeats_decline_where_a_dispatch_may_not_run(recorder, monkeypatch):
+    """dispatch_same / combine_same launch nothing and return None (the caller's full call then
+    says why) mid-step, on an inactive rank, without a dispatch before a combine, and with a
+    record that is no longer the rank's last; with the rank's own record they repeat."""
+    a2a, r, specs = _rank()
+    a2a.protocol = "fence"
+    ids = Tensor(1 << 33, (4, 8), "int32", device=(2, 0))
+    pays = [Tensor((1 << 34) + (1 << 30) * q, (4,) + tuple(s.shape), s.dtype, device=(2, 0)) for q, s in enumerate(specs)]
+    for _ in range(fastpath.FIRST_STEPS + 1):
+        r.dispatch(ids, pays, 16)
+        r.combine(r.combine_input(16), 16)
+    d, c = r.last_repeats
+    assert d is not None and c is not None
+    n = len(recorder)
+    assert r.combine_same(c, 16, None) is None and len(recorder) == n, "a combine with no dispatch before it"
+    assert r.dispatch_same(d, 16, None) is not None and len(recorder) > n
+    n = len(recorder)
+    assert r.dispatch_same(d, 16, None) is None and len(recorder) == n, "a second dispatch mid-step"
+    with pytest.raises(StateError, match="twice"):
+        r.dispatch(ids, pays, 16)
+    assert r.combine_same(c, 16, None) is not None
+    other = [Tensor(t.ptr + 64, t.shape, t.dtype, device=(2, 0)) for t in [ids, *pays]]
+    out = Tensor(1 << 37, (4, H), "bfloat16", device=(2, 0))
+    for _ in range(2):  # another caller's calls: the records are no longer the ones we hold
+        r.dispatch(other[0], other[1:], 16)
+        r.combine(r.combine_input(16), 16, out=out)
+    n = len(recorder)
+    assert r.dispatch_same(d, 16, None) is None and len(recorder) == n
+    r.dispatch(ids, pays, 16)
+    assert r.combine_same(c, 16, None) is None and len(recorder) == n + 1
+    r.combine(r.combine_input(16), 16)
+    a2a.active_ranks = tuple(range(1, EP))
+    r._set_active(a2a.active_ranks)
+    n = len(recorder)
+    assert r.dispatch_same(r.last_repeats[0], 16, None) is None and len(recorder) == n, "an inactive rank"
+
+
 def test_one_token_fence_dispatch_runs_as_one_cluster_and_its_repeat_too(recorder, monkeypatch):
     """At T^ = CLUSTER_TOKENS a split FENCE dispatch launches the clustered kernel (full path
     and repeats alike); at a larger T^ the plain one, with the same grid of 8 blocks."""
