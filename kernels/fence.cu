@@ -6,6 +6,7 @@
 // Names as in Algorithm 1: s this rank, f the step, D the target ranks of a token, cnt[t]
 // the slot counters, done the finished blocks, C[r][s] and F[r][s] the slot count and flag
 // source s leaves on rank r, Wd / Wc the dispatch and combine workspaces.
+#define EP_COLD_INLINE  // (protocol.cuh: the failure reports stay inline in FENCE's kernels)
 #include "combine_q8.cuh"
 
 namespace {

@@ -76,7 +76,22 @@ EP_DEVICE unsigned* last_combine_sentinel(const A2AParams& p) { return section<u
 // stop waiting at once, and return: the caller carries on without the data it waited for
 // (every index it uses stays within this rank's own workspace), and the host refuses the
 // all-to-all from then on.
-EP_DEVICE void write_record(const A2AParams& p, unsigned kind, int phase, int peer,
+//
+// These paths run only when a step fails, so they are kept out of line (EP_COLD): inlined
+// at every wait and tag check, their code sat between the hot instructions of every kernel,
+// and at decode batches a kernel's pace is set by fetching its cold instruction cache, not
+// by memory (on the H200 at 1 token per rank, moving SENTINEL's byte-wise payload paths out
+// of line took its round trip from 13.7 to 11.0 µs; these records out of line took 10.7-10.9
+// to 10.2-10.3 µs, 4 tokens 0.2 faster, 16 tokens 0.3 slower). FENCE keeps them inline
+// (EP_COLD_INLINE): out of line, its 1-token round trip went from 7.6 to 7.8 µs and 16 tokens
+// 0.2 slower, though 23% fewer instructions. On sm_100/103 the calls cost the FP8 combine
+// kernels spills under their 64 registers (ptxas), so there they stay inline too.
+#if __CUDA_ARCH__ >= 1000 || defined(EP_COLD_INLINE)
+#define EP_COLD EP_DEVICE
+#else
+#define EP_COLD __device__ __noinline__
+#endif
+EP_COLD void write_record(const A2AParams& p, unsigned kind, int phase, int peer,
                              unsigned epoch, unsigned observed, unsigned expected) {
   ErrorRecord* rec = reinterpret_cast<ErrorRecord*>(p.error_record);
   // The host decodes the record as soon as `kind` is non-zero, so `kind` is written last,
@@ -88,7 +103,7 @@ EP_DEVICE void write_record(const A2AParams& p, unsigned kind, int phase, int pe
     fence_release_sys();  // (pushes the record out before a trap)
   }
 }
-EP_DEVICE void report_failure(const A2AParams& p, unsigned kind, int phase, int peer,
+EP_COLD void report_failure(const A2AParams& p, unsigned kind, int phase, int peer,
                              unsigned epoch, unsigned observed, unsigned expected) {
   write_record(p, kind, phase, peer, epoch, observed, expected);
   if (!p.abort_on_timeout) trap();
@@ -100,8 +115,7 @@ EP_DEVICE void report_failure(const A2AParams& p, unsigned kind, int phase, int 
 // A peer that rejected its input takes part without tokens and says so in its tag: that is
 // recorded (the host raises it at the next dispatch) and the step goes on, in either mode.
 // The rejecting rank itself checks nothing: its host has raised already.
-EP_DEVICE void check_step_tag(const A2AParams& p, int phase, int peer, unsigned f, unsigned peer_tag) {
-  if (peer_tag == p.step_tag || (p.step_tag & EP_TAG_REJECT)) return;
+EP_COLD void step_tags_differ(const A2AParams& p, int phase, int peer, unsigned f, unsigned peer_tag) {
   if (peer_tag & EP_TAG_REJECT) {
     write_record(p, EP_ERR_PEER_REJECTED, phase, peer, f, peer_tag, p.step_tag);
     // The rejecting rank never launches again, and our host may have queued more steps
@@ -110,6 +124,9 @@ EP_DEVICE void check_step_tag(const A2AParams& p, int phase, int peer, unsigned 
     atomicCAS(abort_word(p, p.rank), 0u, static_cast<unsigned>(peer) + 1);
   } else
     report_failure(p, EP_ERR_TMAX_MISMATCH, phase, peer, f, peer_tag, p.step_tag);
+}
+EP_DEVICE void check_step_tag(const A2AParams& p, int phase, int peer, unsigned f, unsigned peer_tag) {
+  if (peer_tag != p.step_tag && !(p.step_tag & EP_TAG_REJECT)) step_tags_differ(p, phase, peer, f, peer_tag);
 }
 
 // ---- after an abort: outputs that say so
@@ -162,26 +179,39 @@ EP_DEVICE unsigned flag_reached(const ulonglong2& v, unsigned f) {
 // peer's rejected step ends the waits of the steps queued after it (check_step_tag). Only
 // the rank's own timeout traps (trap mode).
 // Returns true when the caller must stop waiting (never on a trap-mode timeout: that traps).
+// A wait whose loop keeps many values in registers asks `expired` and, once it has let go of
+// them, reports through `failed` itself (SENTINEL's combine poll): a call with those values
+// live made ptxas spill them.
 struct Deadline {
   uint64_t end = 0;
   unsigned polls = 0;
-  EP_DEVICE bool give_up(const A2AParams& p, int phase, int peer, unsigned epoch, unsigned observed,
-                         unsigned expected) {
+  // 0 while the wait goes on; else why it stops: EP_ERR_PEER_ABORTED (`peer` becomes the
+  // rank that aborted) or EP_ERR_TIMEOUT.
+  EP_DEVICE unsigned expired(const A2AParams& p, int& peer) {
     if ((++polls & 15) == 0) {
       const unsigned a = ld_volatile(abort_word(p, p.rank));
       if (a != 0) {
-        if (p.abort_on_timeout)
-          report_failure(p, EP_ERR_PEER_ABORTED, phase, static_cast<int>(a) - 1, epoch, observed, expected);
-        else
-          write_record(p, EP_ERR_PEER_ABORTED, phase, static_cast<int>(a) - 1, epoch, observed, expected);
-        return true;
+        peer = static_cast<int>(a) - 1;
+        return EP_ERR_PEER_ABORTED;
       }
     }
     const uint64_t now = globaltimer_ns();
     if (end == 0) end = now + p.timeout_ns;
-    if (now <= end) return false;
-    report_failure(p, EP_ERR_TIMEOUT, phase, peer, epoch, observed, expected);
-    return true;
+    return now <= end ? 0u : static_cast<unsigned>(EP_ERR_TIMEOUT);
+  }
+  // The record of a wait that stopped for `why`; only our own timeout in trap mode traps.
+  static EP_COLD void failed(const A2AParams& p, unsigned why, int phase, int peer, unsigned epoch, unsigned observed,
+                             unsigned expected) {
+    if (why == EP_ERR_PEER_ABORTED && !p.abort_on_timeout)
+      write_record(p, why, phase, peer, epoch, observed, expected);
+    else
+      report_failure(p, why, phase, peer, epoch, observed, expected);
+  }
+  EP_DEVICE bool give_up(const A2AParams& p, int phase, int peer, unsigned epoch, unsigned observed,
+                         unsigned expected) {
+    const unsigned why = expired(p, peer);
+    if (why) failed(p, why, phase, peer, epoch, observed, expected);
+    return why != 0;
   }
 };
 

@@ -426,8 +426,10 @@ EP_DEVICE void poll_chunk(const A2AParams& p, unsigned f, const Members& m, int 
   // wait_until's loop, with the peer a failure names taken at each failed poll: the first
   // member still missing then (at the first poll even our own push may not have landed).
   Deadline dl;
+  unsigned why = 0, seen = 0;  // (seen: the first word of the member a failure names)
+  int peer = 0;
   while (miss) {
-    unsigned seen = 0, named = 0;  // (the first word of the member a failure names: the first still missing)
+    bool named = false;
 #pragma unroll
     for (int k = 0; k < 8; ++k)
       if ((miss >> k) & 1) {
@@ -436,12 +438,22 @@ EP_DEVICE void poll_chunk(const A2AParams& p, unsigned f, const Members& m, int 
           miss &= ~(1u << k);
         else if (!named) {
           seen = in[k].raw.x;
-          named = 1;
+          named = true;
         }
       }
-    if (miss && dl.give_up(p, EP_PHASE_SENTINEL_COMBINE, m.target[c + __ffs(miss) - 1], f, seen, 0)) break;
+    if (miss) {
+      peer = m.target[c + __ffs(miss) - 1];
+      if ((why = dl.expired(p, peer)) != 0) break;
+    }
   }
-  // (a wait that gave up leaves the sentinel's all-ones words: NaN in every float format)
+  if (why) {
+    // The step failed: reported with none of the polled registers live across the call (they
+    // spilled), and every member then reads as the sentinel, whose all-ones words are NaN in
+    // every float format (a missing member poisoned the group's sum anyway).
+    Deadline::failed(p, why, EP_PHASE_SENTINEL_COMBINE, peer, f, seen, 0);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) in[k].raw = (present >> k) & 1 ? sentinel4() : make_uint4(0, 0, 0, 0);
+  }
 }
 // The 8-member tree of reduce_vectors, its first level formed straight from the vectors.
 template <typename T>
