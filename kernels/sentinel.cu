@@ -447,9 +447,10 @@ EP_DEVICE void poll_chunk(const A2AParams& p, unsigned f, const Members& m, int 
     }
   }
   if (why) {
-    // The step failed: reported with none of the polled registers live across the call (they
-    // spilled), and every member then reads as the sentinel, whose all-ones words are NaN in
-    // every float format (a missing member poisoned the group's sum anyway).
+    // The step failed. Reported first, so that no polled register is live across the call
+    // (live across it, they spilled); then every member reads as the sentinel, whose all-ones
+    // words are NaN in every float format: the group's sum is NaN in every lane, where a
+    // member whose vector had partly landed left NaN only in its missing lanes.
     Deadline::failed(p, why, EP_PHASE_SENTINEL_COMBINE, peer, f, seen, 0);
 #pragma unroll
     for (int k = 0; k < 8; ++k) in[k].raw = (present >> k) & 1 ? sentinel4() : make_uint4(0, 0, 0, 0);
