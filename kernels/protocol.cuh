@@ -78,15 +78,15 @@ EP_DEVICE unsigned* last_combine_sentinel(const A2AParams& p) { return section<u
 // all-to-all from then on.
 //
 // These paths run only when a step fails, so SENTINEL's kernels keep them out of line
-// (EP_COLD): inlined at every wait and tag check, their code sat between the hot
-// instructions, and at decode batches a kernel's pace is set by fetching its cold
-// instruction cache, not by memory (on the H200 at 1 token per rank, moving SENTINEL's
-// byte-wise payload paths out of line took its round trip from 13.7 to 11.0 µs; these
-// reports out of line, from 10.7-10.9 to 10.2-10.3 µs, 4 tokens 0.3 faster, 16 the same).
-// FENCE keeps them inline (EP_COLD_INLINE): out of line in its kernels too, its 1-token
-// round trip went from 7.6 to 7.8 µs although fence_dispatch lost 23% of its instructions.
-// On sm_100/103 they stay inline, as the byte-wise paths do there (sentinel.cu): not
-// measured on those chips, and FENCE's FP8 combines would spill there with them out of line.
+// (EP_COLD, as they do their byte-wise payload paths: sentinel.cu): inlined at every wait and
+// tag check, their code sat between the hot instructions, and at decode batches a kernel's
+// pace is set by fetching its cold instruction cache, not by memory (on the H200 at 1 token
+// per rank, these reports out of line took SENTINEL's round trip from 10.7-10.9 to 10.2-10.3
+// µs, 4 tokens 0.3 faster, 16 the same). FENCE keeps them inline (EP_COLD_INLINE): out of
+// line in its kernels too, its 1-token round trip went from 7.6 to 7.8 µs although
+// fence_dispatch lost 23% of its instructions. On sm_100/103 EP_COLD code stays inline:
+// SENTINEL's byte-wise paths out of line spilled there, these reports are not measured on
+// those chips, and FENCE's FP8 combines would spill there with them out of line.
 // `inline` only for linkage: one definition wherever the header is included.
 #if __CUDA_ARCH__ >= 1000 || defined(EP_COLD_INLINE)
 #define EP_COLD EP_DEVICE

@@ -73,20 +73,15 @@ EP_DEVICE void store_word(unsigned char* dst, unsigned bytes, unsigned vec, unsi
   for (unsigned b = 0; b < 4 && o + b < bytes; ++b) dst[o + b] = static_cast<unsigned char>(v >> (8 * b));
 }
 // Code size. Rows that do not move in 16-byte vectors, and KIND_RAW16 payloads, take the
-// out-of-line paths below (EP_OUT_OF_LINE); the 16-byte path stays inline. Inlined at every
-// unrolled use, their byte loops made the kernels several times larger, and at decode
+// out-of-line paths below (EP_COLD, protocol.cuh); the 16-byte path stays inline. Inlined at
+// every unrolled use, their byte loops made the kernels several times larger, and at decode
 // batches fetching that code, not memory, set the pace: on the H200 (8 in-process ranks,
 // deepseek-v3 bf16) the sm_90 cubin fell from 60.6k to 16.7k SASS lines and, with
 // warm_params, the 1-token round trip from 13.7-13.8 to 11.0-11.1 µs. On sm_100/103 the calls
 // cost sentinel_dispatch spills under its 64 registers (ptxas), so there they stay inline.
-#if __CUDA_ARCH__ >= 1000
-#define EP_OUT_OF_LINE EP_DEVICE
-#else
-#define EP_OUT_OF_LINE __device__ __noinline__
-#endif
 
 // Words 4g..4g+3 of a row of `bytes` bytes (zero past its end), whatever its alignment.
-EP_OUT_OF_LINE uint4 load_group_any(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
+EP_COLD uint4 load_group_any(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
   return make_uint4(load_word(src, bytes, vec, 4 * g), load_word(src, bytes, vec, 4 * g + 1),
                     load_word(src, bytes, vec, 4 * g + 2), load_word(src, bytes, vec, 4 * g + 3));
 }
@@ -94,7 +89,7 @@ EP_DEVICE uint4 load_group(const unsigned char* src, unsigned bytes, unsigned ve
   return vec == 16 ? reinterpret_cast<const uint4*>(src)[g] : load_group_any(src, bytes, vec, g);
 }
 // The same four words into a row (nothing past its end).
-EP_OUT_OF_LINE void store_group_any(unsigned char* dst, unsigned bytes, unsigned vec, unsigned g, uint4 v) {
+EP_COLD void store_group_any(unsigned char* dst, unsigned bytes, unsigned vec, unsigned g, uint4 v) {
   store_word(dst, bytes, vec, 4 * g, v.x); store_word(dst, bytes, vec, 4 * g + 1, v.y);
   store_word(dst, bytes, vec, 4 * g + 2, v.z); store_word(dst, bytes, vec, 4 * g + 3, v.w);
 }
@@ -118,7 +113,7 @@ EP_DEVICE int locate(const A2AParams& p, unsigned& x) {
 }
 // Landing group g of payload d, from the token's row: escaped words, or (KIND_RAW16) data
 // words 2g, 2g + 1 as four 16-bit halves, so that no landing word can equal the sentinel.
-EP_OUT_OF_LINE uint4 landing_value_any(const PayloadDesc& d, const unsigned char* row, unsigned g) {
+EP_COLD uint4 landing_value_any(const PayloadDesc& d, const unsigned char* row, unsigned g) {
   if (d.sentinel_kind == EP_KIND_RAW16) {
     const unsigned a = load_word(row, d.bytes_per_token, d.vec, 2 * g), b = load_word(row, d.bytes_per_token, d.vec, 2 * g + 1);
     return make_uint4(a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16);
@@ -130,7 +125,7 @@ EP_DEVICE uint4 landing_value(const PayloadDesc& d, const unsigned char* row, un
   return vector_path(d) ? escape4(reinterpret_cast<const uint4*>(row)[g], d.sentinel_kind) : landing_value_any(d, row, g);
 }
 // Its inverse, into the dispatch workspace row.
-EP_OUT_OF_LINE void store_received_any(const PayloadDesc& d, unsigned char* row, unsigned g, uint4 v) {
+EP_COLD void store_received_any(const PayloadDesc& d, unsigned char* row, unsigned g, uint4 v) {
   if (d.sentinel_kind == EP_KIND_RAW16) {
     store_word(row, d.bytes_per_token, d.vec, 2 * g, v.x | (v.y << 16));
     store_word(row, d.bytes_per_token, d.vec, 2 * g + 1, v.z | (v.w << 16));
