@@ -277,40 +277,54 @@ struct Sources {
   const char* scale[EP_MAX_TOP_K];  // FP8: their scales
   int n;
 };
-// Warp 0: where work item w's partial results wait, from our records (written by our
-// dispatch, a kernel before us: so the block's first item is collected while the peers'
-// flags are still polled). The caller synchronizes the block.
+// Warp 0: where work item w's partial results wait, from rec (load_record: our records,
+// written by our dispatch, a kernel before us: so the block's first item is collected while
+// the peers' flags are still polled). The FP8 kernels place their values and their scales
+// from that one load; loading the records for each (two dependent round trips, the second
+// after the first's shared stores) delayed their flag polls, which warp 0 makes next. The
+// caller synchronizes the block.
 template <typename T, bool Q8>
-EP_DEVICE void collect_item(const A2AParams& p, const int* records, int w, Sources& sh) {
-  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, i = w / p.combine_splits;
+EP_DEVICE void collect_item(const A2AParams& p, int rec, Sources& sh) {
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
   if constexpr (Q8) {
     const unsigned H = p.combine_bytes / sizeof(T);
-    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+    place_sources(rec, [&](int t, int slot) -> const char* {
       return workspace(p, t) + p.off_combine_q + (static_cast<size_t>(s) * tmax + slot) * H;
     }, sh.src, nullptr, &sh.n);
-    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+    place_sources(rec, [&](int t, int slot) -> const char* {
       return workspace(p, t) + p.off_combine_scales + (static_cast<size_t>(s) * tmax + slot) * (H / EP_Q8_BLOCK) * 4;
     }, sh.scale, nullptr, &sh.n);
   } else {
-    collect_sources(records, p.top_k, i, [&](int t, int slot) -> const char* {
+    place_sources(rec, [&](int t, int slot) -> const char* {
       return workspace(p, t) + p.off_combine + (static_cast<size_t>(s) * tmax + slot) * p.combine_bytes;
     }, sh.src, nullptr, &sh.n);
   }
 }
 // Every item of the block; the first one's sources are in `sh` already (collect_item).
+// Warp 0 starts copying the records of the block's next item into shared memory before it
+// reduces this one (cp.async: a register held across the reduction cost the FP8 kernels
+// spills on sm_100/103), so that between two items the block waits for its two barriers,
+// not for a load as well.
 template <typename T, bool Q8>
 EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records, Sources& sh) {
-  const int splits = p.combine_splits;
+  __shared__ int s_next[32];  // lane k < top_k: record k of the next item
+  const int splits = p.combine_splits, items = p.local_num_tokens * splits;
   const unsigned H = p.combine_bytes / sizeof(T);
   const unsigned nvec = Q8 ? H / Q8_UNIT : p.combine_bytes / p.combine_vec;
-  for (int w = blockIdx.x; w < p.local_num_tokens * splits; w += gridDim.x) {
+  for (int w = blockIdx.x; w < items; w += gridDim.x) {
     const int i = w / splits, part = w % splits;
     const unsigned v0 = nvec * part / splits, v1 = nvec * (part + 1) / splits;
     char* const out = reinterpret_cast<char*>(p.combine_out) + static_cast<size_t>(i) * p.combine_bytes;
     if (w != static_cast<int>(blockIdx.x)) {
-      collect_item<T, Q8>(p, records, w, sh);
+      if (threadIdx.x < 32) {
+        cp_async_wait_all();
+        collect_item<T, Q8>(p, static_cast<int>(threadIdx.x) < p.top_k ? s_next[threadIdx.x] : -1, sh);
+      }
       __syncthreads();
     }
+    const int next = w + static_cast<int>(gridDim.x);
+    if (static_cast<int>(threadIdx.x) < p.top_k && next < items)
+      cp_async_4(&s_next[threadIdx.x], records + (next / splits) * p.top_k + threadIdx.x);
     if constexpr (Q8)
       reduce_q8<T>(sh.src, sh.scale, sh.n, reinterpret_cast<T*>(out), v0, v1, p.combine_vec == 16);
     else
@@ -345,7 +359,8 @@ __device__ void fence_combine(const A2AParams& p) {
   fence_step_done(p);                                      // (for the next dispatch: protocol.cuh)
   publish_partials<T, Q8>(p, f);                           // lines 17-19
   __shared__ Sources sh;
-  if (static_cast<int>(blockIdx.x) < p.local_num_tokens * p.combine_splits) collect_item<T, Q8>(p, records, blockIdx.x, sh);
+  if (static_cast<int>(blockIdx.x) < p.local_num_tokens * p.combine_splits && threadIdx.x < 32)
+    collect_item<T, Q8>(p, load_record(records, p.top_k, blockIdx.x / p.combine_splits), sh);
   __shared__ int s_missing;
   const bool came = wait_steps(p, p.off_combine_flags, f, EP_PHASE_COMBINE);  // line 20
   // line 21: the pollers' acquires order the whole block's pulls (the barrier is cumulative)

@@ -247,11 +247,16 @@ EP_DEVICE void reduce_token(unsigned vec, const char* const* src, int n, char* o
 // Warp 0: the targets recorded for token i by dispatch, in the order of their first
 // selection, into shared memory: src[j] = where(target, slot) and tgt[j] = target.
 // Returns nothing; *n (shared) gets the count. The caller synchronizes the block.
+// load_record is the load half (lane k < top_k: selection k's record), place_sources the
+// rest, so that a caller can issue the load an item ahead and place the sources without
+// waiting for it (FENCE combine: pull_and_reduce).
+EP_DEVICE int load_record(const int* records, int top_k, int i) {
+  const int lane = threadIdx.x & 31;
+  return lane < top_k ? records[i * top_k + lane] : -1;
+}
 template <typename Where>
-EP_DEVICE void collect_sources(const int* records, int top_k, int i, Where where, const char** src, int* tgt, int* n) {
-  if (threadIdx.x >= 32) return;
+EP_DEVICE void place_sources(int rec, Where where, const char** src, int* tgt, int* n) {
   const int lane = threadIdx.x;
-  const int rec = lane < top_k ? records[i * top_k + lane] : -1;
   const unsigned valid = __ballot_sync(0xffffffffu, rec >= 0);
   if (rec >= 0) {
     const int j = __popc(valid & ((1u << lane) - 1));
@@ -259,4 +264,9 @@ EP_DEVICE void collect_sources(const int* records, int top_k, int i, Where where
     if (tgt) tgt[j] = record_target(rec);
   }
   if (lane == 0) *n = __popc(valid);
+}
+template <typename Where>
+EP_DEVICE void collect_sources(const int* records, int top_k, int i, Where where, const char** src, int* tgt, int* n) {
+  if (threadIdx.x >= 32) return;
+  place_sources(load_record(records, top_k, i), where, src, tgt, n);
 }

@@ -110,6 +110,15 @@ EP_DEVICE uint32_t atomic_add_release_gpu(uint32_t* p, uint32_t v) {
 }
 EP_DEVICE void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
 
+// Asynchronous 4-byte copy from global to shared memory (cp.async, sm_80+): no register
+// holds the value while it is in flight, so it can be issued long before its use; the
+// issuing thread reads it after cp_async_wait_all.
+EP_DEVICE void cp_async_4(void* shared, const void* global) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(s), "l"(global) : "memory");
+}
+EP_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 EP_DEVICE uint64_t globaltimer_ns() {
   uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t;
 }
