@@ -50,19 +50,21 @@ def main():
                     last = int(np.argmax([S[q, :, :nd, 1].max() for q in range(2)]))
                     cur, prev = S[last], S[1 - last]
                     ref = cur[:, :nd, 1].min()
+                    cur, prev = cur - ref, prev - ref  # offsets first: float64 medians of absolute ns round to 256 ns
+
                     def rel(x):
-                        return (x - ref) / 1e3
+                        return x / 1e3
                     pc = prev[:, :nc, 12]
                     rows.setdefault("prev c.end", []).append([rel(pc.min()), rel(np.median(pc)), rel(pc.max())])
                     for k in range(0, 7):
                         x = cur[:, :nd, k]
                         rows.setdefault(NAMES[k], []).append([rel(x.min()), rel(np.median(x)), rel(x.max())])
                     x = cur[:, :nd, 7]
-                    x = x[x > 0]
+                    x = x[x > -ref]  # (only the publishing block writes it: unwritten entries read 0 - ref)
                     rows.setdefault(NAMES[7], []).append([rel(x.min()), rel(np.median(x)), rel(x.max())])
                     for k in range(8, 13):
                         x = cur[:, :nc, k]
-                        x = x[x > 0] if k == 11 else x
+                        x = x[x > -ref] if k == 11 else x
                         rows.setdefault(NAMES[k], []).append([rel(x.min()), rel(np.median(x)), rel(x.max())])
                 print(f"{'stamp':12s} {'min':>7s} {'median':>7s} {'max':>7s}   (us from the first d.gdwait; medians over replays)")
                 for k, v in rows.items():
