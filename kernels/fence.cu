@@ -277,12 +277,12 @@ struct Sources {
   const char* scale[EP_MAX_TOP_K];  // FP8: their scales
   int n;
 };
-// Warp 0: where work item w's partial results wait, from rec (load_record: our records,
-// written by our dispatch, a kernel before us: so the block's first item is collected while
-// the peers' flags are still polled). The FP8 kernels place their values and their scales
-// from that one load; loading the records for each (two dependent round trips, the second
-// after the first's shared stores) delayed their flag polls, which warp 0 makes next. The
-// caller synchronizes the block.
+// Warp 0: where a work item's partial results wait, from rec (its records: written by our
+// dispatch, a kernel before us, so the block's first item is collected while the peers'
+// flags are still polled). The FP8 kernels place their values and their scales from that one
+// load; loading the records again for the scales, a load the compiler kept after the first
+// placement's shared stores, delayed the flag polls that warp 0 (the pollers of the first 32
+// ranks: wait_steps) makes next. The caller synchronizes the block.
 template <typename T, bool Q8>
 EP_DEVICE void collect_item(const A2AParams& p, int rec, Sources& sh) {
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;

@@ -244,16 +244,16 @@ EP_DEVICE void reduce_token(unsigned vec, const char* const* src, int n, char* o
   }
 }
 
-// Warp 0: the targets recorded for token i by dispatch, in the order of their first
-// selection, into shared memory: src[j] = where(target, slot) and tgt[j] = target.
-// Returns nothing; *n (shared) gets the count. The caller synchronizes the block.
-// load_record is the load half (lane k < top_k: selection k's record), place_sources the
-// rest, so that a caller can issue the load an item ahead and place the sources without
-// waiting for it (FENCE combine: pull_and_reduce).
+// Warp 0 (lane = threadIdx.x), the two halves of collect_sources below, for a caller that
+// gets the records its own way (FENCE combine: the block's later items copy theirs ahead).
+// load_record: lane k < top_k gets selection k's record of token i, the others -1.
 EP_DEVICE int load_record(const int* records, int top_k, int i) {
   const int lane = threadIdx.x & 31;
   return lane < top_k ? records[i * top_k + lane] : -1;
 }
+// place_sources: the targets of the records `rec` (one per lane), in the order of their first
+// selection, into shared memory: src[j] = where(target, slot) and tgt[j] = target; *n (shared)
+// gets the count.
 template <typename Where>
 EP_DEVICE void place_sources(int rec, Where where, const char** src, int* tgt, int* n) {
   const int lane = threadIdx.x;
@@ -265,6 +265,8 @@ EP_DEVICE void place_sources(int rec, Where where, const char** src, int* tgt, i
   }
   if (lane == 0) *n = __popc(valid);
 }
+// Warp 0: the targets recorded for token i by dispatch, placed as place_sources does. Returns
+// nothing; the caller synchronizes the block.
 template <typename Where>
 EP_DEVICE void collect_sources(const int* records, int top_k, int i, Where where, const char** src, int* tgt, int* n) {
   if (threadIdx.x >= 32) return;
