@@ -280,9 +280,9 @@ struct Sources {
 // Warp 0: where a work item's partial results wait, from rec (its records: written by our
 // dispatch, a kernel before us, so the block's first item is collected while the peers'
 // flags are still polled). The FP8 kernels place their values and their scales from that one
-// load; loading the records again for the scales, a load the compiler kept after the first
-// placement's shared stores, delayed the flag polls that warp 0 (the pollers of the first 32
-// ranks: wait_steps) makes next. The caller synchronizes the block.
+// load (they loaded the records again for the scales, after the first placement's shared
+// stores and before the flag polls that warp 0, the pollers of the first 32 ranks in
+// wait_steps, makes next). The caller synchronizes the block.
 template <typename T, bool Q8>
 EP_DEVICE void collect_item(const A2AParams& p, int rec, Sources& sh) {
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
