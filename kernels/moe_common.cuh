@@ -44,12 +44,18 @@ EP_DEVICE int selected_rank(const A2AParams& p, int e) {
 // on inactive ranks are dropped and counted in our `dropped` word (the host reports it) when
 // count_lost (where several blocks share a token, only the first of them counts it).
 struct Selection { int target; bool first; unsigned firsts; };
-EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, bool count_lost = true) {
+// Lane k < top_k: the token's id k (the others -1). Apart from the selection, so that a caller
+// can have the load in flight while it waits for something else (FENCE dispatch: the step).
+EP_DEVICE int load_ids(const A2AParams& p, const int* ids_of_token) {
+  const int lane = threadIdx.x & 31;
+  return lane < p.top_k ? ids_of_token[lane] : -1;
+}
+// e: this lane's id, from load_ids.
+EP_DEVICE Selection select_targets(const A2AParams& p, int e, bool count_lost = true) {
   const int lane = threadIdx.x & 31;
   int t = -1;
   bool inactive = false;
   if (lane < p.top_k) {
-    const int e = ids_of_token[lane];
     t = selected_rank(p, e);
     inactive = t < 0 && e >= 0 && e < p.num_experts;
   }
@@ -59,6 +65,9 @@ EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, 
   const unsigned same = __match_any_sync(0xffffffffu, t);
   const bool first = lane < p.top_k && t >= 0 && (__ffs(same) - 1) == lane;
   return {t, first, __ballot_sync(0xffffffffu, first)};
+}
+EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, bool count_lost = true) {
+  return select_targets(p, load_ids(p, ids_of_token), count_lost);
 }
 
 // Each thread loads a vector of the token once and stores it to every target (the stores
