@@ -48,7 +48,12 @@ Floors, measured in the same run:
     scales) and writes one output row. Each phase is reported against its own floor as
     `dispatch_of_bytes_floor` = floor µs / phase µs (1.0: at the floor). The floors write
     and read this GPU's memory: the figure for ranks on one GPU; across GPUs it is the HBM
-    part only. With --combine-quant fp8, combine's own quantize pass is not in its floor;
+    part only. With --combine-quant fp8, combine's own quantize pass is not in its floor.
+    The two floors also run in turn, a scatter then a gather per round
+    (`bytes_floor_in_turn_us`, `round_trip_of_bytes_floor_in_turn`): the round trip's bytes
+    as its graph moves them, the gather paying for the rows the scatter left dirty in L2
+    (every floor buffer is distinct, as the protocols' are), which neither floor replayed
+    alone pays;
   * a device-to-device copy of the bytes dispatch writes (`copy_floor_tbps`, read + write
     counted; the 1:1 copy floor `dispatch_over_copy_bw` compares against) and, when the
     ranks span several GPUs, a copy of the same bytes out of a peer GPU's mapped workspace
@@ -414,6 +419,7 @@ class Bench:
         floors = ByteFloors(self.group.ranks, targets, per_token, pulled, self.hidden * 2, pdl=not self.args.no_pdl)
         try:
             m["bf_d"], m["bf_c"] = self._time_body(floors.dispatch), self._time_body(floors.combine)
+            m["bf_turn"] = self._time_body(floors.round_trip)
         finally:
             floors.close()
         # the 1:1 copy floor: this process copies the bytes its ranks' dispatches write
@@ -433,7 +439,7 @@ class Bench:
         d = w["d"] if split else split_round_trip(rt, w["st_d"], w["st_c"])[0] if stamped else None
         comb = None if d is None else rt - d
         disp_tbps = ratio(written + read, d, 1e-6)
-        bf_rt = w["bf_d"] + w["bf_c"]  # the sum of the two phases' floors
+        bf_rt = w["bf_d"] + w["bf_c"]  # the sum of the two phases' floors, each replayed alone
         logical = T * min(self.ep, self.top_k)  # selections' rows one token sends (perfect routing: all distinct)
         return dict(
             tokens_per_rank=T, resolved_protocol=ranks[0].last_protocol, graph_rounds=[self.args.rounds, 2 * self.args.rounds],
@@ -458,6 +464,7 @@ class Bench:
             bytes_floor_combine_tbps=ratio(combine_traffic, w["bf_c"], 1e-6),
             dispatch_of_bytes_floor=ratio(w["bf_d"], d), combine_of_bytes_floor=ratio(w["bf_c"], comb),
             round_trip_of_bytes_floor=ratio(bf_rt, rt),
+            bytes_floor_in_turn_us=w["bf_turn"], round_trip_of_bytes_floor_in_turn=ratio(w["bf_turn"], rt),
             stamped_dispatch_us=w["st_d"] if stamped else None, stamped_combine_us=w["st_c"] if stamped else None,
             stamped_round_trip_us=st_rt, stamped_dispatch_share=ratio(w["st_d"], st_rt) if stamped else None,
             stamp_rounds_used=stamped["rounds_used"] if stamped else None,

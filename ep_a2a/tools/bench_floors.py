@@ -3,7 +3,10 @@
 ByteFloors: for the ranks of this process, buffers and launches that move exactly the bytes
 of dispatch (each token's row read once, written to its k target rows) and of combine (k
 partial rows read, one output row written), one kernel per rank on its stream, as the
-protocols launch theirs; bench.py captures and times them like the protocols.
+protocols launch theirs; bench.py captures and times them like the protocols, each phase
+alone and the two in turn (round_trip). Like the protocols' buffers, the four of a rank are
+distinct: in turn, combine's floor reads partial rows that dispatch's did not just write, so
+it pays, as combine does, for dispatch's rows still dirty in L2.
 Stamps: one-thread kernels that write %globaltimer into a buffer once the kernel before
 them has completed; launched between the phases of a captured round trip, they split it
 into dispatch and combine where dispatch cannot be replayed alone (SENTINEL).
@@ -38,7 +41,7 @@ class ByteFloors:
         from ..driver.launch import Launch
         from ..driver.module import load
         from ..interop.arrays import empty, from_numpy
-        # per rank: (token rows, k rows, row offsets); the strides of both row kinds
+        # per rank: (token rows, k rows, partial rows, output rows, row offsets); the strides
         self.buffers, self.scatters, self.gathers, self.streams = [], [], [], []
         self.strides = (padded(row_bytes), padded(partial_bytes), padded(out_bytes))
         for r in ranks:
@@ -50,19 +53,20 @@ class ByteFloors:
                                  "exceed the kernels' 32-bit item index")
             mod = load("floors", dev)
             scatter, gather = mod.function("ep_floor_scatter"), mod.function("ep_floor_gather")
-            # one token-row buffer (dispatch's source, combine's output) and one k-row buffer
-            # (dispatch's destinations, combine's partials) per rank
-            tok = empty((max(1, T) * max(d_stride, o_stride),), "uint8", dev)
-            rows = empty((max(1, sends) * max(d_stride, p_stride),), "uint8", dev)
+            # dispatch's source and destinations, combine's partials and output
+            tok = empty((max(1, T) * d_stride,), "uint8", dev)
+            rows = empty((max(1, sends) * d_stride,), "uint8", dev)
+            parts = empty((max(1, sends) * p_stride,), "uint8", dev)
+            out = empty((max(1, T) * o_stride,), "uint8", dev)
             offs = from_numpy(row_offsets(tg), dev)
-            self.buffers.append((tok, rows, offs))
+            self.buffers.append((tok, rows, parts, out, offs))
             n = getattr(r, "ranks_on_device", len(ranks))  # this process's ranks on this GPU
             self.scatters.append(Launch(dev, scatter, [
                 ctypes.c_uint64(tok.ptr), ctypes.c_uint64(rows.ptr), ctypes.c_uint64(offs.ptr), ctypes.c_int(T),
                 ctypes.c_int(row_bytes), ctypes.c_int(d_stride), ctypes.c_int(d_stride)],
                 _grid(dev, scatter, T * -(-row_bytes // VEC), n), THREADS, pdl=pdl))
             self.gathers.append(Launch(dev, gather, [
-                ctypes.c_uint64(rows.ptr), ctypes.c_uint64(tok.ptr), ctypes.c_uint64(offs.ptr), ctypes.c_int(T),
+                ctypes.c_uint64(parts.ptr), ctypes.c_uint64(out.ptr), ctypes.c_uint64(offs.ptr), ctypes.c_int(T),
                 ctypes.c_int(partial_bytes), ctypes.c_int(out_bytes), ctypes.c_int(p_stride), ctypes.c_int(o_stride)],
                 _grid(dev, gather, T * -(-max(partial_bytes, out_bytes) // VEC), n), THREADS, pdl=pdl))
             self.streams.append(r.stream.handle)
@@ -76,6 +80,11 @@ class ByteFloors:
         """One combine floor: every rank's gather on its stream."""
         for k, s in zip(self.gathers, self.streams):
             k(s)
+
+    def round_trip(self) -> None:
+        """Both floors in turn, as a round trip runs its phases."""
+        self.dispatch()
+        self.combine()
 
     def close(self) -> None:
         for bufs in self.buffers:

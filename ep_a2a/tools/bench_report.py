@@ -91,9 +91,10 @@ def table(res) -> None:
     rounds = res.get("graph_rounds")
     print("per round: " + (f"(t({rounds[1]}) - t({rounds[0]})) / {rounds[0]} rounds (graph launch excluded)" if rounds
                            else f"t / {res['config'].get('rounds')} rounds (graph launch included)")
-          + "; split: g = dispatch-only graph, ts = device timestamps; %bf = bytes floor µs / phase µs")
+          + "; split: g = dispatch-only graph, ts = device timestamps; %bf = bytes floor µs / phase µs;"
+          + " bf turn = both byte floors in turn, per round")
     print(f"{'proto':>8} {'T':>5} {'rt µs':>8} {'empty':>6} {'x':>5} {'barrier':>7} {'disp µs':>8} {'':>2} {'comb µs':>8} "
-          f"{'%bf d':>5} {'%bf c':>5} {'bf d µs':>8} {'bf c µs':>8} {'disp TB/s':>9} {'copy TB/s':>9} {'%copy':>6} "
+          f"{'%bf d':>5} {'%bf c':>5} {'bf d µs':>8} {'bf c µs':>8} {'bf turn':>8} {'disp TB/s':>9} {'copy TB/s':>9} {'%copy':>6} "
           f"{'peer TB/s':>9}")
 
     def f(v, spec):
@@ -108,7 +109,7 @@ def table(res) -> None:
               f"{f(r.get('dispatch_us'), '>8.1f')} {how:>2} {f(r.get('combine_us'), '>8.1f')} "
               f"{f(pct(r.get('dispatch_of_bytes_floor')), '>5.0f')} {f(pct(r.get('combine_of_bytes_floor')), '>5.0f')} "
               f"{f(r.get('bytes_floor_dispatch_us'), '>8.1f')} {f(r.get('bytes_floor_combine_us'), '>8.1f')} "
-              f"{f(r.get('dispatch_tbps'), '>9.2f')} {f(r.get('copy_floor_tbps'), '>9.2f')} "
+              f"{f(r.get('bytes_floor_in_turn_us'), '>8.1f')} {f(r.get('dispatch_tbps'), '>9.2f')} {f(r.get('copy_floor_tbps'), '>9.2f')} "
               f"{f(pct(r.get('dispatch_over_copy_bw')), '>5.0f')}% {f(r.get('peer_copy_floor_tbps'), '>9.2f')}")
     stamped = [r for r in res["rows"] if r.get("stamped_round_trip_us") is not None]
     if stamped:

@@ -11,7 +11,7 @@ from ep_a2a.tools import bench_cli, bench_method
 from ep_a2a.driver import device
 
 MEASURED = ("round_trip_us", "copy_floor_tbps", "round_trip_tbps",
-            "bytes_floor_dispatch_us", "bytes_floor_combine_us", "dispatch_of_bytes_floor",
+            "bytes_floor_dispatch_us", "bytes_floor_combine_us", "bytes_floor_in_turn_us", "dispatch_of_bytes_floor",
             "stamped_dispatch_us", "stamped_combine_us", "dispatch_us", "dispatch_tbps")
 # Empty kernels chained under PDL overlap almost entirely: their per-round difference is a
 # fraction of a µs, and a smoke run's few rounds can put it on either side of zero.
@@ -29,7 +29,8 @@ def _rows(t, nrows, stride, nbytes):
 @pytest.mark.parametrize("row,partial,out", [(14400, 14336, 14336), (7456, 7392, 14336), (37, 70, 41)])
 def test_byte_floors_move_exactly_their_rows(row, partial, out):
     """Dispatch's floor writes each token's row to each of its rows, combine's writes the
-    XOR rule of bench_method.gather_reference; bytes outside the rows stay poisoned."""
+    XOR rule of bench_method.gather_reference of its own partial rows; bytes outside the rows
+    stay poisoned."""
     import ep_a2a
     from ep_a2a.interop.arrays import copy_from_numpy, to_numpy
     from ep_a2a.tools.bench_floors import ByteFloors
@@ -41,31 +42,28 @@ def test_byte_floors_move_exactly_their_rows(row, partial, out):
         try:
             ds, ps, os_ = fl.strides
             src, parts = [], []
-            for (tok, rows, offs), tg in zip(fl.buffers, targets):
+            for (tok, rows, part, out_, offs), tg in zip(fl.buffers, targets):
                 s = rng.integers(0, 256, (len(tg), ds), dtype=np.uint8)
                 copy_from_numpy(tok, np.concatenate([s.reshape(-1), np.full(tok.nbytes - s.size, 0xA5, np.uint8)]))
                 copy_from_numpy(rows, np.full(rows.nbytes, 0x5A, np.uint8))
                 src.append(s[:, :row])
-            fl.dispatch()
+                p = rng.integers(0, 256, (int(bench_method.row_offsets(tg)[-1]), ps), dtype=np.uint8)
+                copy_from_numpy(part, np.concatenate([p.reshape(-1), np.full(part.nbytes - p.size, 0xA5, np.uint8)]))
+                copy_from_numpy(out_, np.full(out_.nbytes, 0x5A, np.uint8))
+                parts.append(p[:, :partial])
+            # both in turn, as the benchmark's chained floor runs them: each reads only its own
+            # source, so neither may see the other's writes
+            fl.round_trip()
             for r in group.ranks:
                 r.stream.synchronize()
-            for (tok, rows, offs), tg, s in zip(fl.buffers, targets, src):
+            for (tok, rows, part, out_, offs), tg, s, p in zip(fl.buffers, targets, src, parts):
                 o = bench_method.row_offsets(tg)
                 np.testing.assert_array_equal(_rows(rows, o[-1], ds, row), bench_method.scatter_reference(s, o))
                 assert (_rows(rows, o[-1], ds, ds)[:, row:] == 0x5A).all()
                 assert (to_numpy(rows)[o[-1] * ds:] == 0x5A).all()
-            for (tok, rows, offs), tg in zip(fl.buffers, targets):
-                p = rng.integers(0, 256, (int(bench_method.row_offsets(tg)[-1]), ps), dtype=np.uint8)
-                copy_from_numpy(rows, np.concatenate([p.reshape(-1), np.full(rows.nbytes - p.size, 0xA5, np.uint8)]))
-                copy_from_numpy(tok, np.full(tok.nbytes, 0x5A, np.uint8))
-                parts.append(p[:, :partial])
-            fl.combine()
-            for r in group.ranks:
-                r.stream.synchronize()
-            for (tok, rows, offs), tg, p in zip(fl.buffers, targets, parts):
-                o = bench_method.row_offsets(tg)
-                np.testing.assert_array_equal(_rows(tok, len(tg), os_, out), bench_method.gather_reference(p, o, out))
-                assert (_rows(tok, len(tg), os_, os_)[:, out:] == 0x5A).all()
+                np.testing.assert_array_equal(_rows(out_, len(tg), os_, out), bench_method.gather_reference(p, o, out))
+                assert (_rows(out_, len(tg), os_, os_)[:, out:] == 0x5A).all()
+                assert (to_numpy(out_)[len(tg) * os_:] == 0x5A).all()
         finally:
             fl.close()
 
