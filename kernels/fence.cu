@@ -249,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
   griddep_wait();
   // The step and the end of a SENTINEL step before it are read while the block's first token
   // loads are in flight: only the pushes must wait for them (on the H200, 8 in-process ranks,
-  // 9.5-9.6 -> 9.2 µs per round trip at 4 tokens, 7.6 -> 7.5 at 1).
+  // 9.5-9.6 -> 9.2 µs per round trip at 4 tokens).
   unsigned f;
   push_tokens(p, cnt, records, [&] {
     f = read_epoch(p) + 1;

@@ -285,8 +285,8 @@ def test_table_prints_the_per_round_method_floors_and_split(capsys):
     r = _row(4096, 2100.0, 1200.0, None)
     r.update(split_method="device timestamps", dispatch_of_bytes_floor=0.876, combine_of_bytes_floor=0.912,
              bytes_floor_dispatch_us=1051.0, bytes_floor_combine_us=820.0, bytes_floor_in_turn_us=1987.5,
-             stamped_dispatch_us=1230.0,
-             stamped_combine_us=905.0, stamped_round_trip_us=2135.0, globaltimer_smallest_step_ns=32)
+             stamped_dispatch_us=1230.0, stamped_combine_us=905.0, stamped_round_trip_us=2135.0,
+             globaltimer_smallest_step_ns=32)
     res = dict(device="GPU", mode="inproc", ep_size=8, procs=1, gpus=1, shared_gpu=False, peer_copy_floor_reason=None,
                commit="abc", graph_rounds=[20, 40], config=dict(ranks=8, profile="deepseek-v3", format="bf16",
                                                                routing="perfect", rounds=20),
