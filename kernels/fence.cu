@@ -101,8 +101,9 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
   const unsigned groups = preload_groups(p);
   const int S = groups && p.dispatch_splits > 1 ? p.dispatch_splits : 1;  // (the host splits only tokens that preload)
-  bool ahead = true;  // the prologue has not run yet
-  for (int w = blockIdx.x; w < p.local_num_tokens * S; w += gridDim.x) {
+  const int items = p.local_num_tokens * S;
+  const int* const ids = reinterpret_cast<const int*>(p.payloads[0].src);
+  for (int w = blockIdx.x; w < items; w += gridDim.x) {
     const int i = w / S, part = w % S;
     const unsigned g0 = groups * part / S, g1 = groups * (part + 1) / S;
     uint4 v[PRELOAD_U];
@@ -110,15 +111,13 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
       const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
       return reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token)[x];
     });
-    const int* const ids = reinterpret_cast<const int*>(p.payloads[0].src);
     const int lane = threadIdx.x & 31;
     int e = -1, e0 = -1;
     if (threadIdx.x < 32) {
       e = load_ids(p, ids + i * p.top_k);
       e0 = S > 1 && lane < ids_per_round(p) && lane < i * p.top_k ? ids[lane] : -1;  // (earlier_selections)
     }
-    if (ahead) prologue();
-    ahead = false;
+    if (w == static_cast<int>(blockIdx.x)) prologue();
     if (threadIdx.x < 32) {
       const Selection sel = select_targets(p, e, part == 0);
       const int j = __popc(sel.firsts & ((1u << lane) - 1));
@@ -167,7 +166,7 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
     }
     __syncthreads();
   }
-  if (ahead) prologue();
+  if (static_cast<int>(blockIdx.x) >= items) prologue();
 }
 
 // Lines 7-10: the last block to finish publishes for the whole rank (FinishedBlocks says why
