@@ -7,7 +7,7 @@ TensorRT-LLM, DeepEP and pplx-kernels), run on real ep_a2a with N in-process ran
 OneSidedPrepareFinalize wraps one rank (in an engine: the one rank of its process):
   prepare(a1, topk_weights, topk_ids)  dispatch; returns the received tokens in the layout
       of the TensorRT-LLM-style "rank-major" backends: [ep_size * T^, hidden] rows, ids and
-      weights [ep_size * T^, top_k], rows past each source's count carrying expert id -1
+      weights [ep_size * T^, top_k], rows without a token carrying expert id -1
   expert_output(T^)                    where the experts write their weighted per-row sum
                                        (the combine input in the workspace: no copy)
   finalize(output, fused_expert_output) combine into `output` [tokens, hidden], in place

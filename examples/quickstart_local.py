@@ -53,8 +53,8 @@ with ep_a2a.LocalGroup([0] * N) as group, \
            for r in a2a.ranks]
 
     # 1. dispatch, every rank before anything blocks. Each rank receives rank-major views of
-    #    its workspace: ids [N, T^, K], hidden [N, T^, H], weights [N, T^, K]; slot j of region
-    #    s holds the j-th token rank s sent here, and slots past that count carry expert id -1.
+    #    its workspace: ids [N, T^, K], hidden [N, T^, H], weights [N, T^, K]; region s holds
+    #    the tokens rank s sent here, and every slot without a token carries expert id -1.
     views = [r.dispatch(ids, pays, runtime_max_tokens_per_rank=T_hat) for r, (ids, pays) in zip(a2a.ranks, ins)]
     a2a.synchronize()                       # every dispatch is issued: waiting is safe now
 

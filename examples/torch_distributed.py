@@ -78,7 +78,7 @@ with ep_a2a.ProcessGroup(bootstrap, device=gpu) as group:
             w = torch.rand(t, K, device=dev, generator=mine)
 
             ids_v, (x_v, w_v) = r.dispatch(ids, [x, w], runtime_max_tokens_per_rank=T_hat, stream=stream)
-            # received, rank-major: [ep, T^, ...]; slots past each source's count carry id -1
+            # received, rank-major: [ep, T^, ...]; slots without a token carry id -1
             rids, rx, rw = (torch.from_dlpack(v) for v in (ids_v, x_v, w_v))
             own = (rids >= first) & (rids < first + n_local)
             factor = torch.where(own, rw * scale[rids.clamp(min=0).long()], 0).sum(dim=-1, keepdim=True)
