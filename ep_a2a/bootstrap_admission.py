@@ -12,7 +12,9 @@ import errno
 import hmac
 import os
 import select
+import signal
 import socket
+import stat
 import struct
 import time
 
@@ -51,6 +53,44 @@ class _Rejected(BootstrapError):
 
 def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+
+
+def interruption(e: BaseException) -> str:
+    """What interrupted a rank, as the others' errors name it (SIGTERM arrives as SystemExit(143))."""
+    if isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM:
+        return "SIGTERM"
+    return type(e).__name__
+
+
+def remove_stale_socket(path: str) -> bool:
+    """Remove `path` if it is a socket file nobody listens on (its rank 0 died without
+    unlinking it); True if it is gone. The file removed is the one probed (same inode), so
+    a rank 0 that replaced it meanwhile keeps its own."""
+    try:
+        before = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISSOCK(before.st_mode):
+        return False
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+        return False  # someone listens
+    except FileNotFoundError:
+        return True
+    except ConnectionRefusedError:
+        pass
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    try:
+        if os.lstat(path).st_ino == before.st_ino:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return True
 
 
 
@@ -101,7 +141,9 @@ class RootAdmission:
             if isinstance(e, BootstrapError):
                 self._abort(e)
                 raise
-            if not isinstance(e, OSError):
+            if not isinstance(e, OSError):  # KeyboardInterrupt, SIGTERM, ...: the admitted ranks learn it now
+                self._abort(BootstrapError(f"bootstrap {self.name!r}: rank 0 was interrupted by {interruption(e)} "
+                                           "while the group formed"))
                 raise
             # TimeoutError included: a peer that stopped reading, or died, before its welcome
             err = (BootstrapTimeout if isinstance(e, TimeoutError) else BootstrapError)(
@@ -175,20 +217,8 @@ class RootAdmission:
 
     def _remove_stale(self) -> None:
         """A socket file nobody listens on is left over from a dead process: remove it."""
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(self.path)
-        except ConnectionRefusedError:
-            os.unlink(self.path)
-            return
-        except FileNotFoundError:  # its owner removed it meanwhile
-            return
-        except OSError:
-            pass
-        finally:
-            probe.close()
-        raise BootstrapError(f"bootstrap name {self.name!r} is in use: another process listens on {self.path}")
+        if not remove_stale_socket(self.path):
+            raise BootstrapError(f"bootstrap name {self.name!r} is in use: another process listens on {self.path}")
 
     def _admit(self, conn: socket.socket, pid: int, rank: int, world_size: int, payload: bytes) -> None:
         (hello_pid,) = struct.unpack_from("<I", payload)
