@@ -454,8 +454,10 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
                 pass
 
     def _abort(self, err: BootstrapError) -> None:
-        self._notify(list(self._peers.values()), err)
-        self.close()
+        try:
+            self._notify(list(self._peers.values()), err)
+        finally:  # a second interrupt while telling the peers must not keep the sockets open
+            self.close()
 
     def _unlink(self) -> None:
         if self._listener is not None:

@@ -66,32 +66,47 @@ def remove_stale_socket(path: str) -> bool:
     """Remove `path` if it is a socket file nobody listens on (its rank 0 died without
     unlinking it); True if it is gone. The file removed is the one probed (same inode), so
     a rank 0 that replaced it meanwhile keeps its own."""
-    try:
-        before = os.lstat(path)
-    except FileNotFoundError:
-        return True
-    if not stat.S_ISSOCK(before.st_mode):
-        return False
+    for _ in range(10):
+        try:
+            before = os.lstat(path)
+        except FileNotFoundError:
+            return True
+        if not stat.S_ISSOCK(before.st_mode):
+            return False
+        verdict = _probe(path)
+        if verdict == "listening":
+            return False
+        if verdict == "dying":
+            time.sleep(0.02)
+            continue
+        if verdict == "refused":
+            try:
+                if os.lstat(path).st_ino == before.st_ino:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return True
+    return False
+
+
+def _probe(path: str) -> str:
+    """'refused', 'listening', or 'dying': a process being killed may release its connections
+    before its listener, so a connect that its peers' EOF preceded can still succeed; a live
+    rank 0 then keeps the probe open (waiting for a hello), a dying one resets it at once."""
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     probe.settimeout(1.0)
     try:
         probe.connect(path)
-        return False  # someone listens
-    except FileNotFoundError:
-        return True
-    except ConnectionRefusedError:
-        pass
-    except OSError:
-        return False
+        probe.settimeout(0.1)
+        return "dying" if not probe.recv(1) else "listening"
+    except (FileNotFoundError, ConnectionRefusedError):
+        return "refused"
+    except ConnectionResetError:
+        return "dying"
+    except OSError:  # TimeoutError included: it holds the connection open, as a live rank 0 does
+        return "listening"
     finally:
         probe.close()
-    try:
-        if os.lstat(path).st_ino == before.st_ino:
-            os.unlink(path)
-    except FileNotFoundError:
-        pass
-    return True
-
 
 
 class RootAdmission:
@@ -110,9 +125,11 @@ class RootAdmission:
         def reject(conn, why: str) -> None:
             pending.pop(conn, None)
             rejected.add(why)
-            conn.setblocking(True)
-            self._notify([conn], BootstrapError(f"rejected by rank 0 of {self.name!r}: {why}"))
-            conn.close()
+            try:
+                conn.setblocking(True)
+                self._notify([conn], BootstrapError(f"rejected by rank 0 of {self.name!r}: {why}"))
+            finally:  # (an interrupt while telling it must not leave the connection open)
+                conn.close()
         try:
             while len(self._peers) < self.world_size - 1:
                 now = time.monotonic()
@@ -156,8 +173,9 @@ class RootAdmission:
             conn, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
+        pending[conn] = [hello_deadline, -1, bytearray()]  # from here an interrupt's cleanup closes it
         pid, uid, _ = peer_cred(conn)
-        pending[conn] = [hello_deadline, pid, bytearray()]
+        pending[conn][1] = pid
         if uid != os.getuid():
             reject(conn, f"pid {pid} runs as uid {uid}, not {os.getuid()}")
         elif len(pending) > _MAX_PENDING + self.world_size:
@@ -192,12 +210,12 @@ class RootAdmission:
             return reject(conn, f"pid {pid} sent a {n}-byte hello; a hello has {want - wire.HEADER.size} bytes")
         if len(buf) < want:
             return
-        del pending[conn]
         conn.setblocking(True)
         try:
             self._admit(conn, pid, rank, world_size, bytes(buf[wire.HEADER.size:]))
         except _Rejected as e:
-            reject(conn, str(e))
+            return reject(conn, str(e))
+        del pending[conn]  # (only now: until admitted, an interrupt's cleanup closes it as pending)
 
     def _listen(self) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -237,7 +255,9 @@ class RootAdmission:
             err = f"rank {rank} connected twice (the second time from pid {pid})"
         if err:
             e = BootstrapError(f"bootstrap {self.name!r}: {err}")
-            self._notify([conn], e)
-            conn.close()
+            try:
+                self._notify([conn], e)
+            finally:
+                conn.close()
             raise e
         self._peers[rank] = conn
