@@ -3,8 +3,8 @@
 Each rank's workspace is a VMM allocation exported as a POSIX fd; peers import it. An fd
 only crosses a process boundary through SCM_RIGHTS on an AF_UNIX socket, so every
 bootstrap ends in `UnixSocketBootstrap` for `allgather_fds`, and the whole group must
-live on one node (one NVLink domain reached through fds; FABRIC handles are bytes and
-would travel through `allgather`).
+live on one node for `allgather_fds` (a workspace spanning hosts shares FABRIC handles, which
+are bytes, through `allgather` instead: symmetric.py).
 
 Nothing received from a peer is unpickled: the wire format is a fixed struct header plus
 raw bytes, every message is size-bounded and every wait is bounded by the timeout.
