@@ -217,9 +217,9 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
     rank; otherwise construction raises NoJobTokenError (a BootstrapError) saying how to give
     a token. `job_source` says which one it was.
 
-    Interrupted anywhere (SIGINT, SIGTERM while the rendezvous or a collective is in flight,
-    an exception), a rank removes its socket file, closes its fds and tells the others, who
-    raise a BootstrapError at once; a rank killed outright (SIGKILL) is found by the others
+    Interrupted anywhere (SIGINT; SIGTERM, raised as SystemExit(143) while the rendezvous or
+    a collective is in flight and the default action is set; an exception), a rank removes its
+    socket file, closes its fds and tells the others, who raise a BootstrapError at once; a rank killed outright (SIGKILL) is found by the others
     as a lost connection or, before it connected, at their timeout, and the peers of a killed
     rank 0 remove the socket file it left.
     """
