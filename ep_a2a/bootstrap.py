@@ -3,8 +3,8 @@
 Each rank's workspace is a VMM allocation exported as a POSIX fd; peers import it. An fd
 only crosses a process boundary through SCM_RIGHTS on an AF_UNIX socket, so every
 bootstrap ends in `UnixSocketBootstrap` for `allgather_fds`, and the whole group must
-live on one node (one NVLink domain reached through fds; FABRIC handles are bytes and
-would travel through `allgather`).
+live on one node for `allgather_fds` (a workspace spanning hosts shares FABRIC handles, which
+are bytes, through `allgather` instead: symmetric.py).
 
 Nothing received from a peer is unpickled: the wire format is a fixed struct header plus
 raw bytes, every message is size-bounded and every wait is bounded by the timeout.
@@ -12,23 +12,26 @@ raw bytes, every message is size-bounded and every wait is bounded by the timeou
 from __future__ import annotations
 
 import abc
+import contextlib
 import hashlib
 import os
 import re
 import secrets
 import select
+import signal
 import socket
 import stat
 import struct
 import time
 
 from . import bootstrap_wire as wire
-from .bootstrap_admission import RootAdmission, peer_cred
+from .bootstrap_admission import RootAdmission, interruption, peer_cred, remove_stale_socket
+from .bootstrap_identity import launcher_job
 from .bootstrap_wire import MAX_FDS, MAX_PAYLOAD
 from .driver.lifetime import Owned
 from .errors import BootstrapError, BootstrapTimeout
 
-__all__ = ["Bootstrap", "BootstrapError", "BootstrapTimeout", "UnixSocketBootstrap", "new_job_token",
+__all__ = ["Bootstrap", "BootstrapError", "BootstrapTimeout", "NoJobTokenError", "UnixSocketBootstrap", "new_job_token",
            "TorchDistributedBootstrap", "MpiBootstrap"]
 
 _NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -50,6 +53,55 @@ def _job_digest(job_token) -> bytes:
     if not raw:
         raise ValueError("job_token: must not be empty (omit it, or use new_job_token())")
     return hashlib.sha256(b"ep_a2a job " + raw).digest()
+
+
+class NoJobTokenError(BootstrapError):
+    """A rendezvous of several ranks without a job token, where the launcher names no job."""
+
+
+def _job_of(rank: int, world_size: int, name: str, job_token) -> tuple[bytes, str]:
+    """The digest every hello carries, and where the job's identity came from: the token
+    passed, else $EP_A2A_JOB_TOKEN, else the launcher's job (bootstrap_identity), else a
+    refusal (a name alone lets two jobs that chose it, or a leftover rank, cross-wire)."""
+    if job_token is not None:
+        return _job_digest(job_token), "job_token"
+    if os.environ.get("EP_A2A_JOB_TOKEN"):
+        return _job_digest(os.environ["EP_A2A_JOB_TOKEN"]), "$EP_A2A_JOB_TOKEN"
+    if world_size == 1:
+        return _job_digest(None), "a group of one"
+    job, what = launcher_job(rank, world_size)
+    if job is not None:
+        return _job_digest("launcher " + job), what
+    raise NoJobTokenError(
+        f"bootstrap {name!r}: rank {rank} of {world_size} has no job token, and {what}. A name alone "
+        "cannot tell two jobs that chose it (or a rank left over from an earlier job) apart, so the "
+        "group is not formed. Draw a token once where the ranks are started and give the same one "
+        "to every rank: UnixSocketBootstrap(..., job_token=token) with token = "
+        "ep_a2a.bootstrap.new_job_token() in the launcher, or "
+        "EP_A2A_JOB_TOKEN=$(python -c 'import secrets; print(secrets.token_hex(16))') exported "
+        "for this launch only")
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """SIGTERM's default action ends the process without unwinding, leaving rank 0's socket
+    file and the peers waiting for their timeout: while a rendezvous or a collective is in
+    flight (main thread, default disposition only) it raises SystemExit(128 + SIGTERM)
+    instead, so the cleanup runs, the peers are told, and the process still ends."""
+    def terminate(signum, _frame):
+        raise SystemExit(128 + signum)
+    mine = False
+    try:
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, terminate)
+            mine = True
+    except ValueError:  # not the main thread: only the main thread may set handlers
+        pass
+    try:
+        yield
+    finally:
+        if mine and signal.getsignal(signal.SIGTERM) is terminate:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class Bootstrap(Owned, abc.ABC):
@@ -156,10 +208,20 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
     The socket file is unlinked as soon as all ranks have connected, and on failure.
     `name` must be unique per group on the node ([A-Za-z0-9_.-], at most 64 characters).
 
-    `job_token` (a str or bytes secret, e.g. new_job_token(), the same on every rank of one
-    job; default $EP_A2A_JOB_TOKEN): rank 0 admits only ranks whose hello proves the same
-    token, so two jobs that picked one name, or a rank left over from an earlier job, are
-    refused with an error instead of joining. Without a token the name alone decides.
+    Which job a rank belongs to decides whom rank 0 admits, so that two jobs that chose one
+    name, or a rank left over from an earlier job, are refused instead of cross-wired. It is,
+    in this order: `job_token` (a str or bytes secret, the same on every rank of one job,
+    e.g. new_job_token() drawn once by the launcher); $EP_A2A_JOB_TOKEN; the job its launcher
+    names, where that differs per job (torchrun with --standalone or --rdzv-id, srun, Open
+    MPI's mpirun, Hydra's mpiexec; see bootstrap_identity) and started this process as this
+    rank; otherwise construction raises NoJobTokenError (a BootstrapError) saying how to give
+    a token. `job_source` says which one it was.
+
+    Interrupted anywhere (SIGINT; SIGTERM, raised as SystemExit(143) while the rendezvous or
+    a collective is in flight and the default action is set; an exception), a rank removes its
+    socket file, closes its fds and tells the others, who raise a BootstrapError at once; a rank killed outright (SIGKILL) is found by the others
+    as a lost connection or, before it connected, at their timeout, and the peers of a killed
+    rank 0 remove the socket file it left.
     """
 
     def __init__(self, rank: int, world_size: int, *, name: str, timeout: float = 60.0, base_dir=None,
@@ -169,7 +231,7 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         self.rank, self.world_size, self.name, self.timeout = rank, world_size, name, float(timeout)
-        self._job = _job_digest(os.environ.get("EP_A2A_JOB_TOKEN") if job_token is None else job_token)
+        self._job, self.job_source = _job_of(rank, world_size, name, job_token)
         self.path = os.path.join(socket_dir(base_dir), name + ".sock")
         if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
             raise BootstrapError(f"socket path {self.path!r} is longer than the {_SUN_PATH_MAX} bytes AF_UNIX "
@@ -183,7 +245,8 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
         if world_size == 1:
             return
         try:
-            self._setup_root() if rank == 0 else self._setup_peer()
+            with _sigterm_raises():
+                self._setup_root() if rank == 0 else self._setup_peer()
         except BaseException:
             self.close()
             raise
@@ -191,6 +254,14 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
     # -- setup ---------------------------------------------------------------------------------
 
     def _setup_peer(self) -> None:
+        try:
+            self._connect_and_hello()
+        except BaseException:
+            # A rank 0 killed outright leaves its socket file behind: whoever learns it first removes it
+            remove_stale_socket(self.path)
+            raise
+
+    def _connect_and_hello(self) -> None:
         deadline = time.monotonic() + self.timeout
         while True:
             s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -200,6 +271,9 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
                 break
             except (FileNotFoundError, ConnectionRefusedError, BlockingIOError):  # rank 0 not up yet, a stale file, a full backlog
                 s.close()
+                if time.monotonic() >= deadline:
+                    raise BootstrapTimeout(f"bootstrap {self.name!r}: rank {self.rank} found no rank 0 listening on "
+                                           f"{self.path} within {self.timeout:g} s", [0]) from None
                 time.sleep(min(0.02, max(0.0, deadline - time.monotonic())))
             except TimeoutError:
                 s.close()
@@ -243,12 +317,13 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
         if self.world_size == 1:
             return [own]
         try:
-            if self.rank == 0:
-                return self._root_collective(kind, own, deadline)
-            msgs = self._from_root(kind, deadline + _PEER_GRACE, send=(kind, payload), fds=fds,
-                                   sources=[r for r in range(self.world_size) if r != self.rank])
-            msgs.insert(self.rank, own)  # rank 0 has checked every rank's fd count against its own
-            return msgs
+            with _sigterm_raises():
+                if self.rank == 0:
+                    return self._root_collective(kind, own, deadline)
+                msgs = self._from_root(kind, deadline + _PEER_GRACE, send=(kind, payload), fds=fds,
+                                       sources=[r for r in range(self.world_size) if r != self.rank])
+                msgs.insert(self.rank, own)  # rank 0 has checked every rank's fd count against its own
+                return msgs
         except BaseException as e:
             wire.close_fds(own[1])
             if not isinstance(e, (BootstrapError, OSError)):  # KeyboardInterrupt, SystemExit, ...
@@ -260,7 +335,7 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
     def _interrupted(self, e: BaseException, kind: int) -> None:
         """A collective left halfway cannot be resumed: the peers' parts of it would pair with
         this rank's next call. Close, and make the peers raise now instead of at their timeout."""
-        self._why_closed = f"rank {self.rank} was interrupted by {type(e).__name__} in {wire.KIND_NAMES[kind]} #{self._seq}"
+        self._why_closed = f"rank {self.rank} was interrupted by {interruption(e)} in {wire.KIND_NAMES[kind]} #{self._seq}"
         err = BootstrapError(f"bootstrap {self.name!r}: {self._why_closed}; the group cannot go on")
         if self.rank == 0:
             self._abort(err)
@@ -379,8 +454,10 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
                 pass
 
     def _abort(self, err: BootstrapError) -> None:
-        self._notify(list(self._peers.values()), err)
-        self.close()
+        try:
+            self._notify(list(self._peers.values()), err)
+        finally:  # a second interrupt while telling the peers must not keep the sockets open
+            self.close()
 
     def _unlink(self) -> None:
         if self._listener is not None:

@@ -12,7 +12,9 @@ import errno
 import hmac
 import os
 import select
+import signal
 import socket
+import stat
 import struct
 import time
 
@@ -53,6 +55,59 @@ def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
     return struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
 
 
+def interruption(e: BaseException) -> str:
+    """What interrupted a rank, as the others' errors name it (SIGTERM arrives as SystemExit(143))."""
+    if isinstance(e, SystemExit) and e.code == 128 + signal.SIGTERM:
+        return "SIGTERM"
+    return type(e).__name__
+
+
+def remove_stale_socket(path: str) -> bool:
+    """Remove `path` if it is a socket file nobody listens on (its rank 0 died without
+    unlinking it); True if it is gone. The file removed is the one probed (same inode), so
+    a rank 0 that replaced it meanwhile keeps its own."""
+    for _ in range(10):
+        try:
+            before = os.lstat(path)
+        except FileNotFoundError:
+            return True
+        if not stat.S_ISSOCK(before.st_mode):
+            return False
+        verdict = _probe(path)
+        if verdict == "listening":
+            return False
+        if verdict == "dying":
+            time.sleep(0.02)
+            continue
+        if verdict == "refused":
+            try:
+                if os.lstat(path).st_ino == before.st_ino:
+                    os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return True
+    return False
+
+
+def _probe(path: str) -> str:
+    """'refused', 'listening', or 'dying': a process being killed may release its connections
+    before its listener, so a connect that its peers' EOF preceded can still succeed; a live
+    rank 0 then keeps the probe open (waiting for a hello), a dying one resets it at once."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+        probe.settimeout(0.1)
+        return "dying" if not probe.recv(1) else "listening"
+    except (FileNotFoundError, ConnectionRefusedError):
+        return "refused"
+    except ConnectionResetError:
+        return "dying"
+    except OSError:  # TimeoutError included: it holds the connection open, as a live rank 0 does
+        return "listening"
+    finally:
+        probe.close()
+
 
 class RootAdmission:
     """The rank-0 half of UnixSocketBootstrap (which provides path, name, world_size,
@@ -70,9 +125,11 @@ class RootAdmission:
         def reject(conn, why: str) -> None:
             pending.pop(conn, None)
             rejected.add(why)
-            conn.setblocking(True)
-            self._notify([conn], BootstrapError(f"rejected by rank 0 of {self.name!r}: {why}"))
-            conn.close()
+            try:
+                conn.setblocking(True)
+                self._notify([conn], BootstrapError(f"rejected by rank 0 of {self.name!r}: {why}"))
+            finally:  # (an interrupt while telling it must not leave the connection open)
+                conn.close()
         try:
             while len(self._peers) < self.world_size - 1:
                 now = time.monotonic()
@@ -101,7 +158,9 @@ class RootAdmission:
             if isinstance(e, BootstrapError):
                 self._abort(e)
                 raise
-            if not isinstance(e, OSError):
+            if not isinstance(e, OSError):  # KeyboardInterrupt, SIGTERM, ...: the admitted ranks learn it now
+                self._abort(BootstrapError(f"bootstrap {self.name!r}: rank 0 was interrupted by {interruption(e)} "
+                                           "while the group formed"))
                 raise
             # TimeoutError included: a peer that stopped reading, or died, before its welcome
             err = (BootstrapTimeout if isinstance(e, TimeoutError) else BootstrapError)(
@@ -114,8 +173,9 @@ class RootAdmission:
             conn, _ = self._listener.accept()
         except (BlockingIOError, InterruptedError):
             return
+        pending[conn] = [hello_deadline, -1, bytearray()]  # from here an interrupt's cleanup closes it
         pid, uid, _ = peer_cred(conn)
-        pending[conn] = [hello_deadline, pid, bytearray()]
+        pending[conn][1] = pid
         if uid != os.getuid():
             reject(conn, f"pid {pid} runs as uid {uid}, not {os.getuid()}")
         elif len(pending) > _MAX_PENDING + self.world_size:
@@ -150,12 +210,12 @@ class RootAdmission:
             return reject(conn, f"pid {pid} sent a {n}-byte hello; a hello has {want - wire.HEADER.size} bytes")
         if len(buf) < want:
             return
-        del pending[conn]
         conn.setblocking(True)
         try:
             self._admit(conn, pid, rank, world_size, bytes(buf[wire.HEADER.size:]))
         except _Rejected as e:
-            reject(conn, str(e))
+            return reject(conn, str(e))
+        del pending[conn]  # (only now: until admitted, an interrupt's cleanup closes it as pending)
 
     def _listen(self) -> socket.socket:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -175,20 +235,8 @@ class RootAdmission:
 
     def _remove_stale(self) -> None:
         """A socket file nobody listens on is left over from a dead process: remove it."""
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        probe.settimeout(1.0)
-        try:
-            probe.connect(self.path)
-        except ConnectionRefusedError:
-            os.unlink(self.path)
-            return
-        except FileNotFoundError:  # its owner removed it meanwhile
-            return
-        except OSError:
-            pass
-        finally:
-            probe.close()
-        raise BootstrapError(f"bootstrap name {self.name!r} is in use: another process listens on {self.path}")
+        if not remove_stale_socket(self.path):
+            raise BootstrapError(f"bootstrap name {self.name!r} is in use: another process listens on {self.path}")
 
     def _admit(self, conn: socket.socket, pid: int, rank: int, world_size: int, payload: bytes) -> None:
         (hello_pid,) = struct.unpack_from("<I", payload)
@@ -207,7 +255,9 @@ class RootAdmission:
             err = f"rank {rank} connected twice (the second time from pid {pid})"
         if err:
             e = BootstrapError(f"bootstrap {self.name!r}: {err}")
-            self._notify([conn], e)
-            conn.close()
+            try:
+                self._notify([conn], e)
+            finally:
+                conn.close()
             raise e
         self._peers[rank] = conn

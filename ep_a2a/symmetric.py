@@ -3,11 +3,51 @@ from __future__ import annotations
 
 import ctypes
 import os
+import socket
 
 from .bootstrap_wire import close_fds
 from .driver.lifetime import Owned
 from .driver.memory import DeviceAllocation, copy_htod
 from .driver.vmm import Allocation, DeviceBuffer, Mapping, VmmOptions
+from .errors import CudaError, TopologyError
+
+FABRIC_HANDLE_BYTES = 64
+
+
+def host_identity() -> bytes:
+    """This process's host as the workspace sees it: the kernel instance (boot id) and the
+    hostname. Ranks that share it can pass POSIX fds (SCM_RIGHTS); the others cannot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = b"?"
+    return boot + b" " + socket.gethostname().encode()
+
+
+def ranks_on_other_hosts(hosts: list, rank: int) -> list:
+    return [q for q, h in enumerate(hosts) if h != hosts[rank]]
+
+
+def exchange_fabric_handles(bootstrap, handle, why_not: str = "") -> list:
+    """Every rank's 64-byte FABRIC handle in rank order, through `bootstrap.allgather` (the
+    torch.distributed group, MPI, or the socket rendezvous). `handle` is None where the driver
+    refused FABRIC (`why_not` says why): then every rank raises the same TopologyError, instead
+    of the others waiting for a handle that will never come."""
+    if handle is not None and len(handle) != FABRIC_HANDLE_BYTES:
+        raise ValueError(f"a FABRIC handle is {FABRIC_HANDLE_BYTES} bytes, got {len(handle)}")
+    mine = b"F" + bytes(handle) if handle is not None else b"E" + why_not.encode()[:1000]
+    parts = bootstrap.allgather(mine)
+    refused = {q: p[1:].decode(errors="replace") for q, p in enumerate(parts)
+               if p[:1] != b"F" or len(p) != 1 + FABRIC_HANDLE_BYTES}
+    if refused:
+        said = "; ".join(f"rank {q}: {why or 'no handle'}" for q, why in sorted(refused.items()))
+        raise TopologyError(
+            f"the workspace spans hosts, so it is shared through FABRIC handles, and the driver refused "
+            f"FABRIC on rank(s) {sorted(refused)} ({said}). FABRIC needs a multi-node NVLink system "
+            "(NVL72-class) with IMEX channels granted to this process (/dev/nvidia-caps-imex-channels); "
+            "a group on one host shares POSIX fds instead")
+    return [p[1:] for p in parts]
 
 
 class SymmetricWorkspace(Owned):
@@ -16,9 +56,12 @@ class SymmetricWorkspace(Owned):
     `peers(r)[q]` is the address at which local rank `r` reaches rank `q`'s region;
     `peer_table(r)` is the same list as a device array of u64 (for users' kernels).
     In a LocalGroup all ranks share one address space, so a region is mapped once, with
-    access granted to every GPU of the group. In a ProcessGroup each rank exports its
-    allocation as a POSIX fd, the fds travel through the bootstrap (SCM_RIGHTS) and every
-    rank imports and maps the others'.
+    access granted to every GPU of the group. In a ProcessGroup on one host each rank exports
+    its allocation as a POSIX fd, the fds travel through the bootstrap (SCM_RIGHTS) and every
+    rank imports and maps the others'. A ProcessGroup whose ranks are on several hosts (one
+    multi-node NVLink domain) allocates with FABRIC handles, 64 bytes each, which travel
+    through `bootstrap.allgather`; where the driver refuses FABRIC, every rank raises a
+    TopologyError saying so.
     """
 
     _kind = "workspaces"
@@ -44,11 +87,16 @@ class SymmetricWorkspace(Owned):
 
     def _init_process(self, group, nbytes: int) -> None:
         rank = group.ranks[0]
-        buf = DeviceBuffer(nbytes, rank.device)
+        hosts = group.bootstrap.allgather(host_identity())
+        fabric = bool(ranks_on_other_hosts(hosts, rank.rank))  # (the same answer on every rank)
+        buf = DeviceBuffer(nbytes, rank.device, VmmOptions(fabric=True)) if fabric else DeviceBuffer(nbytes, rank.device)
         self._own = [buf]
         sizes = {int.from_bytes(b, "little") for b in group.bootstrap.allgather(buf.size.to_bytes(8, "little"))}
         if len(sizes) != 1:
             raise ValueError(f"workspace sizes differ between ranks: {sorted(sizes)}")
+        if fabric:
+            self._peers = [self._import_fabric(group, buf)]
+            return
         fd = buf.allocation.export_fd()
         try:
             received = group.bootstrap.allgather_fds([fd])
@@ -76,6 +124,28 @@ class SymmetricWorkspace(Owned):
             finally:
                 close_fds(fds)  # what is left of this rank's entry (our own dup, extras)
         self._peers = [bases]
+
+    def _import_fabric(self, group, buf) -> list:
+        """Peers on other hosts: FABRIC handles (bytes) through the bootstrap, each imported and mapped."""
+        rank = group.ranks[0]
+        try:
+            handle, why = buf.allocation.export_fabric(), ""
+        except (ValueError, CudaError) as e:  # the allocation fell back to POSIX fds only: the driver refused FABRIC
+            handle, why = None, str(e)
+        bases = []
+        for q, h in enumerate(exchange_fabric_handles(group.bootstrap, handle, why)):
+            if q == rank.rank:
+                bases.append(buf.ptr)
+                continue
+            alloc = Allocation.import_fabric(h, buf.size, rank.device)
+            try:
+                m = Mapping(alloc, access_devices=(rank.device,))
+            except BaseException:
+                alloc.close()
+                raise
+            self._imported.append((m, alloc))
+            bases.append(m.ptr)
+        return bases
 
     @staticmethod
     def _upload_table(device, bases):

@@ -21,6 +21,17 @@ def _name():
     return "t" + uuid.uuid4().hex[:16]
 
 
+@pytest.fixture(autouse=True)
+def _one_job_per_test(monkeypatch):
+    """Every test is one job: its ranks (threads, and processes spawned with its environment)
+    share a fresh token, as a launcher's would."""
+    monkeypatch.setenv("EP_A2A_JOB_TOKEN", bs_mod.new_job_token())
+
+
+def _job():
+    return bs_mod._job_digest(os.environ["EP_A2A_JOB_TOKEN"])
+
+
 def _payload(seed, rank, i=0):
     rng = np.random.default_rng([seed, rank, i])
     size = [0, 1, 200_000, 4097, 33][(rank + i) % 5]  # differing sizes, one empty, one large
@@ -203,7 +214,7 @@ def _root_with_raw_rank1(base_dir):
     name = _name()
     root = _Thread(lambda: UnixSocketBootstrap(0, 2, name=name, base_dir=base_dir, timeout=5))
     raw = _raw_connect(_path(base_dir, name))
-    raw.sendall(_header(wire.HELLO, 1, 2, 36) + struct.pack("<I", os.getpid()) + bytes(32))
+    raw.sendall(_header(wire.HELLO, 1, 2, 36) + struct.pack("<I", os.getpid()) + _job())
     assert _raw_recv(raw)[0] == wire.WELCOME
     return root.get(), raw
 
