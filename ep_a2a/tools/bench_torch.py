@@ -131,11 +131,13 @@ def torch_host_overhead(b, T: int, iters: int = None, repeats: int = 5) -> dict:
     return res
 
 
+DEEPSEEK_V3 = dict(hidden=7168, top_k=8, experts=256)   # (tools/bench.py's profile; not imported: bench imports us)
+
 EPILOG = f"""examples:
   python -m ep_a2a.tools.bench_torch --tokens 1,128
       8 in-process ranks on GPU 0, deepseek-v3 shapes, FENCE
 
-The JSON goes to bench/results/torch-host-<gpu>-<N>ranks-<profile>-<protocol>.json in the
+The JSON goes to bench/results/torch-host-<gpu>-<N>ranks-<shapes>-<protocol>.json in the
 checkout, or to --out.
 {exits.EPILOG}"""
 
@@ -143,18 +145,18 @@ checkout, or to --out.
 def parser() -> argparse.ArgumentParser:
     """The command line's options, each with its help."""
     from ..layout import MAX_RANKS, MAX_TOP_K
-    from .bench import PROFILES
     ap = argparse.ArgumentParser(prog="python -m ep_a2a.tools.bench_torch", description=__doc__.split("\n")[0],
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=8, help="in-process ranks on GPU 0 (default 8)")
     ap.add_argument("--tokens", type=int_list(1), default=[1, 128],
                     help="tokens per rank, comma-separated (default 1,128)")
     ap.add_argument("--iters", type=positive_int, default=200, help="steps per timed loop (default 200)")
-    ap.add_argument("--profile", choices=list(PROFILES), default="deepseek-v3",
-                    help="model shapes: hidden size, top_k, experts (default deepseek-v3)")
-    ap.add_argument("--hidden", type=positive_int, help="hidden size (overrides the profile's)")
-    ap.add_argument("--top-k", type=int_in(1, MAX_TOP_K), help="experts per token (overrides the profile's)")
-    ap.add_argument("--experts", type=positive_int, help="number of experts (overrides the profile's)")
+    ap.add_argument("--hidden", type=positive_int, default=DEEPSEEK_V3["hidden"],
+                    help=f"hidden size (default {DEEPSEEK_V3['hidden']}, deepseek-v3's)")
+    ap.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=DEEPSEEK_V3["top_k"],
+                    help=f"experts per token (default {DEEPSEEK_V3['top_k']})")
+    ap.add_argument("--experts", type=positive_int, default=DEEPSEEK_V3["experts"],
+                    help=f"number of experts (default {DEEPSEEK_V3['experts']})")
     ap.add_argument("--protocol", default="fence", choices=["fence", "sentinel", "auto"],
                     help="the all-to-all's protocol (default fence)")
     ap.add_argument("--out", default=None, help=OUT_HELP)
@@ -162,15 +164,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from .bench import PROFILES
     ap = parser()
     args = ap.parse_args(argv)
-    p = PROFILES[args.profile]
-    args.custom = [f"{k.replace('_', '')}{getattr(args, k)}" for k in ("hidden", "top_k", "experts")
-                   if getattr(args, k) is not None]
-    args.hidden = args.hidden or p["hidden"]
-    args.top_k = args.top_k or p["top_k"]
-    args.experts = args.experts or p["num_experts"]
     if args.top_k > args.experts:
         ap.error(f"--top-k {args.top_k} exceeds the {args.experts} experts (--experts)")
     check_out(ap, args.out)
@@ -214,9 +209,11 @@ def main(argv=None) -> int:
     print("torch_ops_copies per T: " + ", ".join(f"{row['tokens_per_rank']}: {row['torch_ops_copies']}" for row in rows))
     import torch
     doc = dict(method=__doc__, device=gpu, torch=torch.__version__, commit=commit(),
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(), ranks=args.ranks, profile=args.profile,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(), ranks=args.ranks,
                hidden=args.hidden, top_k=args.top_k, experts=args.experts, protocol=args.protocol, seed=seed, rows=rows)
-    name = result_name("torch-host", device_slug(gpu), f"{args.ranks}ranks", args.profile, *args.custom, args.protocol)
+    shapes = dict(hidden=args.hidden, top_k=args.top_k, experts=args.experts)
+    shapes = "deepseek-v3" if shapes == DEEPSEEK_V3 else "-".join(f"{k.replace('_', '')}{v}" for k, v in shapes.items())
+    name = result_name("torch-host", device_slug(gpu), f"{args.ranks}ranks", shapes, args.protocol)
     print(f"wrote {write_json(output_path(args.out, name), doc)}")
     return exits.OK
 
