@@ -37,7 +37,9 @@ def parser() -> argparse.ArgumentParser:
     """The command line's options, each with its help."""
     from .layout import MAX_RANKS, MAX_TOP_K
     from .tools.argtypes import int_in, positive_int
-    ap = argparse.ArgumentParser(prog="python -m ep_a2a", description=__doc__, epilog=EPILOG,
+    ap = argparse.ArgumentParser(prog="python -m ep_a2a", epilog=EPILOG,
+                                 description="A dispatch/combine demo on the GPUs present, every step checked against\n"
+                                             "the NumPy reference model (the model alone without a GPU).",
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=None,
                     help="in-process ranks, spread round-robin over the GPUs (default: one per GPU, 4 on one GPU)")

@@ -238,7 +238,7 @@ the checkout, or to --out.
 def parser() -> argparse.ArgumentParser:
     """The command line's options, each with its help."""
     from ..layout import MAX_RANKS, MAX_TOP_K
-    ap = argparse.ArgumentParser(prog="python -m ep_a2a.bench_layer", description=__doc__.split("\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m ep_a2a.bench_layer", description=__doc__.split("\n\n")[0],
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=8, help="in-process ranks on --device (default 8)")
     ap.add_argument("--device", type=nonnegative_int, default=0, help="the GPU ordinal (default 0)")
