@@ -252,8 +252,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--intermediate", type=positive_int, help="experts' intermediate size (overrides the profile's)")
     ap.add_argument("--experts", type=positive_int, help="number of experts (overrides the profile's)")
     ap.add_argument("--top-k", dest="top_k", type=int_in(1, MAX_TOP_K), help="experts per token (overrides the profile's)")
-    ap.add_argument("--protocol", choices=("fence", "sentinel", "auto"), default="auto",
-                    help="the all-to-all's protocol (default auto: SENTINEL for small batches, FENCE above)")
+    ap.add_argument("--protocol", choices=("fence", "sentinel", "auto"), default=None,
+                    help="the all-to-all's protocol (default auto: SENTINEL for small batches, FENCE above; "
+                         "fence with --combine-quant)")
     ap.add_argument("--gemm", choices=("auto", "grouped", "loop"), default="auto",
                     help="the experts' GEMMs (PyTorch): one grouped GEMM, a loop over experts, or auto (default)")
     ap.add_argument("--combine-quant", choices=("fp8",), default=None,
@@ -272,6 +273,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = parser()
     args = ap.parse_args(argv)
     p = dict(PROFILES[args.profile], **{k: getattr(args, k) for k in ("experts", "top_k") if getattr(args, k)})
+    if args.combine_quant and args.protocol not in (None, "fence"):
+        ap.error(f"--combine-quant {args.combine_quant} needs --protocol fence, got {args.protocol}")
+    if args.protocol is None:
+        args.protocol = "fence" if args.combine_quant else "auto"
     if p["top_k"] > p["experts"]:
         ap.error(f"--top-k {p['top_k']} exceeds the {p['experts']} experts (--experts)")
     check_out(ap, args.out)

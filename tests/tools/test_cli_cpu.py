@@ -66,6 +66,14 @@ def test_top_k_above_the_experts_is_refused(tool, capsys):
     assert e.value.code == 2 and "exceeds the 4 experts" in capsys.readouterr().err
 
 
+def test_the_layer_benchmark_takes_fence_for_fp8_combine_and_refuses_another(capsys):
+    assert bench_layer.parse_args([]).protocol == "auto"
+    assert bench_layer.parse_args(["--combine-quant", "fp8"]).protocol == "fence"
+    with pytest.raises(SystemExit) as e:
+        bench_layer.parse_args(["--combine-quant", "fp8", "--protocol", "sentinel"])
+    assert e.value.code == 2 and "needs --protocol fence" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(device.available(), reason="checks the no-GPU exit; this machine has a GPU")
 @pytest.mark.parametrize("tool", MAINS)
 def test_without_a_gpu_every_tool_exits_3_with_one_line(tool, tmp_path, capsys):
