@@ -28,7 +28,9 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# The CPU suite (GPU tests skip with a reason where no GPU is present).
+# The CPU suite (GPU tests skip with a reason where no GPU is present). The frameworks are
+# optional: their tests skip where torch or JAX is missing, and the summary says which (CI
+# installs them from .ci/requirements-frameworks.txt and runs them).
 test: setup cubins
 	$(VPY) -m pytest -q tests
 

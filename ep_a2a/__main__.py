@@ -23,22 +23,51 @@ def _reference_demo(ep: int, tokens: int, hidden: int, top_k: int, experts: int,
           f"received per rank {[int(r['counts'].sum()) for r in received]}; combine max error {err:.2e}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m ep_a2a", description=__doc__)
-    ap.add_argument("--ranks", type=int, default=None, help="in-process ranks (default: one per GPU, 4 on one GPU)")
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--hidden", type=int, default=7168)
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=5)
+EPILOG = """examples:
+  python -m ep_a2a                        one rank per GPU (4 ranks on a single GPU), 128 tokens each
+  python -m ep_a2a --ranks 8 --tokens 16  8 in-process ranks, 16 tokens each
+
+Without a CUDA GPU or driver the demo runs the NumPy reference model of dispatch and combine
+instead and exits 0 (the other tools exit 3 there).
+exit status: 0 every step matched the reference (or the NumPy fallback ran); 1 a mismatch;
+2 a bad command line"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's options, each with its help."""
+    from .layout import MAX_RANKS, MAX_TOP_K
+    from .tools.argtypes import int_in, positive_int
+    ap = argparse.ArgumentParser(prog="python -m ep_a2a", epilog=EPILOG,
+                                 description="A dispatch/combine demo on the GPUs present, every step checked against\n"
+                                             "the NumPy reference model (the model alone without a GPU).",
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=None,
+                    help="in-process ranks, spread round-robin over the GPUs (default: one per GPU, 4 on one GPU)")
+    ap.add_argument("--tokens", type=int_in(1, 2 ** 23 - 1), default=128, help="tokens per rank (default 128)")
+    ap.add_argument("--hidden", type=positive_int, default=7168, help="hidden size of the tokens (default 7168)")
+    ap.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=8, help="experts per token (default 8)")
+    ap.add_argument("--experts", type=positive_int, default=256, help="number of experts (default 256)")
+    ap.add_argument("--steps", type=positive_int, default=5, help="dispatch/combine steps on the GPU (default 5)")
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = parser()
     args = ap.parse_args(argv)
+    if args.top_k > args.experts:
+        ap.error(f"--top-k {args.top_k} exceeds the {args.experts} experts (--experts)")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     rng = np.random.default_rng()
 
     from .driver import device
     n = device.device_count()
     if n == 0:
         print("no CUDA GPU on this machine (no driver or no device): running the NumPy reference model instead")
-        _reference_demo(args.ranks or 4, args.tokens, 256, args.top_k, args.experts, rng)
+        _reference_demo(args.ranks or 4, args.tokens, args.hidden, args.top_k, args.experts, rng)
         return 0
     import ep_a2a
     from .testing.formats import payload_formats

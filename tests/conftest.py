@@ -1,4 +1,6 @@
+import importlib.util
 import os
+import re
 import sys
 
 import pytest
@@ -25,3 +27,25 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_NOT_IMPORTED = re.compile(r"could not import '([\w.]+)'")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """One line per package whose tests were skipped because it is missing (`make test` stays
+    light: the frameworks are optional; CI installs .ci/requirements-frameworks.txt)."""
+    files, tests = {}, {}
+    for rep in terminalreporter.stats.get("skipped", []):
+        m = _NOT_IMPORTED.search(str(rep.longrepr))
+        if m and rep.when == "collect":   # importorskip at module level: the whole file
+            files.setdefault(m.group(1), set()).add(rep.nodeid)
+        elif m:
+            tests.setdefault(m.group(1), set()).add(rep.nodeid)
+    for name in sorted(set(files) | set(tests), key=lambda n: (n.split(".")[0], n)):
+        top = name.split(".")[0]
+        why = f"{top} not installed" if importlib.util.find_spec(top) is None else f"{name} not importable"
+        f, t = files.get(name, set()), tests.get(name, set())
+        parts = ([f"{len(f)} test file{'s' * (len(f) != 1)} ({', '.join(sorted(f))})"] if f else []) + \
+                ([f"{len(t)} test{'s' * (len(t) != 1)}"] if t else [])
+        terminalreporter.write_line(f"{why}: {' and '.join(parts)} skipped")

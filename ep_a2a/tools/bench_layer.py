@@ -18,13 +18,12 @@ stream and joins them back. Per token count, --iters steps after --warmup, media
     overlapping the next, so the stages add up to a little more than the layer.
   host: wall time to issue one step (eager launches from Python bound small batches).
 Routing: random logits through the router (uniform over experts). The GPU is named; the
-result goes to bench/results/ as JSON (device, date, commit, config).
+result goes to bench/results/ as JSON (device, date, commit, config) or to --out.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import sys
 import time
@@ -32,7 +31,10 @@ import time
 import numpy as np
 
 from ..layers.base import phase_gate, run_phases
-from .bench_report import commit, no_gpu
+from . import exits
+from .argtypes import int_in, int_list, nonnegative_int, positive_int
+from .bench_report import commit
+from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
 PROFILES = {
     "small": dict(hidden=2048, intermediate=1024, experts=64, top_k=8),
@@ -223,66 +225,92 @@ def run(args) -> dict:
                 method=__doc__, rows=rows)
 
 
-def _tokens(s: str) -> list:
-    vals = [int(v) for v in s.split(",") if v.strip()]
-    if not vals or min(vals) < 1:
-        raise argparse.ArgumentTypeError(f"--tokens: a comma-separated list of ints >= 1, got {s!r}")
-    return vals
+EPILOG = f"""examples:
+  python -m ep_a2a.bench_layer --tokens 1,16,128
+      the small profile, 8 in-process ranks on GPU 0, PyTorch
+  python -m ep_a2a.bench_layer --framework jax --profile deepseek-v3-like --ranks 4
+
+The JSON goes to bench/results/moe-layer-<gpu>-<N>ranks-<profile>-<framework>[-fp8].json in
+the checkout, or to --out.
+{exits.EPILOG}"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's options, each with its help."""
+    from ..layout import MAX_RANKS, MAX_TOP_K
+    ap = argparse.ArgumentParser(prog="python -m ep_a2a.bench_layer", description=__doc__.split("\n\n")[0],
+                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=8, help="in-process ranks on --device (default 8)")
+    ap.add_argument("--device", type=nonnegative_int, default=0, help="the GPU ordinal (default 0)")
+    ap.add_argument("--tokens", type=int_list(1), default=[1, 16, 128, 1024],
+                    help="tokens per rank, comma-separated (default 1,16,128,1024)")
+    ap.add_argument("--profile", choices=sorted(PROFILES), default="small",
+                    help="layer shapes: " + "; ".join(f"{k}: hidden {v['hidden']}, intermediate {v['intermediate']}, "
+                                                      f"{v['experts']} experts, top_k {v['top_k']}"
+                                                      for k, v in PROFILES.items()) + " (default small)")
+    ap.add_argument("--hidden", type=positive_int, help="hidden size (overrides the profile's)")
+    ap.add_argument("--intermediate", type=positive_int, help="experts' intermediate size (overrides the profile's)")
+    ap.add_argument("--experts", type=positive_int, help="number of experts (overrides the profile's)")
+    ap.add_argument("--top-k", dest="top_k", type=int_in(1, MAX_TOP_K), help="experts per token (overrides the profile's)")
+    ap.add_argument("--protocol", choices=("fence", "sentinel", "auto"), default=None,
+                    help="the all-to-all's protocol (default auto: SENTINEL for small batches, FENCE above; "
+                         "fence with --combine-quant)")
+    ap.add_argument("--gemm", choices=("auto", "grouped", "loop"), default="auto",
+                    help="the experts' GEMMs (PyTorch): one grouped GEMM, a loop over experts, or auto (default)")
+    ap.add_argument("--combine-quant", choices=("fp8",), default=None,
+                    help="FP8 combine (FENCE): finalize writes e4m3 partials, combine pulls those")
+    ap.add_argument("--iters", type=positive_int, default=20, help="timed steps per token count (default 20)")
+    ap.add_argument("--warmup", type=nonnegative_int, default=3, help="untimed steps first (default 3)")
+    ap.add_argument("--seed", type=nonnegative_int, help="seed of the weights and inputs (default: drawn and printed)")
+    ap.add_argument("--out", help=OUT_HELP)
+    ap.add_argument("--framework", choices=("torch", "jax"), default="torch",
+                    help="torch (default): the PyTorch layer, eager, against an all-gather layer; jax: the JAX layer "
+                         "jitted against the eager one and a jitted all-gather (tools/bench_layer_jax.py)")
+    return ap
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m ep_a2a.bench_layer", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ranks", type=int, default=8, help="in-process ranks on --device (default 8)")
-    ap.add_argument("--device", type=int, default=0)
-    ap.add_argument("--tokens", type=_tokens, default=[1, 16, 128, 1024], help="tokens per rank, comma-separated")
-    ap.add_argument("--profile", choices=sorted(PROFILES), default="small")
-    ap.add_argument("--hidden", type=int)
-    ap.add_argument("--intermediate", type=int)
-    ap.add_argument("--experts", type=int)
-    ap.add_argument("--top-k", dest="top_k", type=int)
-    ap.add_argument("--protocol", choices=("fence", "sentinel", "auto"), default="auto")
-    ap.add_argument("--gemm", choices=("auto", "grouped", "loop"), default="auto")
-    ap.add_argument("--combine-quant", choices=("fp8",), default=None,
-                    help="FP8 combine (FENCE): finalize writes e4m3 partials, combine pulls those")
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--seed", type=int)
-    ap.add_argument("--out", help="JSON path (default bench/results/<GPU>-moe-layer-<profile>-<ranks>ranks-<date>.json)")
-    ap.add_argument("--framework", choices=("torch", "jax"), default="torch",
-                    help="jax: the JAX layer jitted against the eager one and a jitted all-gather (tools/bench_layer_jax.py)")
+    ap = parser()
     args = ap.parse_args(argv)
-    if args.ranks < 1 or args.iters < 1 or args.warmup < 0:
-        ap.error("--ranks and --iters must be >= 1, --warmup >= 0")
+    p = dict(PROFILES[args.profile], **{k: getattr(args, k) for k in ("experts", "top_k") if getattr(args, k)})
+    if args.combine_quant and args.protocol not in (None, "fence"):
+        ap.error(f"--combine-quant {args.combine_quant} needs --protocol fence, got {args.protocol}")
+    if args.protocol is None:
+        args.protocol = "fence" if args.combine_quant else "auto"
+    if p["top_k"] > p["experts"]:
+        ap.error(f"--top-k {p['top_k']} exceeds the {p['experts']} experts (--experts)")
+    check_out(ap, args.out)
     return args
 
 
+def result_file(res: dict, args) -> str:
+    """The default file stem: benchmark, GPU, ranks, profile (and what overrides it), framework, FP8."""
+    overrides = [f"{k.replace('_', '')}{getattr(args, k)}" for k in ("hidden", "intermediate", "experts", "top_k")
+                 if getattr(args, k) is not None]
+    return result_name("moe-layer", device_slug(res["device"]), f"{args.ranks}ranks", args.profile, *overrides,
+                       args.framework, args.combine_quant)
+
+
 def main(argv=None) -> int:
+    import importlib.util
     args = parse_args(argv)
-    if no_gpu():
-        return 1
+    prog = "ep_a2a.bench_layer"
+    if importlib.util.find_spec(args.framework) is None:
+        return exits.missing(prog, f"{args.framework} is not installed: the layer benchmark drives it")
+    missing = exits.require_gpu(prog)
+    if missing is not None:
+        return missing
     if args.framework == "jax":
         from .bench_layer_jax import run as run_jax
         res = run_jax(args, PROFILES, commit)
-        args.profile += "-jax"
     else:
-        res = None
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        if res is None:
-            print("the layer benchmark needs PyTorch", file=sys.stderr)
-            return 1
-    if res is None:
+        import torch
+        if not torch.cuda.is_available():
+            return exits.missing(prog, f"this PyTorch ({torch.__version__}) has no CUDA device to run on")
         res = run(args)
-    path = args.out or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench", "results",
-        f"{res['device'].replace(' ', '_')}-moe-layer-{args.profile}-{args.ranks}ranks-{res['date'][:10]}.json")
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    path = write_json(output_path(args.out, result_file(res, args)), res)
     print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return exits.OK
 
 
 if __name__ == "__main__":

@@ -40,11 +40,12 @@ def placement(procs, gpu_count: int) -> list:
 def run(args) -> int:
     """Start one process per rank, wait for all; 0 when every rank succeeded."""
     from ..driver import device
+    from . import exits
     try:
         devices = placement(args.procs, device.device_count())
     except ValueError as e:
-        print(f"--mode procs: {e}", file=sys.stderr)
-        return 2
+        print(f"python -m ep_a2a.bench: error: --mode procs: {e}", file=sys.stderr)
+        return exits.USAGE  # the GPUs present do not fit the command line
     args.procs = len(devices)
     seed = secrets.randbits(63)  # one routing seed for every rank
     base_dir = tempfile.mkdtemp(prefix="ep_a2a-bench-")  # 0700: only we reach the socket

@@ -3,13 +3,13 @@ processes' numbers, the crossover between the protocols, and the JSON / table / 
 (python -m ep_a2a.bench; bench.py measures)."""
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import subprocess
 import sys
 
 import numpy as np
+
+from . import result_paths
 
 QUANT_NAMES = {"fp8": ", FP8 combine", "fp8-epilogue": ", FP8 combine of epilogue-quantized partials"}
 
@@ -25,15 +25,6 @@ def commit() -> str:
         return "unknown"
 
 
-def no_gpu() -> bool:
-    """True, after saying so on stderr, where there is no CUDA GPU to benchmark."""
-    from ..driver import device
-    if device.available():
-        return False
-    print("no CUDA GPU here: nothing to benchmark", file=sys.stderr)
-    return True
-
-
 def gather(bootstrap, values) -> np.ndarray:
     """float64 [processes, len(values)]: every process's `values` in rank order (one row
     without a bootstrap). Raw float64 bytes over the bootstrap, never pickle."""
@@ -46,19 +37,25 @@ def gather(bootstrap, values) -> np.ndarray:
     return np.stack(parts)
 
 
+def result_file(result: dict, args) -> str:
+    """The default file stem of a sweep (result_paths' convention): benchmark, device (n x GPU
+    over several GPUs), ranks or rank processes, profile, then what varies within a profile."""
+    inproc = result["mode"] == "inproc"
+    dev = result_paths.device_slug(result["device"], 1 if inproc else result.get("gpus", 1))
+    ranks = f"{result['ep_size']}ranks" if inproc else f"{result['ep_size']}procs"
+    fmt = None if args.format == "bf16" else args.format
+    return result_paths.result_name("alltoall", dev, ranks, args.profile, fmt, args.protocol.replace(",", "-"),
+                                    args.combine_quant)
+
+
 def report(result: dict, args) -> str:
     """Write the JSON (and plot), print the table; returns the JSON path."""
-    unit = "ranks" if result["mode"] == "inproc" else "procs"
-    out = args.out or os.path.join("bench", "results", f"{result['device'].replace(' ', '_')}-{args.profile}-"
-                                   f"{args.format}-{result['ep_size']}{unit}-{datetime.date.today().isoformat()}.json")
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+    out = result_paths.write_json(result_paths.output_path(args.out, result_file(result, args)), result)
     table(result)
     if args.plot:
         plot(result, args.plot)
     print(f"wrote {out}", flush=True)
-    return out
+    return str(out)
 
 
 def crossover(rows):

@@ -26,10 +26,12 @@ timed in the same run:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+from . import exits
+from .argtypes import int_in, int_list, positive_int
 from .bench_method import bare_launches, eager_step, host_time_us, interleaved_medians
+from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
 
 def _torch_inputs(b, T: int, torch):
@@ -129,28 +131,66 @@ def torch_host_overhead(b, T: int, iters: int = None, repeats: int = 5) -> dict:
     return res
 
 
+DEEPSEEK_V3 = dict(hidden=7168, top_k=8, experts=256)   # (tools/bench.py's profile; not imported: bench imports us)
+
+EPILOG = f"""examples:
+  python -m ep_a2a.tools.bench_torch --tokens 1,128
+      8 in-process ranks on GPU 0, deepseek-v3 shapes, FENCE
+
+The JSON goes to bench/results/torch-host-<gpu>-<N>ranks-<shapes>-<protocol>.json in the
+checkout, or to --out.
+{exits.EPILOG}"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's options, each with its help."""
+    from ..layout import MAX_RANKS, MAX_TOP_K
+    ap = argparse.ArgumentParser(prog="python -m ep_a2a.tools.bench_torch", description=__doc__.split("\n")[0],
+                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=8, help="in-process ranks on GPU 0 (default 8)")
+    ap.add_argument("--tokens", type=int_list(1), default=[1, 128],
+                    help="tokens per rank, comma-separated (default 1,128)")
+    ap.add_argument("--iters", type=positive_int, default=200, help="steps per timed loop (default 200)")
+    ap.add_argument("--hidden", type=positive_int, default=DEEPSEEK_V3["hidden"],
+                    help=f"hidden size (default {DEEPSEEK_V3['hidden']}, deepseek-v3's)")
+    ap.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=DEEPSEEK_V3["top_k"],
+                    help=f"experts per token (default {DEEPSEEK_V3['top_k']})")
+    ap.add_argument("--experts", type=positive_int, default=DEEPSEEK_V3["experts"],
+                    help=f"number of experts (default {DEEPSEEK_V3['experts']})")
+    ap.add_argument("--protocol", default="fence", choices=["fence", "sentinel", "auto"],
+                    help="the all-to-all's protocol (default fence)")
+    ap.add_argument("--out", default=None, help=OUT_HELP)
+    return ap
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.top_k > args.experts:
+        ap.error(f"--top-k {args.top_k} exceeds the {args.experts} experts (--experts)")
+    check_out(ap, args.out)
+    return args
+
+
 def main(argv=None) -> int:
     """The standalone table: its own all-to-all (bench's layout: payloads of the bf16 format,
     validation off, PDL on), deepseek-v3 shapes unless told otherwise."""
+    import datetime
+    import importlib.util
     import secrets
     import types
     import numpy as np
+    args = parse_args(argv)
+    prog = "ep_a2a.tools.bench_torch"
+    if importlib.util.find_spec("torch") is None:
+        return exits.missing(prog, "torch is not installed: this benchmark times the torch ops")
+    missing = exits.require_gpu(prog)
+    if missing is not None:
+        return missing
     import ep_a2a
     from ..testing.formats import payload_formats
-    from .bench_report import commit, no_gpu
-    ap = argparse.ArgumentParser(prog="python -m ep_a2a.tools.bench_torch", description=__doc__.split("\n")[0])
-    ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--tokens", default="1,128")
-    ap.add_argument("--iters", type=int, default=200)
-    ap.add_argument("--hidden", type=int, default=7168)      # deepseek-v3
-    ap.add_argument("--top-k", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=256)
-    ap.add_argument("--protocol", default="fence", choices=["fence", "sentinel", "auto"])
-    ap.add_argument("--out", default=None, help="JSON path")
-    args = ap.parse_args(argv)
-    if no_gpu():
-        return 1
-    tokens = [int(t) for t in args.tokens.split(",")]
+    from .bench_report import commit
+    tokens = args.tokens
     seed = secrets.randbits(63)
     rows = []
     with ep_a2a.LocalGroup([0] * args.ranks) as group, \
@@ -158,6 +198,7 @@ def main(argv=None) -> int:
                                payloads=payload_formats(args.hidden, args.top_k)["bf16"],
                                combine_hidden_size=args.hidden, protocol=args.protocol,
                                validate_expert_ids=False) as a2a:
+        gpu = group.ranks[0].device.name
         b = types.SimpleNamespace(a2a=a2a, route_rng=np.random.default_rng(seed))
         for T in tokens:
             rows.append(torch_host_overhead(b, T, args.iters))
@@ -166,12 +207,15 @@ def main(argv=None) -> int:
     for row in rows:
         print(f"{row['tokens_per_rank']:6d}  " + "  ".join(f"{row[k]:20.1f}" for k in keys))
     print("torch_ops_copies per T: " + ", ".join(f"{row['tokens_per_rank']}: {row['torch_ops_copies']}" for row in rows))
-    doc = dict(method=__doc__, commit=commit(), ranks=args.ranks, hidden=args.hidden, top_k=args.top_k, experts=args.experts,
-               protocol=args.protocol, seed=seed, rows=rows)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-    return 0
+    import torch
+    doc = dict(method=__doc__, device=gpu, torch=torch.__version__, commit=commit(),
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(), ranks=args.ranks,
+               hidden=args.hidden, top_k=args.top_k, experts=args.experts, protocol=args.protocol, seed=seed, rows=rows)
+    shapes = dict(hidden=args.hidden, top_k=args.top_k, experts=args.experts)
+    shapes = "deepseek-v3" if shapes == DEEPSEEK_V3 else "-".join(f"{k.replace('_', '')}{v}" for k, v in shapes.items())
+    name = result_name("torch-host", device_slug(gpu), f"{args.ranks}ranks", shapes, args.protocol)
+    print(f"wrote {write_json(output_path(args.out, name), doc)}")
+    return exits.OK
 
 
 if __name__ == "__main__":

@@ -14,19 +14,21 @@ Bytes moved are logical, as in the paper's Appendix B: per step,
   dispatch: sum of tokens * min(ep_size, top_k) * activation bytes per token (hidden states
             and their scales; expert ids and router weights left out),
   combine:  sum of tokens * min(ep_size, top_k) * hidden * combine dtype size.
-Exit status: 0 all good, 1 a mismatch or an error, 2 no GPU.
+Exit status: 0 all good, 1 a mismatch or an error, 2 a bad command line, 3 no usable GPU.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import sys
 import time
 
 import numpy as np
 
 from ..config import PROTOCOLS, REDUCE_DTYPES
+from . import exits
+from .argtypes import int_in, nonnegative_int, positive_float, positive_int
+from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
 FORMATS = ("bf16", "mxfp8", "nvfp4", "opaque")
 COMBINE_DTYPES = tuple(REDUCE_DTYPES)
@@ -37,31 +39,44 @@ TOP_K = (1, 2, 4, 6, 8)
 PROGRESS_S = 30.0
 
 
-def _args(argv):
-    ap = argparse.ArgumentParser(prog="python -m ep_a2a.stress", description=__doc__.split("\n")[0])
+EPILOG = f"""examples:
+  python -m ep_a2a.stress --minutes 5
+      a 5-minute soak, 4 in-process ranks on GPU 0
+  python -m ep_a2a.stress --steps 200 --ranks 8 --seed 1234
+      200 steps, reproducing a run's draws from its seed
+
+The summary goes to bench/results/stress-<gpu>-<M>min.json (or -<S>steps) in the checkout,
+or to --out.
+{exits.EPILOG}"""
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line's options, each with its help."""
+    from ..layout import MAX_RANKS
+    ap = argparse.ArgumentParser(prog="python -m ep_a2a.stress", description=__doc__.split("\n")[0], epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     dur = ap.add_mutually_exclusive_group()
-    dur.add_argument("--minutes", type=float, default=None, help="run this long (default 3)")
-    dur.add_argument("--steps", type=int, default=None, help="run this many steps instead")
-    ap.add_argument("--check-every", type=int, default=None,
+    dur.add_argument("--minutes", type=positive_float, default=None, help="run this long (default 3)")
+    dur.add_argument("--steps", type=positive_int, default=None, help="run this many steps instead")
+    ap.add_argument("--check-every", type=positive_int, default=None,
                     help="check every k-th step against the reference (default: every one of the first 50, then 10)")
-    ap.add_argument("--ranks", type=int, default=4, help="in-process ranks on --device")
-    ap.add_argument("--device", type=int, default=0)
-    ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens_per_rank of every all-to-all")
-    ap.add_argument("--seed", type=int, default=None, help="default: drawn at random (and printed)")
-    ap.add_argument("--json", default=None, help="write the summary here")
+    ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=4, help="in-process ranks on --device (default 4)")
+    ap.add_argument("--device", type=nonnegative_int, default=0, help="the GPU ordinal (default 0)")
+    ap.add_argument("--max-tokens", type=int_in(1, 2 ** 23 - 1), default=128,
+                    help="max_tokens_per_rank of every all-to-all (default 128)")
+    ap.add_argument("--seed", type=nonnegative_int, default=None, help="seed of every draw; one step reproduces from (seed, step) (default: drawn at random and printed)")
+    ap.add_argument("--out", "--json", dest="out", default=None, help=OUT_HELP + "; --json is the older name")
+    return ap
+
+
+def _args(argv):
+    ap = parser()
     args = ap.parse_args(argv)
-    if args.steps is not None and args.steps < 1:
-        ap.error("--steps must be >= 1")
-    if args.minutes is not None and not args.minutes > 0:
-        ap.error("--minutes must be > 0")
-    if args.check_every is not None and args.check_every < 1:
-        ap.error("--check-every must be >= 1")
-    if args.ranks < 1 or args.max_tokens < 1:
-        ap.error("--ranks and --max-tokens must be >= 1")
     if args.minutes is None and args.steps is None:
         args.minutes = 3.0
     if args.seed is None:
         args.seed = int(np.random.default_rng().integers(2 ** 31))
+    check_out(ap, args.out)
     return args
 
 
@@ -119,10 +134,10 @@ def _checked(step: int, every) -> bool:
 
 def main(argv=None) -> int:
     args = _args(argv)
-    from ..driver import device
-    if not device.available():
-        print("no CUDA GPU on this machine (no driver or no device): nothing to soak", file=sys.stderr)
-        return 2
+    missing = exits.require_gpu("ep_a2a.stress")
+    if missing is not None:
+        return missing
+    facts = _device_facts(args.device)
     import ep_a2a
     from ..testing.harness import run_step
 
@@ -208,25 +223,26 @@ def main(argv=None) -> int:
           f"errors         {fig['errors']}\n"
           f"wall time      {wall:.1f} s (+{setup_s:.1f} s setup)\n"
           f"seed           {seed}", flush=True)
-    if args.json:
-        _write_json(args, fig)
+    _write_json(args, fig, facts)
     ok = fig["mismatches"] == 0 and fig["errors"] == 0
     print("OK" if ok else f"FAILED (reproduce with --seed {seed})", flush=True)
-    return 0 if ok else 1
+    return exits.OK if ok else exits.FAILED
 
 
-def _write_json(args, fig) -> None:
-    import os
+def _device_facts(ordinal: int) -> dict:
+    """Taken before the run: after a kernel trap the context is gone, and the summary is still due."""
     from ..driver.device import driver_version, get_device
+    dev = get_device(ordinal)
+    return dict(device=dev.name, compute_capability=list(dev.compute_capability), driver=driver_version())
+
+
+def _write_json(args, fig, facts: dict) -> None:
     from .bench_report import commit
-    dev = get_device(args.device)
-    result = dict(tool="ep_a2a.stress", device=dev.name, compute_capability=list(dev.compute_capability),
-                  driver=driver_version(), commit=commit(),
+    result = dict(tool="ep_a2a.stress", **facts, commit=commit(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(), args=vars(args), **fig)
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.json}")
+    length = f"{args.steps}steps" if args.steps else f"{args.minutes:g}min"
+    path = output_path(args.out, result_name("stress", device_slug(facts["device"]), length))
+    print(f"wrote {write_json(path, result)}")
 
 
 if __name__ == "__main__":

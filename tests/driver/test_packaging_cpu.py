@@ -119,3 +119,15 @@ def test_every_package_folder_is_listed_for_the_wheel():
                  .replace('"', "").replace(" ", "").split(","))
     found = {".".join(p.parent.relative_to(root).parts) for p in (root / "ep_a2a").rglob("__init__.py")}
     assert found == listed, (sorted(found - listed), sorted(listed - found))
+
+
+def test_the_package_declares_its_licence_and_ships_its_annotations():
+    tomllib = pytest.importorskip("tomllib")
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0" and meta["project"]["license-files"] == ["LICENSE"]
+    assert "Apache License" in (ROOT / "LICENSE").read_text()[:200]
+    assert "py.typed" in meta["tool"]["setuptools"]["package-data"]["ep_a2a"]
+    assert (ROOT / "ep_a2a" / "py.typed").is_file()
+    # the SPDX string needs setuptools >= 77 (PEP 639); an older backend would refuse it
+    req = next(r for r in meta["build-system"]["requires"] if r.startswith("setuptools"))
+    assert int(re.search(r">=\s*(\d+)", req).group(1)) >= 77

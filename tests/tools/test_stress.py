@@ -11,7 +11,7 @@ from ep_a2a.tools import stress
 def test_stress_20_steps_every_byte_checked(tmp_path, capsys):
     seed = int(np.random.default_rng().integers(2 ** 31))
     out = tmp_path / "soak.json"
-    rc = stress.main(["--steps", "20", "--ranks", "3", "--max-tokens", "24", "--seed", str(seed), "--json", str(out)])
+    rc = stress.main(["--steps", "20", "--ranks", "3", "--max-tokens", "24", "--seed", str(seed), "--out", str(out)])
     text = capsys.readouterr()
     assert rc == 0, f"seed {seed}:\n{text.out}\n{text.err}"
     res = json.loads(out.read_text())
@@ -27,21 +27,22 @@ def test_stress_20_steps_every_byte_checked(tmp_path, capsys):
 def test_stress_check_every(tmp_path):
     out = tmp_path / "soak.json"
     assert stress.main(["--steps", "15", "--check-every", "7", "--ranks", "2", "--max-tokens", "8",
-                        "--json", str(out)]) == 0
+                        "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["steps"] == 15 and res["steps_checked"] == 3  # steps 0, 7, 14
 
 
-def test_stress_without_gpu_exits_2(capsys):
+def test_stress_without_gpu_exits_3(capsys, tmp_path):
     from ep_a2a.driver.device import available
     if available():
         pytest.skip("this machine has a GPU")
-    assert stress.main(["--steps", "3"]) == 2
-    assert "no CUDA GPU" in capsys.readouterr().err
+    assert stress.main(["--steps", "3", "--out", str(tmp_path / "s.json")]) == 3
+    assert "no usable CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--minutes", "-1"], ["--check-every", "0"],
-                                  ["--steps", "3", "--minutes", "1"], ["--ranks", "0"]])
+                                  ["--steps", "3", "--minutes", "1"], ["--ranks", "0"],
+                                  ["--minutes", "nan"], ["--max-tokens", "0"], ["--seed", "-1"]])
 def test_stress_rejects_bad_arguments(argv):
     with pytest.raises(SystemExit) as e:
         stress.main(argv)
