@@ -13,6 +13,9 @@ sys.path[1:1] = [_HERE, os.path.join(_HERE, "protocol")]
 
 from ep_a2a.driver import device as _device  # noqa: E402
 
+# rendezvous in tests without a launcher: one job token for this pytest run and its children
+os.environ.setdefault("EP_A2A_JOB_TOKEN", __import__("secrets").token_hex(16))
+
 HAVE_GPU = _device.available()
 
 

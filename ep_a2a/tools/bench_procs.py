@@ -111,7 +111,8 @@ def _rank(rank: int, devices: list, name: str, base_dir: str, args, seed: int) -
     from .. import ProcessGroup, UnixSocketBootstrap
     from . import bench
     from .bench_report import report
-    with UnixSocketBootstrap(rank, len(devices), name=name, base_dir=base_dir, timeout=BOOTSTRAP_TIMEOUT_S) as bs:
+    with UnixSocketBootstrap(rank, len(devices), name=name, base_dir=base_dir, timeout=BOOTSTRAP_TIMEOUT_S,
+                             job_token=name) as bs:  # (the name holds a token drawn once by the launcher)
         with ProcessGroup(bs, devices[rank]) as group:
             b = bench.Bench(args, group, seed, timeout_s=TIMEOUT_S, first_timeout_s=FIRST_TIMEOUT_S)
             result = bench.sweep(b)
