@@ -1,34 +1,28 @@
-"""Launch shapes and protocol choice: pure functions of the sizes, testable without a GPU.
+"""Launch shapes, protocol choice and the step planner: pure functions, testable without a GPU.
 
 Which protocol a step uses, how many blocks each phase launches, how combine splits a token
-over blocks, and when a launch lets its successor start early (PDL). The all-to-all keeps
-the one bit of history the PDL rule needs (did the previous launch trigger early) and
-passes it in.
+over blocks, and when a launch lets its successor start early (PDL) are the rules of
+Schedule. plan_step applies them: from a rank's fixed plan (RankPlan), the state the device
+sees (StepState) and one phase call (Call) to what that launch needs (Step: its kernel,
+grid, trigger, splits and the parameter-block fields it writes) and the state after it.
+Dispatch, combine and a rejected step all plan here; the repeat fast path is a memo over
+plan_step's inputs (RankAlltoAll._run). A phase is an (operation, part) pair: a whole
+dispatch or combine today; a send or receive half of one is another part of the same
+operation, planned by the same rules.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from .layout import PRELOAD_GROUPS
+from .layout import PRELOAD_GROUPS, TAG_REJECT
 
 # protocol="auto" uses SENTINEL while runtime_max_tokens_per_rank is at most this, FENCE
-# above: the crossover measured by `python -m ep_a2a.bench --protocol auto` (which sweeps
-# both protocols) on one H200 with 8 in-process ranks, deepseek-v3, bf16 (bench/results/).
-# Override per all-to-all with crossover_tokens=, or for the process with the environment
-# variable EP_A2A_SENTINEL_MAX_TOKENS.
-# With 8 ranks sharing one H200, SENTINEL's round trip was slower than FENCE's at every size
-# (16.6 vs 11.1 µs at 1 token per rank, 75 vs 18.5 at 16; measured 2026-11-29,
-# bench/results/NVIDIA_H200-deepseek-v3-bf16-8ranks-fence-sentinel-*.json): on one GPU a
+# above (bench/results/ holds the sweeps it comes from). With 8 ranks sharing one GPU a
 # system-scope fence is cheap, while SENTINEL's landing copy, per-word checks and resets cost
-# memory traffic that all ranks share. So "auto" means FENCE on this machine; re-measure on
-# NVLink-connected GPUs, where the paper finds SENTINEL faster at small batches.
+# memory traffic that all ranks share, so FENCE wins at every size there; NVLink-connected
+# GPUs may favour SENTINEL at small batches (the paper does). Overridden per all-to-all by
+# crossover_tokens=, or for the process by $EP_A2A_SENTINEL_MAX_TOKENS (config.py).
 SENTINEL_MAX_TOKENS_H200 = 0
-
-
-def sentinel_max_tokens() -> int:
-    v = os.environ.get("EP_A2A_SENTINEL_MAX_TOKENS")
-    return int(v) if v else SENTINEL_MAX_TOKENS_H200
 
 
 def protocol_for(setting: str, runtime_max_tokens_per_rank: int, crossover_tokens: int) -> str:
@@ -106,7 +100,7 @@ class Schedule:
         apart = held // blocks_per_sm < sm_count - (CLUSTER_BLOCKS - 1) * max(1, sm_count // GPC_SMS)
         return shared and apart
 
-    def dispatch_splits(self, T: int, tmax: int, payloads) -> int:
+    def dispatch_splits(self, T: int, tmax: int, vectors) -> int:
         """FENCE: blocks that share one token's pushes. A small batch's token is pushed from
         one SM otherwise, and on the H200 that push took most of the dispatch (1 token per
         rank, deepseek-v3: 6.0 µs, 4.0 with a seventh of the bytes; split over 8 blocks 5.2).
@@ -115,8 +109,8 @@ class Schedule:
         warp-wide load: measured, 2 and 4 tokens gained 1.1 and 0.6 µs, while 8 and 16 lost
         0.7-1.5. Within half the share (PDL's early trigger), at least MIN_SPLIT_GROUPS
         groups per block, at most MAX_DISPATCH_SPLITS (16 measured no faster than 8); only
-        tokens whose payloads (their PayloadDescs, ids first) all move in 16-byte vectors."""
-        if not (self.push_groups and T and all(d.vec == 16 for d in payloads)) or (T - 1) * self.top_k > ids_per_load(self.top_k):
+        tokens whose payloads (`vectors`: each one's vector bytes, ids first) all move in 16-byte vectors."""
+        if not (self.push_groups and T and all(v == 16 for v in vectors)) or (T - 1) * self.top_k > ids_per_load(self.top_k):
             return 1
         half = max(1, self.max_grid // 2)
         n = max(1, min(half // T, self.push_groups // MIN_SPLIT_GROUPS, MAX_DISPATCH_SPLITS))
@@ -187,3 +181,154 @@ class Schedule:
         grid = max(1, min(half if prev_early else self.max_grid, want))
         early = self.pdl and grid <= half and (not (held or successor_fills) or successor_want <= half)
         return grid, bool(early)
+
+
+# -- one rank's plan and the step planner ---------------------------------------------------
+FIRST_STEPS = 4  # steps that wait for peers with first_timeout_s (peers may still be loading)
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """What never changes in one rank after construction (alltoall.build_plan makes it): the
+    kernel launches, the parameter block with its static half written, the launch-shape rules
+    and the sizes plan_step reads."""
+    rank: int
+    params: object         # layout.A2AParams: the kernels' argument block, shared by every launch of this rank
+    descs: tuple           # its payload descriptors, ids first
+    payload_bytes: tuple   # bytes per token of each, ids first
+    launches: dict         # protocol -> (dispatch Launch, combine Launch)
+    cluster: object        # FENCE's one-cluster dispatch Launch, or None
+    empty: object          # an empty kernel of the protocol kernels' shape (the benchmark's floor)
+    schedule: Schedule
+    crossover_tokens: int
+    combine_bytes: int
+    combine_input: int     # this rank's combine input section (the address)
+    fp8_combine: bool
+    timeout_ns: int
+    first_timeout_ns: int
+    first_steps: int = FIRST_STEPS
+
+    @property
+    def max_grid(self) -> int:
+        return self.schedule.max_grid
+
+    def apply(self, step) -> None:
+        """Write a planned step's fields into the parameter block and its grid into its launch."""
+        p = self.params
+        for name, value in step.fields:
+            setattr(p, name, value)
+        for d, (src, vec) in zip(self.descs, step.sources):
+            d.src, d.vec = src, vec
+        step.launch.grid = step.grid
+        if step.launch is self.cluster:  # (the plain launch keeps the grid too: testing.hooks.last_grids)
+            self.launches["fence"][0].grid = step.grid
+
+
+@dataclass(frozen=True)
+class Phase:
+    op: str                # "dispatch" or "combine"
+    part: str = "whole"    # the whole operation; "send" / "receive" halves are not built yet
+
+
+DISPATCH, COMBINE = Phase("dispatch"), Phase("combine")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """The dispatch whose combine is due: what that combine is planned from."""
+    runtime_max: int
+    tokens: int
+    protocol: str
+    splits: int
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What the next launch's plan depends on besides its own call."""
+    steps: int = 0                # steps launched, counted up to the plan's first_steps
+    triggered_early: bool = False  # the previous launch let its successor start (PDL)
+    tag_hi: int = 0               # the active-rank hash bits of the step tag
+    quantizing_combine: bool = False  # the last combine ran its own FP8 pass (the next one is predicted alike)
+    pending: Pending | None = None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One phase call as the planner sees it: sizes, the protocol setting and the addresses."""
+    phase: Phase
+    tokens: int                  # T: this rank's tokens
+    runtime_max: int             # T^: shared by every rank this step
+    protocol: str | None         # dispatch: the setting, "fence", "sentinel" or "auto"; combine: None
+    addresses: tuple = ()        # dispatch: each input's address, ids first; combine: the output's
+    prequantized: bool = False   # combine: the epilogue wrote the FP8 input
+    rejected: bool = False       # the step this rank runs without tokens after rejecting its input
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one launch needs and the state after it."""
+    launch: object               # the plan's Launch to issue
+    protocol: str
+    grid: int
+    trigger_early: bool
+    fields: tuple                # (parameter-block field, value) pairs this launch writes
+    sources: tuple               # dispatch: (src, vec) of each payload descriptor; else ()
+    state: StepState
+
+
+def plan_step(plan: RankPlan, state: StepState, call: Call) -> Step:
+    """The launch `call` makes on a rank with this plan and state."""
+    if call.phase.part != "whole":
+        raise NotImplementedError(f"phase {call.phase}: only whole dispatches and combines are planned")
+    if call.phase.op == "dispatch":
+        return _dispatch(plan, state, call)
+    return _combine(plan, state, call)
+
+
+def _grid(plan, state, want, successor_want, successor_fills=False):
+    return plan.schedule.grid(want, successor_want, state.triggered_early, successor_fills)
+
+
+def _dispatch(plan, state, call):
+    sch, T, tmax = plan.schedule, call.tokens, call.runtime_max
+    proto = protocol_for(call.protocol, tmax, plan.crossover_tokens)
+    timeout = plan.first_timeout_ns if state.steps < plan.first_steps else plan.timeout_ns
+    if call.rejected:
+        splits, tag, sources = 1, TAG_REJECT | plan.rank, ()
+        grid, early = _grid(plan, state, sch.dispatch_want(0, tmax, proto), 1)
+        launch = plan.launches[proto][0]
+    else:
+        sources = tuple((a, vector_bytes(n, a)) for a, n in zip(call.addresses, plan.payload_bytes))
+        splits = sch.dispatch_splits(T, tmax, [v for _, v in sources]) if proto == "fence" else 1
+        q = state.quantizing_combine
+        grid, early = _grid(plan, state, sch.dispatch_want(T, tmax, proto, splits),
+                            sch.combine_want(T, tmax, proto, vector_bytes(plan.combine_bytes, 0), quantize=q)[0], q)
+        tag = tmax | state.tag_hi
+        launch = plan.cluster if sch.dispatch_cluster(T, tmax, splits, grid) else plan.launches[proto][0]
+    fields = (("local_num_tokens", T), ("runtime_max_tokens_per_rank", tmax), ("step_tag", tag),
+              ("timeout_ns", timeout), ("dispatch_splits", splits))
+    after = StepState(min(state.steps + 1, plan.first_steps), early, state.tag_hi, state.quantizing_combine,
+                      Pending(tmax, T, proto, splits))
+    return Step(launch, proto, grid, early, fields, sources, after)
+
+
+def _combine(plan, state, call):
+    sch, pending, tmax = plan.schedule, state.pending, call.runtime_max
+    T, proto = pending.tokens, pending.protocol
+    (out,) = call.addresses
+    if call.rejected:  # served from the poisoned combine input, as if an epilogue had quantized it
+        prequantized = plan.fp8_combine
+        vec = vector_bytes(plan.combine_bytes, plan.combine_input, out)
+        want, splits = sch.combine_want(0, tmax, proto, vec, quantize=False)
+        successor = 1
+    else:
+        prequantized = call.prequantized
+        vec = vector_bytes(plan.combine_bytes, out)
+        want, splits = sch.combine_want(T, tmax, proto, vec, quantize=not prequantized)
+        successor = sch.dispatch_want(T, tmax, proto, pending.splits)  # the next step's, if alike
+    grid, early = _grid(plan, state, want, successor)
+    fields = (("combine_out", out), ("combine_vec", vec), ("combine_prequantized", int(prequantized)),
+              ("combine_splits", splits))
+    quantizing = state.quantizing_combine if call.rejected else plan.fp8_combine and not prequantized
+    after = StepState(state.steps, early, state.tag_hi, quantizing, None)
+    return Step(plan.launches[proto][1], proto, grid, early, fields, (), after)

@@ -38,6 +38,31 @@ def check_runtime_max(tmax, max_tokens_per_rank: int) -> None:
             f"must be an int in 1..max_tokens_per_rank={max_tokens_per_rank}, got {tmax!r}")
 
 
+def check_dispatch_inputs(tokens: int, runtime_max: int, payloads, specs, at: str = "") -> None:
+    """A dispatch's token count fits T^ and it got one tensor per PayloadSpec (`at`: which
+    rank's arguments, for the messages of a call that takes every rank's)."""
+    if tokens > runtime_max:
+        raise ValueError(f"token_selected_experts{at}: {tokens} local tokens exceed runtime_max_tokens_per_rank={runtime_max}")
+    if not isinstance(payloads, (list, tuple)):
+        raise TypeError(f"payloads{at}: expected a list of tensors, got {type(payloads).__name__}")
+    if len(payloads) != len(specs):
+        raise ValueError(f"payloads{at}: expected {len(specs)} tensors ({', '.join(p.name for p in specs)}), "
+                         f"got {len(payloads)}")
+
+
+def check_combine_runtime_max(runtime_max: int, dispatched: int) -> None:
+    if runtime_max != dispatched:
+        raise ValueError(f"runtime_max_tokens_per_rank: combine got {runtime_max} but the dispatch of this step "
+                         f"used {dispatched}")
+
+
+def check_partial_shape(shape, ep_size: int, runtime_max: int, hidden: int, name: str = "partial") -> None:
+    """combine's partial results: [ep_size, T^, hidden] or [ep_size * T^, hidden]."""
+    if shape[:-1] not in ((ep_size * runtime_max,), (ep_size, runtime_max)):
+        raise ValueError(f"{name}: must be [ep_size={ep_size}, runtime_max_tokens_per_rank={runtime_max}, {hidden}], "
+                         f"got {shape}")
+
+
 def cuda_tensor(obj, name: str, stream, ordinal=None, what: str = "", dtype: str = None) -> Tensor:
     """`obj` (any DLPack / CUDA-array-interface producer) as a Tensor of `dtype` (when given:
     checked first, a TypeError) on a CUDA GPU (cuda:`ordinal` when given), contiguous,

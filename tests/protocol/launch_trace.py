@@ -19,8 +19,10 @@ import types
 import ep_a2a.alltoall as A
 import ep_a2a.driver.launch as launch_module
 import ep_a2a.interop.tensor as tensor_module
+from ep_a2a import schedule
 from ep_a2a.config import Options, PayloadSpec
 from ep_a2a.interop.tensor import Tensor
+from ep_a2a.testing import hooks
 from ep_a2a.layout import A2AParams, WorkspaceLayout, landing_bytes
 
 GOLDEN = pathlib.Path(__file__).with_name("golden") / "launches-05ee552.json"
@@ -112,7 +114,6 @@ def make_rank(protocol, combine_quant, pdl, ranks_on_device, local):
         on_timeout="trap", group=types.SimpleNamespace(is_local=local), active_ranks=tuple(range(EP)),
         combine_quant=combine_quant, threads=256, pdl=pdl, validate_expert_ids=False, first_timeout_s=60, timeout_s=10,
         crossover_tokens=16)
-    a2a.protocol_for = lambda t: A.schedule.protocol_for(a2a.protocol, t, a2a.crossover_tokens)
     dev = types.SimpleNamespace(ordinal=0, sm_count=132, compute_capability=(9, 0), make_current=lambda: None)
     rank = types.SimpleNamespace(rank=3, device=dev, stream=types.SimpleNamespace(handle=7), ranks_on_device=ranks_on_device)
     return a2a, A.RankAlltoAll(a2a, 0, rank)
@@ -140,7 +141,7 @@ def run_config(events, protocol, combine_quant, pdl, ranks_on_device):
         ids_v, views = r.dispatch(ids, pays, tmax, stream=stream)
         events.append(["views", ids_v.ptr, list(ids_v.shape), ids_v.stream, [v.ptr for v in views]])
         if dispatch_only:
-            r.abandon_dispatch()
+            hooks.abandon_dispatch(r)
             return
         if part == "cin":
             partial = r.combine_input(tmax)
@@ -166,7 +167,7 @@ def run_config(events, protocol, combine_quant, pdl, ranks_on_device):
             if combine_quant:
                 step(0, T, tmax, part="fp8")
                 step(0, T, tmax)
-            if a2a.protocol_for(tmax) == "fence":
+            if schedule.protocol_for(protocol, tmax, a2a.crossover_tokens) == "fence":
                 step(0, T, tmax, dispatch_only=True)
             for _ in range(3):
                 step(0, T, tmax)
