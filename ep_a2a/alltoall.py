@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import zlib
 
 import numpy as np
@@ -35,6 +36,19 @@ from .schedule import COMBINE, DISPATCH, Call, RankPlan, StepState, plan_step
 from .symmetric import SymmetricWorkspace
 from .validate import (CheckedInputs, check_combine_runtime_max, check_dispatch_inputs, check_expert_ids_on_host,
                        check_fp8_partial, check_partial_shape, check_runtime_max, require)
+
+def _recorded(method):
+    """A rank's public call whose driver call fails after a lost context raises the PeerError a
+    kernel recorded (every rank of the process reads the records then), not the CudaError."""
+    @functools.wraps(method)
+    def call(self, *args, **kw):
+        try:
+            return method(self, *args, **kw)
+        except CudaError as e:
+            self.raise_recorded(e)
+            raise
+    return call
+
 
 def _between_steps(a2a, what: str) -> None:
     for r in a2a.ranks:
@@ -153,7 +167,12 @@ class MoeAlltoAll(Owned):
     def synchronize(self) -> None:
         for r in self.ranks:
             r.synchronize()
-        release_held()
+        try:
+            release_held()
+        except CudaError as e:  # (a lost context: the recorded PeerError names the cause)
+            if self.ranks:
+                self.ranks[0].raise_recorded(e)
+            raise
 
     def check_errors(self) -> None:
         """Raise the PeerError a kernel of this process recorded, if any."""
@@ -271,13 +290,14 @@ class RankAlltoAll:
         self.state = dataclasses.replace(self.state, tag_hi=tag_hi)
         self.is_active = self.rank in ranks
 
+    @_recorded
     def dropped_selections(self) -> int:
         """Selections this rank dropped since it was built because their expert's rank was
         inactive (set_active_ranks). Synchronizes this rank's GPU."""
         self._check_open()
         self.synchronize()
         v = np.zeros(1, np.uint32)
-        self._cuda(copy_dtoh, v.ctypes.data, self.base + self.a2a.layout.off_dropped, 4)
+        copy_dtoh(v.ctypes.data, self.base + self.a2a.layout.off_dropped, 4)
         return int(v[0])
 
     # -- views into the workspace ------------------------------------------------------
@@ -293,6 +313,7 @@ class RankAlltoAll:
                  for q, s in enumerate(a.payload_specs)]
         return ids, views
 
+    @_recorded
     def combine_input(self, runtime_max_tokens_per_rank: int, fp8: bool = False):
         """Where the MoE writes its partial results for combine: [ep_size, T^, hidden], the same
         Tensor at every call with this T^ (so a combine handed it repeats: fastpath.py).
@@ -317,6 +338,7 @@ class RankAlltoAll:
         return got
 
     # -- the two phases -------------------------------------------------------------------
+    @_recorded
     def dispatch(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None, stream=None):
         """Push this rank's tokens to the ranks owning their experts.
 
@@ -345,7 +367,7 @@ class RankAlltoAll:
         try:
             if repeat is not None:
                 if self.validate_expert_ids and repeat.call.tokens and not is_capturing(repeat.handle):
-                    self._cuda(check_expert_ids_on_host, token_selected_experts, repeat.handle, self.a2a.num_experts)
+                    check_expert_ids_on_host(token_selected_experts, repeat.handle, self.a2a.num_experts)
                 call = repeat.call
                 if call.protocol != self.a2a.protocol:  # (use_protocol since: the same call under the new setting)
                     call = dataclasses.replace(call, protocol=self.a2a.protocol)
@@ -366,7 +388,7 @@ class RankAlltoAll:
         ins = [self._input(t, name, shape, spec.dtype, tokens, handle)
                for t, spec, name, shape in zip(payloads, a.payload_specs, self._payload_names, self._payload_shapes)]
         if self.validate_expert_ids and tokens and not is_capturing(handle):  # (a capture cannot sync)
-            self._cuda(check_expert_ids_on_host, ids, handle, a.num_experts)
+            check_expert_ids_on_host(ids, handle, a.num_experts)
         call = Call(DISPATCH, tokens, runtime_max, a.protocol, tuple(t.ptr for t in (ids, *ins)))
         views = self._views.get(runtime_max)
         if views is None:
@@ -396,7 +418,7 @@ class RankAlltoAll:
             self._applied[call.phase.op] = step
         self.params.trigger_early = step.trigger_early
         self.device.make_current()
-        self._launch(step.launch, handle)
+        step.launch(handle)
         self.state, self.last_protocol = step.state, step.protocol
 
     @property
@@ -408,6 +430,7 @@ class RankAlltoAll:
         """(testing.hooks.abandon_dispatch, which says when this is safe) No combine follows the last dispatch."""
         self.state = dataclasses.replace(self.state, pending=None)
 
+    @_recorded
     def dispatch_records(self, num_tokens: int) -> Tensor:
         """The (target rank, slot) record (layout.record_target / record_slot) the last dispatch left
         for combine: int32 [num_tokens, top_k], -1 where a selection has no slot; until the next dispatch."""
@@ -417,6 +440,7 @@ class RankAlltoAll:
             raise ValueError(f"num_tokens: must be an int in 0..{n}, got {num_tokens!r}")
         return self._view(self.a2a.layout.off_records, (num_tokens, self.a2a.top_k), "int32", None)
 
+    @_recorded
     def combine(self, partial, runtime_max_tokens_per_rank: int = None, stream=None, out=None) -> Tensor:
         """Sum, for each local token, the partial results its target ranks computed.
 
@@ -468,7 +492,7 @@ class RankAlltoAll:
         """Stage the partial results if they live elsewhere, launch a planned combine."""
         if stage:
             self.device.make_current()
-            self._cuda(copy_dtod_async, *stage, handle)
+            copy_dtod_async(*stage, handle)
         self._run(call, handle)
         release_frees_if_safe(handle)
         out_t.stream = handle
@@ -494,6 +518,7 @@ class RankAlltoAll:
         the call cannot be repeated): what dispatch_same and combine_same take."""
         return self._repeat_dispatch, self._repeat_combine
 
+    @_recorded
     def dispatch_same(self, record: Repeat, runtime_max_tokens_per_rank: int, stream):
         """dispatch() again with the Tensors of the call that left `record`, for a caller that
         fills those very Tensor objects itself and vouches that it changed none of their
@@ -506,6 +531,7 @@ class RankAlltoAll:
             return None
         return self._dispatch_or_reject(record, record.refs[0](), None, runtime_max_tokens_per_rank, stream)
 
+    @_recorded
     def combine_same(self, record: Repeat, runtime_max_tokens_per_rank: int, stream):
         """combine() again with the Tensors of the call that left `record`, vouched for as in
         dispatch_same. Returns `out` (as combine does), or None where the call does not
@@ -518,6 +544,7 @@ class RankAlltoAll:
         return self._combined(record.call, record.handle, *record.extra)
 
     # -- a rejected step (rejection.py) ----------------------------------------------------------
+    @_recorded
     def reject_step(self, runtime_max_tokens_per_rank, stream, err) -> None:
         """This rank rejects its input for the next step (`err`, which the caller raises):
         on a rank alone in its process, run that step without tokens (rejection.py); on ranks
@@ -536,7 +563,7 @@ class RankAlltoAll:
         self._run(Call(DISPATCH, 0, runtime_max, a.protocol, rejected=True), handle)
         for off, nbytes in rejection.poisoned_spans(a.layout, a.combine_quant, a.combine_hidden_size,
                                                     a.ep_size * runtime_max):
-            self._cuda(memset_d8_async, self.base + off, 0xFF, nbytes, handle)
+            memset_d8_async(self.base + off, 0xFF, nbytes, handle)
         self._run(Call(COMBINE, 0, runtime_max, None, (self._out.ptr,), rejected=True), handle)
         self.steps += 1
         self._repeat_dispatch = self._repeat_combine = None
@@ -551,17 +578,6 @@ class RankAlltoAll:
             self.raise_recorded()
 
     # -- errors --------------------------------------------------------------------------------
-    def _cuda(self, call, *args):
-        """A driver call of a phase: after a lost context it raises the recorded PeerError."""
-        try:
-            return call(*args)
-        except CudaError as e:
-            self.raise_recorded(e)
-            raise
-
-    def _launch(self, launch: Launch, stream: int) -> None:
-        self._cuda(launch, stream)
-
     def recorded_error(self):
         """This rank's recorded PeerError, or None (see MoeAlltoAll.error)."""
         return error_from_record(self.record) if self.record.kind else None
@@ -571,10 +587,11 @@ class RankAlltoAll:
         if err is not None:
             raise err from cause
 
+    @_recorded
     def synchronize(self) -> None:
         """Wait for this rank's GPU; raise the PeerError a kernel recorded, if any (a peer's
         rejection only once this rank's step is complete: its combine must still run)."""
-        self._cuda(self.device.synchronize)
+        self.device.synchronize()
         if rejection.refuses(self.record, self.mid_step):
             self.raise_recorded()
 
