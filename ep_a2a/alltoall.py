@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import functools
 import zlib
 
 import numpy as np
@@ -27,7 +26,7 @@ from .driver.memory import DeviceAllocation, copy_dtod_async, copy_dtoh, memset_
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
 from .driver.vmm import HostMapped
-from .errors import StateError, error_from_record, error_from_records
+from .errors import StateError, error_from_record, error_from_records, recorded_on_lost_context
 from .fastpath import Repeat
 from .group import hold_frees_for, release_frees_if_safe
 from .interop.tensor import CUDA, Tensor, as_dtype as lookup_dtype
@@ -36,19 +35,6 @@ from .schedule import COMBINE, DISPATCH, Call, RankPlan, StepState, plan_step
 from .symmetric import SymmetricWorkspace
 from .validate import (CheckedInputs, check_combine_runtime_max, check_dispatch_inputs, check_expert_ids_on_host,
                        check_fp8_partial, check_partial_shape, check_runtime_max, require)
-
-def _recorded(method):
-    """A rank's public call whose driver call fails after a lost context raises the PeerError a
-    kernel recorded (every rank of the process reads the records then), not the CudaError."""
-    @functools.wraps(method)
-    def call(self, *args, **kw):
-        try:
-            return method(self, *args, **kw)
-        except CudaError as e:
-            self.raise_recorded(e)
-            raise
-    return call
-
 
 def _between_steps(a2a, what: str) -> None:
     for r in a2a.ranks:
@@ -290,7 +276,7 @@ class RankAlltoAll:
         self.state = dataclasses.replace(self.state, tag_hi=tag_hi)
         self.is_active = self.rank in ranks
 
-    @_recorded
+    @recorded_on_lost_context
     def dropped_selections(self) -> int:
         """Selections this rank dropped since it was built because their expert's rank was
         inactive (set_active_ranks). Synchronizes this rank's GPU."""
@@ -313,7 +299,7 @@ class RankAlltoAll:
                  for q, s in enumerate(a.payload_specs)]
         return ids, views
 
-    @_recorded
+    @recorded_on_lost_context
     def combine_input(self, runtime_max_tokens_per_rank: int, fp8: bool = False):
         """Where the MoE writes its partial results for combine: [ep_size, T^, hidden], the same
         Tensor at every call with this T^ (so a combine handed it repeats: fastpath.py).
@@ -338,7 +324,7 @@ class RankAlltoAll:
         return got
 
     # -- the two phases -------------------------------------------------------------------
-    @_recorded
+    @recorded_on_lost_context
     def dispatch(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None, stream=None):
         """Push this rank's tokens to the ranks owning their experts.
 
@@ -430,7 +416,7 @@ class RankAlltoAll:
         """(testing.hooks.abandon_dispatch, which says when this is safe) No combine follows the last dispatch."""
         self.state = dataclasses.replace(self.state, pending=None)
 
-    @_recorded
+    @recorded_on_lost_context
     def dispatch_records(self, num_tokens: int) -> Tensor:
         """The (target rank, slot) record (layout.record_target / record_slot) the last dispatch left
         for combine: int32 [num_tokens, top_k], -1 where a selection has no slot; until the next dispatch."""
@@ -440,7 +426,7 @@ class RankAlltoAll:
             raise ValueError(f"num_tokens: must be an int in 0..{n}, got {num_tokens!r}")
         return self._view(self.a2a.layout.off_records, (num_tokens, self.a2a.top_k), "int32", None)
 
-    @_recorded
+    @recorded_on_lost_context
     def combine(self, partial, runtime_max_tokens_per_rank: int = None, stream=None, out=None) -> Tensor:
         """Sum, for each local token, the partial results its target ranks computed.
 
@@ -518,7 +504,7 @@ class RankAlltoAll:
         the call cannot be repeated): what dispatch_same and combine_same take."""
         return self._repeat_dispatch, self._repeat_combine
 
-    @_recorded
+    @recorded_on_lost_context
     def dispatch_same(self, record: Repeat, runtime_max_tokens_per_rank: int, stream):
         """dispatch() again with the Tensors of the call that left `record`, for a caller that
         fills those very Tensor objects itself and vouches that it changed none of their
@@ -531,7 +517,7 @@ class RankAlltoAll:
             return None
         return self._dispatch_or_reject(record, record.refs[0](), None, runtime_max_tokens_per_rank, stream)
 
-    @_recorded
+    @recorded_on_lost_context
     def combine_same(self, record: Repeat, runtime_max_tokens_per_rank: int, stream):
         """combine() again with the Tensors of the call that left `record`, vouched for as in
         dispatch_same. Returns `out` (as combine does), or None where the call does not
@@ -544,7 +530,7 @@ class RankAlltoAll:
         return self._combined(record.call, record.handle, *record.extra)
 
     # -- a rejected step (rejection.py) ----------------------------------------------------------
-    @_recorded
+    @recorded_on_lost_context
     def reject_step(self, runtime_max_tokens_per_rank, stream, err) -> None:
         """This rank rejects its input for the next step (`err`, which the caller raises):
         on a rank alone in its process, run that step without tokens (rejection.py); on ranks
@@ -587,7 +573,7 @@ class RankAlltoAll:
         if err is not None:
             raise err from cause
 
-    @_recorded
+    @recorded_on_lost_context
     def synchronize(self) -> None:
         """Wait for this rank's GPU; raise the PeerError a kernel recorded, if any (a peer's
         rejection only once this rank's step is complete: its combine must still run)."""
