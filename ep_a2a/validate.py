@@ -163,6 +163,6 @@ def check_fp8_partial(partial, tmax: int, combine_quant, fp8_input) -> None:
     want, geometry = fp8_input()
     for got, geo, name in zip(partial[:2], geometry, ("values", "scales")):
         if type(got) is not Tensor or (got.ptr, got.shape, got.dtype.name) != geo:
-            require(False, "partial", f"an Fp8Partial must be this rank's combine_input({tmax}, fp8=True); its "
-                    f"{name} is not that view")
+            raise ValueError(f"partial: an Fp8Partial must be this rank's combine_input({tmax}, fp8=True); its "
+                             f"{name} is not that view")
     require(partial.dtype == want.dtype, "partial", f"dtype must be {want.dtype!r}, got {partial.dtype!r}")
