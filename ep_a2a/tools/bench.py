@@ -475,7 +475,7 @@ class Bench:
     def host_overhead(self, T: int, iters: int = None) -> dict:
         """µs of host time per rank per eager dispatch+combine (arguments reused, no sync);
         the maximum over rank processes. Beside it, from the same host: everything but the
-        launches (the same calls inside driver.launch.dry_run(), which skips the launches: the
+        launches (the same calls inside testing.hooks.dry_run(), which skips the launches: the
         checks, parameter updates, any context bind) and two bare launches of the
         prepacked empty kernel (what the driver and its Python bindings cost without us)."""
         from ..testing.hooks import dry_run

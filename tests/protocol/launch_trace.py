@@ -55,20 +55,13 @@ def _cluster_of(launch) -> int:
     return 1
 
 
-class _Trace(list):
-    """The dry-run list: each skipped launch is recorded with its parameter block as it is then."""
-
-    def __init__(self, events):
-        super().__init__()
-        self.events = events
-
-    def append(self, item):
-        launch, stream = item
+def _recorder(events):
+    """What dry_run calls at each skipped launch: its parameter block as it is then."""
+    def record(launch, stream):
         p = A2AParams.from_buffer_copy(bytes(launch.args[0]))
-        self.events.append(["launch", str(launch.function), _cluster_of(launch), launch.grid, stream,
-                            hashlib.sha256(bytes(launch.args[0])).hexdigest()[:24],
-                            [int(getattr(p, f)) for f in FIELDS]])
-        super().append(item)
+        events.append(["launch", str(launch.function), _cluster_of(launch), launch.grid, stream,
+                       hashlib.sha256(bytes(launch.args[0])).hexdigest()[:24], [int(getattr(p, f)) for f in FIELDS]])
+    return record
 
 
 def patch_driver(setattr_, events):
@@ -195,11 +188,10 @@ CONFIGS = [(proto, q, pdl, rod) for proto in ("fence", "sentinel", "auto") for q
 
 
 def trace(setattr_) -> list:
-    """The events of every configuration, launches skipped by driver.launch.dry_run."""
+    """The events of every configuration, launches skipped by testing.hooks.dry_run."""
     events = []
     patch_driver(setattr_, events)
-    with launch_module.dry_run():
-        launch_module._dry = _Trace(events)  # (snapshots each block at its launch)
+    with hooks.dry_run(_recorder(events)):
         for cfg in CONFIGS:
             run_config(events, *cfg)
     return json.loads(json.dumps(events))  # (tuples as lists, as the file holds them)
