@@ -37,9 +37,9 @@ from .validate import (CheckedInputs, check_combine_runtime_max, check_dispatch_
                        check_fp8_partial, check_partial_shape, check_runtime_max, require)
 
 def _between_steps(a2a, what: str) -> None:
-    for r in a2a.ranks:
-        if r.mid_step:
-            raise StateError(f"rank {r.rank}: {what} between dispatch and combine")
+    for rank in a2a.ranks:
+        if rank.mid_step:
+            raise StateError(f"rank {rank.rank}: {what} between dispatch and combine")
 
 
 class MoeAlltoAll(Owned):
@@ -55,17 +55,18 @@ class MoeAlltoAll(Owned):
     _ALIASES = {"threads": "threads_per_block", "payload_specs": "payloads", "built_protocol": "protocol",
                 "kinds": "payload_kinds"}
 
-    def __init__(self, group, **options):
-        o = self.options = Options.check(group.ep_size, **options)
-        self.group, self.protocol, self.active_ranks = group, o.protocol, tuple(range(o.ep_size))
+    def __init__(self, group, **given):
+        options = self.options = Options.check(group.ep_size, **given)
+        self.group, self.protocol, self.active_ranks = group, options.protocol, tuple(range(options.ep_size))
         if not group.is_local:
-            group.agree(o.agreement(), "MoeAlltoAll arguments")
-        pbytes = o.payload_bytes
-        self.layout = WorkspaceLayout.build(o.ep_size, o.max_tokens_per_rank, o.top_k, pbytes,
-                                            o.combine_hidden_size * o.combine_dtype.itemsize,
-                                            sentinel=o.protocol != "fence",
-                                            landing=tuple(landing_bytes(b, k) for b, k in zip(pbytes, o.payload_kinds)),
-                                            q8_hidden=o.combine_hidden_size if o.combine_quant else 0)
+            group.agree(options.agreement(), "MoeAlltoAll arguments")
+        pbytes = options.payload_bytes
+        self.layout = WorkspaceLayout.build(options.ep_size, options.max_tokens_per_rank, options.top_k, pbytes,
+                                            options.combine_hidden_size * options.combine_dtype.itemsize,
+                                            sentinel=options.protocol != "fence",
+                                            landing=tuple(landing_bytes(nbytes, kind)
+                                                          for nbytes, kind in zip(pbytes, options.payload_kinds)),
+                                            q8_hidden=options.combine_hidden_size if options.combine_quant else 0)
         self.workspace = SymmetricWorkspace(group, self.layout.size)
         self.ranks = []
         # several ranks driven by this process spin on each other: no cuMemFree between
@@ -73,19 +74,19 @@ class MoeAlltoAll(Owned):
         self._unhold = hold_frees_for(self) if group.is_local and len(group.ranks) > 1 else None
         self._opened()  # from here a failure closes what was made
         try:
-            for i, r in enumerate(group.ranks):
-                r.device.make_current()
-                memset_d8_async(self.workspace.base(i), 0, self.workspace.size, r.stream.handle)
-                fill = load("util", r.device).function("ep_fill_u32")
+            for index, rank in enumerate(group.ranks):
+                rank.device.make_current()
+                memset_d8_async(self.workspace.base(index), 0, self.workspace.size, rank.stream.handle)
+                fill = load("util", rank.device).function("ep_fill_u32")
                 for off, nbytes, word in self.layout.sentinel_ranges():
-                    launch_once(r.device, fill, [ctypes.c_uint64(self.workspace.base(i) + off),
+                    launch_once(rank.device, fill, [ctypes.c_uint64(self.workspace.base(index) + off),
                                                  ctypes.c_uint64(nbytes // 4), ctypes.c_uint32(word)],
-                                min(1024, max(1, nbytes // 4096)), 256, r.stream.handle)
-                r.stream.synchronize()
+                                min(1024, max(1, nbytes // 4096)), 256, rank.stream.handle)
+                rank.stream.synchronize()
             # no peer may write into a workspace before its owner has cleared it
             if not group.is_local:
                 group.bootstrap.barrier()
-            self.ranks = [RankAlltoAll(self, i, r) for i, r in enumerate(group.ranks)]
+            self.ranks = [RankAlltoAll(self, index, rank) for index, rank in enumerate(group.ranks)]
         except BaseException:
             self.close()
             raise
@@ -140,19 +141,19 @@ class MoeAlltoAll(Owned):
         256 differing sets is missed and ends as a timeout). Ranks can only be removed; to add
         one back, build a new all-to-all. An inactive rank of this process may not dispatch.
         """
-        new = tuple(sorted({int(r) for r in ranks}))
-        require(bool(new) and all(0 <= r < self.ep_size for r in new), "ranks",
+        new = tuple(sorted({int(rank) for rank in ranks}))
+        require(bool(new) and all(0 <= rank < self.ep_size for rank in new), "ranks",
                  f"must be a non-empty set of ranks in 0..{self.ep_size - 1}, got {ranks!r}")
         require(set(new) <= set(self.active_ranks), "ranks",
                  f"can only remove ranks (active now: {list(self.active_ranks)}); rebuild to add {sorted(set(new) - set(self.active_ranks))}")
         _between_steps(self, "set_active_ranks")
         self.active_ranks = new
-        for r in self.ranks:
-            r._set_active(new)
+        for rank in self.ranks:
+            rank._set_active(new)
 
     def synchronize(self) -> None:
-        for r in self.ranks:
-            r.synchronize()
+        for rank in self.ranks:
+            rank.synchronize()
         try:
             release_held()
         except CudaError as e:  # (a lost context: the recorded PeerError names the cause)
@@ -162,13 +163,13 @@ class MoeAlltoAll(Owned):
 
     def check_errors(self) -> None:
         """Raise the PeerError a kernel of this process recorded, if any."""
-        for r in self.ranks:
-            r.raise_recorded()
+        for rank in self.ranks:
+            rank.raise_recorded()
 
     def error(self):
         """The PeerError a kernel of this process recorded, or None: a cheap poll (host-mapped
         memory, no driver call) for an engine replaying CUDA graphs, after each synchronize."""
-        return next((e for e in (r.recorded_error() for r in self.ranks) if e is not None), None)
+        return next((err for err in (rank.recorded_error() for rank in self.ranks) if err is not None), None)
 
     @property
     def workspace_bytes_per_rank(self) -> int:
@@ -180,8 +181,8 @@ class MoeAlltoAll(Owned):
         for part in [*self.ranks, self.workspace]:
             try:
                 part.close()
-            except BaseException as e:
-                first = first or e
+            except BaseException as err:
+                first = first or err
         self.ranks, self.workspace = [], None
         if self._unhold is not None:
             self._unhold()  # hold_frees(False), once
@@ -191,47 +192,49 @@ class MoeAlltoAll(Owned):
 
 def build_plan(a2a, index: int, rank, record_address: int) -> RankPlan:
     """The plan of `rank` (a group.Rank) of `a2a`, its failures recorded at `record_address`."""
-    o, layout, dev = a2a.options, a2a.layout, rank.device
+    options, layout, dev = a2a.options, a2a.layout, rank.device
     base = a2a.workspace.base(index)
-    p = A2AParams()
-    for q, b in enumerate(a2a.workspace.peers(index)):
-        p.peer_base[q] = b
-    p.error_record = record_address
-    layout.fill_params(p, o.payload_kinds)
-    p.rank, p.ep_size, p.top_k, p.num_experts = rank.rank, o.ep_size, o.top_k, o.num_experts
-    p.experts_per_rank, p.experts_remainder = divmod(o.num_experts, o.ep_size)
-    p.combine_vec = schedule.vector_bytes(layout.combine_bytes, base + layout.off_combine)
-    p.combine_kind = sentinel_kind(o.combine_dtype.name)
-    p.abort_on_timeout = int(o.on_timeout == "abort")
-    p.peers_on_device = peers_on_device(rank.ranks_on_device, o.ep_size)
+    params = A2AParams()
+    for peer, address in enumerate(a2a.workspace.peers(index)):
+        params.peer_base[peer] = address
+    params.error_record = record_address
+    layout.fill_params(params, options.payload_kinds)
+    params.rank, params.ep_size = rank.rank, options.ep_size
+    params.top_k, params.num_experts = options.top_k, options.num_experts
+    params.experts_per_rank, params.experts_remainder = divmod(options.num_experts, options.ep_size)
+    params.combine_vec = schedule.vector_bytes(layout.combine_bytes, base + layout.off_combine)
+    params.combine_kind = sentinel_kind(options.combine_dtype.name)
+    params.abort_on_timeout = int(options.on_timeout == "abort")
+    params.peers_on_device = peers_on_device(rank.ranks_on_device, options.ep_size)
 
-    reduce_dtype = REDUCE_DTYPES[o.combine_dtype.name]
-    protocols = ("fence", "sentinel") if o.protocol == "auto" else (o.protocol,)
-    q8 = "q8_" if o.combine_quant else ""
-    kernels = {pr: (load(pr, dev).function(f"{pr}_dispatch"), load(pr, dev).function(f"{pr}_combine_{q8}{reduce_dtype}"))
-               for pr in protocols}
-    blocks_per_sm = min(occupancy(f, o.threads_per_block) for pair in kernels.values() for f in pair)
+    reduce_dtype = REDUCE_DTYPES[options.combine_dtype.name]
+    protocols = ("fence", "sentinel") if options.protocol == "auto" else (options.protocol,)
+    q8 = "q8_" if options.combine_quant else ""
+    kernels = {protocol: (load(protocol, dev).function(f"{protocol}_dispatch"),
+                          load(protocol, dev).function(f"{protocol}_combine_{q8}{reduce_dtype}"))
+               for protocol in protocols}
+    blocks_per_sm = min(occupancy(kernel, options.threads_per_block) for pair in kernels.values() for kernel in pair)
     # kernels of every rank sharing this GPU spin on each other: all must be resident
     max_grid = max(1, blocks_per_sm * dev.sm_count // rank.ranks_on_device)
-    descs = tuple(p.payloads[q] for q in range(p.num_payloads))  # (indexing makes a new wrapper)
-    payload_bytes = tuple(d.bytes_per_token for d in descs)
-    sch = schedule.Schedule(o.ep_size, o.top_k, o.threads_per_block, o.combine_hidden_size, layout.combine_bytes,
-                            bool(o.combine_quant), bool(o.pdl), max_grid,
-                            schedule.push_groups(payload_bytes, o.threads_per_block))
-    cluster = "fence" in kernels and sch.clusters_fit(blocks_per_sm, dev.sm_count, rank.ranks_on_device) and \
-        cluster_launch(dev, kernels["fence"][0], [p], schedule.CLUSTER_BLOCKS, o.threads_per_block, o.pdl,
-                       rank.ranks_on_device)
+    descs = tuple(params.payloads[index] for index in range(params.num_payloads))  # (indexing makes a new wrapper)
+    payload_bytes = tuple(desc.bytes_per_token for desc in descs)
+    rules = schedule.Schedule(options.ep_size, options.top_k, options.threads_per_block, options.combine_hidden_size,
+                              layout.combine_bytes, bool(options.combine_quant), bool(options.pdl), max_grid,
+                              schedule.push_groups(payload_bytes, options.threads_per_block))
+    cluster = "fence" in kernels and rules.clusters_fit(blocks_per_sm, dev.sm_count, rank.ranks_on_device) and \
+        cluster_launch(dev, kernels["fence"][0], [params], schedule.CLUSTER_BLOCKS, options.threads_per_block,
+                       options.pdl, rank.ranks_on_device)
     if cluster:
-        sch = dataclasses.replace(sch, clusters=True)
+        rules = dataclasses.replace(rules, clusters=True)
 
     def launch(fn):
-        return Launch(dev, fn, [p], 1, o.threads_per_block, pdl=o.pdl)
-    return RankPlan(rank=rank.rank, params=p, descs=descs, payload_bytes=payload_bytes,
-                    launches={pr: (launch(d), launch(c)) for pr, (d, c) in kernels.items()},
-                    cluster=cluster or None, empty=launch(load("util", dev).function("ep_empty")), schedule=sch,
-                    crossover_tokens=o.crossover_tokens, combine_bytes=layout.combine_bytes,
-                    combine_input=base + layout.off_combine, fp8_combine=o.combine_quant == "fp8",
-                    timeout_ns=int(1e9 * o.timeout_s), first_timeout_ns=int(1e9 * o.first_timeout_s))
+        return Launch(dev, fn, [params], 1, options.threads_per_block, pdl=options.pdl)
+    return RankPlan(rank=rank.rank, params=params, descs=descs, payload_bytes=payload_bytes,
+                    launches={protocol: (launch(pair[0]), launch(pair[1])) for protocol, pair in kernels.items()},
+                    cluster=cluster or None, empty=launch(load("util", dev).function("ep_empty")), schedule=rules,
+                    crossover_tokens=options.crossover_tokens, combine_bytes=layout.combine_bytes,
+                    combine_input=base + layout.off_combine, fp8_combine=options.combine_quant == "fp8",
+                    timeout_ns=int(1e9 * options.timeout_s), first_timeout_ns=int(1e9 * options.first_timeout_s))
 
 
 class RankAlltoAll:
@@ -244,11 +247,10 @@ class RankAlltoAll:
         self.base = a2a.workspace.base(index)
         self.record_page = HostMapped(ctypes.sizeof(ErrorRecord), self.device)  # where kernels write failures
         self.record = ErrorRecord.from_address(self.record_page.host_ptr)
-        ctypes.memset(self.record_page.host_ptr, 0, ctypes.sizeof(ErrorRecord))
         self.plan = build_plan(a2a, index, rank, self.record_page.device_ptr)
         self.params, self.schedule, self.max_grid = self.plan.params, self.plan.schedule, self.plan.max_grid
         self.state = StepState(quantizing_combine=a2a.combine_quant == "fp8")
-        self._memo = {}                # (state, steps.Call) -> steps.Step: the planner's results
+        self._memo = {}                # (StepState, Call) -> Step: the planner's results
         self._applied = {}             # operation -> the Step whose fields the parameter block holds
         self._set_active(a2a.active_ranks)
         self.last_protocol = next(iter(self.plan.launches))
@@ -267,8 +269,8 @@ class RankAlltoAll:
 
     def _set_active(self, ranks) -> None:
         words = [0] * len(self.params.active)
-        for r in ranks:
-            words[r >> 5] |= 1 << (r & 31)
+        for peer in ranks:
+            words[peer >> 5] |= 1 << (peer & 31)
         self.params.active[:] = words
         # 8 bits of the mask's hash ride above T^ in the step tag peers compare (bit 31 stays
         # clear: it marks a rejecting rank's tag, layout.TAG_REJECT)
@@ -282,9 +284,9 @@ class RankAlltoAll:
         inactive (set_active_ranks). Synchronizes this rank's GPU."""
         self._check_open()
         self.synchronize()
-        v = np.zeros(1, np.uint32)
-        copy_dtoh(v.ctypes.data, self.base + self.a2a.layout.off_dropped, 4)
-        return int(v[0])
+        dropped = np.zeros(1, np.uint32)
+        copy_dtoh(dropped.ctypes.data, self.base + self.a2a.layout.off_dropped, 4)
+        return int(dropped[0])
 
     # -- views into the workspace ------------------------------------------------------
     def _view(self, offset: int, shape, dtype, stream) -> Tensor:
@@ -293,10 +295,10 @@ class RankAlltoAll:
 
     def dispatch_views(self, runtime_max: int):
         """(expert ids [ep, T^, top_k], [payload views [ep, T^, *shape]]) for runtime max T^."""
-        a, layout = self.a2a, self.a2a.layout
-        ids = self._view(layout.off_recv[0], (a.ep_size, runtime_max, a.top_k), "int32", None)
-        views = [self._view(layout.off_recv[q + 1], (a.ep_size, runtime_max) + tuple(s.shape), s.dtype, None)
-                 for q, s in enumerate(a.payload_specs)]
+        a2a, layout = self.a2a, self.a2a.layout
+        ids = self._view(layout.off_recv[0], (a2a.ep_size, runtime_max, a2a.top_k), "int32", None)
+        views = [self._view(layout.off_recv[index + 1], (a2a.ep_size, runtime_max) + tuple(spec.shape), spec.dtype, None)
+                 for index, spec in enumerate(a2a.payload_specs)]
         return ids, views
 
     @recorded_on_lost_context
@@ -308,19 +310,20 @@ class RankAlltoAll:
         that combine would quantize the partial results into; an epilogue that writes them
         itself (moe.finalize) spares combine that pass and the bf16 round trip through HBM.
         """
-        a = self.a2a
+        a2a = self.a2a
         self._check_open()
-        check_runtime_max(runtime_max_tokens_per_rank, a.max_tokens_per_rank)
+        check_runtime_max(runtime_max_tokens_per_rank, a2a.max_tokens_per_rank)
         runtime_max = int(runtime_max_tokens_per_rank)
         if fp8:
-            if a.combine_quant != "fp8":
+            if a2a.combine_quant != "fp8":
                 raise ValueError(f"fp8: an FP8 combine input needs combine_quant='fp8' (this all-to-all has "
-                                 f"combine_quant={a.combine_quant!r})")
+                                 f"combine_quant={a2a.combine_quant!r})")
             return self._fp8_input(runtime_max)[0]
         got = self._combine_inputs.get(runtime_max)
         if got is None:
-            shape = (a.ep_size, runtime_max, a.combine_hidden_size)
-            got = self._combine_inputs[runtime_max] = self._view(a.layout.off_combine, shape, a.combine_dtype.name, None)
+            shape = (a2a.ep_size, runtime_max, a2a.combine_hidden_size)
+            got = self._view(a2a.layout.off_combine, shape, a2a.combine_dtype.name, None)
+            self._combine_inputs[runtime_max] = got
         return got
 
     # -- the two phases -------------------------------------------------------------------
@@ -334,18 +337,15 @@ class RankAlltoAll:
         slot j of region s holds the j-th token source s sent here; slots past its count
         carry expert id -1. The views stay valid until the next dispatch.
         """
-        self._check_dispatch()
-        rep = self._repeat_dispatch  # an engine's steady state: the same call as the last one
-        again = rep is not None and rep.matches(token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
-        return self._dispatch_or_reject(rep if again else None, token_selected_experts, payloads,
-                                        runtime_max_tokens_per_rank, stream)
-
-    def _check_dispatch(self) -> None:
         self._check_open()
         if self.state.pending is not None:
             raise StateError(f"rank {self.rank}: dispatch called twice without combine")
         if not self.is_active:
             raise StateError(f"rank {self.rank}: not an active rank (set_active_ranks({list(self.a2a.active_ranks)}))")
+        rep = self._repeat_dispatch  # an engine's steady state: the same call as the last one
+        again = rep is not None and rep.matches(token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
+        return self._dispatch_or_reject(rep if again else None, token_selected_experts, payloads,
+                                        runtime_max_tokens_per_rank, stream)
 
     def _dispatch_or_reject(self, repeat, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
         """dispatch() after its state checks: the repeat of the last call (`repeat`: its host
@@ -364,18 +364,19 @@ class RankAlltoAll:
             raise
 
     def _dispatch_checked(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
-        a = self.a2a
-        check_runtime_max(runtime_max_tokens_per_rank, a.max_tokens_per_rank)
+        a2a = self.a2a
+        check_runtime_max(runtime_max_tokens_per_rank, a2a.max_tokens_per_rank)
         runtime_max = int(runtime_max_tokens_per_rank)  # (a NumPy integer would keep its width in the arithmetic below)
         handle = self.default_stream if stream is None else stream_handle(stream)
-        ids = self._input(token_selected_experts, "token_selected_experts", (a.top_k,), "int32", None, handle)
+        ids = self._input(token_selected_experts, "token_selected_experts", (a2a.top_k,), "int32", None, handle)
         tokens = ids.shape[0]
-        check_dispatch_inputs(tokens, runtime_max, payloads, a.payload_specs)
-        ins = [self._input(t, name, shape, spec.dtype, tokens, handle)
-               for t, spec, name, shape in zip(payloads, a.payload_specs, self._payload_names, self._payload_shapes)]
+        check_dispatch_inputs(tokens, runtime_max, payloads, a2a.payload_specs)
+        ins = [self._input(tensor, name, shape, spec.dtype, tokens, handle)
+               for tensor, spec, name, shape in zip(payloads, a2a.payload_specs, self._payload_names,
+                                                    self._payload_shapes)]
         if self.validate_expert_ids and tokens and not is_capturing(handle):  # (a capture cannot sync)
-            check_expert_ids_on_host(ids, handle, a.num_experts)
-        call = Call(DISPATCH, tokens, runtime_max, a.protocol, tuple(t.ptr for t in (ids, *ins)))
+            check_expert_ids_on_host(ids, handle, a2a.num_experts)
+        call = Call(DISPATCH, tokens, runtime_max, a2a.protocol, tuple(tensor.ptr for tensor in (ids, *ins)))
         views = self._views.get(runtime_max)
         if views is None:
             views = self._views[runtime_max] = self.dispatch_views(runtime_max)
@@ -387,8 +388,8 @@ class RankAlltoAll:
         """Launch a planned dispatch; hand its views to the consumers of `handle`'s stream."""
         self._run(call, handle)
         self.steps += 1
-        for v in (views[0], *views[1]):
-            v.stream = handle  # consumers on other streams wait for this dispatch (DLPack)
+        for view in (views[0], *views[1]):
+            view.stream = handle  # consumers on other streams wait for this dispatch (DLPack)
         return views
 
     def _run(self, call, handle) -> None:
@@ -421,9 +422,9 @@ class RankAlltoAll:
         """The (target rank, slot) record (layout.record_target / record_slot) the last dispatch left
         for combine: int32 [num_tokens, top_k], -1 where a selection has no slot; until the next dispatch."""
         self._check_open()
-        n = self.a2a.max_tokens_per_rank
-        if not (type(num_tokens) is int and 0 <= num_tokens <= n):
-            raise ValueError(f"num_tokens: must be an int in 0..{n}, got {num_tokens!r}")
+        most = self.a2a.max_tokens_per_rank
+        if not (type(num_tokens) is int and 0 <= num_tokens <= most):
+            raise ValueError(f"num_tokens: must be an int in 0..{most}, got {num_tokens!r}")
         return self._view(self.a2a.layout.off_records, (num_tokens, self.a2a.top_k), "int32", None)
 
     @recorded_on_lost_context
@@ -436,43 +437,40 @@ class RankAlltoAll:
         the epilogue has written it (then combine does not quantize). Returns `out` or a
         [local_num_tokens, hidden] view of an internal buffer valid until the next combine.
         """
-        self._check_combine()
+        self._check_open()
+        if self.state.pending is None:
+            raise StateError(f"rank {self.rank}: combine called without a dispatch before it")
         rep = self._repeat_combine
         if rep is not None and rep.call.tokens == self.state.pending.tokens and \
                 rep.matches(partial, (out,), runtime_max_tokens_per_rank, stream):
             return self._combined(rep.call, rep.handle, *rep.extra)
-        a, pending = self.a2a, self.state.pending
-        check_runtime_max(runtime_max_tokens_per_rank, a.max_tokens_per_rank)
+        a2a, pending = self.a2a, self.state.pending
+        check_runtime_max(runtime_max_tokens_per_rank, a2a.max_tokens_per_rank)
         runtime_max = int(runtime_max_tokens_per_rank)  # (a NumPy integer would keep its width in the byte counts below)
         handle = self.default_stream if stream is None else stream_handle(stream)
-        hidden, tokens = a.combine_hidden_size, pending.tokens
+        hidden, tokens = a2a.combine_hidden_size, pending.tokens
         check_combine_runtime_max(runtime_max, pending.runtime_max)
         prequantized = isinstance(partial, Fp8Partial)
         if prequantized:
-            check_fp8_partial(partial, runtime_max, a.combine_quant, lambda: self._fp8_input(runtime_max))
+            check_fp8_partial(partial, runtime_max, a2a.combine_quant, lambda: self._fp8_input(runtime_max))
         else:
-            part = self._input(partial, "partial", (hidden,), a.combine_dtype.name, None, handle, leading_dims=(1, 2))
-            check_partial_shape(part.shape, a.ep_size, runtime_max, hidden)
+            part = self._input(partial, "partial", (hidden,), a2a.combine_dtype.name, None, handle, leading_dims=(1, 2))
+            check_partial_shape(part.shape, a2a.ep_size, runtime_max, hidden)
         if out is None:  # [T, H] views of the internal buffer, one per T (no object per call)
             out_t = self._out_views.get(tokens)
             if out_t is None:
-                out_t = self._out_views[tokens] = Tensor(self._out.ptr, (tokens, hidden), a.combine_dtype,
+                out_t = self._out_views[tokens] = Tensor(self._out.ptr, (tokens, hidden), a2a.combine_dtype,
                                                          device=(CUDA, self.device.ordinal), owner=self._out)
         else:
-            out_t = self._input(out, "out", (hidden,), a.combine_dtype.name, tokens, handle)
+            out_t = self._input(out, "out", (hidden,), a2a.combine_dtype.name, tokens, handle)
         dst = self.plan.combine_input
         stage = None  # staged: the partial results live outside the workspace
         if not prequantized and part.ptr != dst:
-            stage = (dst, part.ptr, a.ep_size * runtime_max * a.layout.combine_bytes)
+            stage = (dst, part.ptr, a2a.ep_size * runtime_max * a2a.layout.combine_bytes)
         call = Call(COMBINE, tokens, runtime_max, None, (out_t.ptr,), prequantized)  # (its dispatch chose the protocol)
         out_t = self._combined(call, handle, out_t, stage)
         self._repeat_combine = Repeat.of(stream, runtime_max, [partial, out], handle, call, (out_t, stage))
         return out_t
-
-    def _check_combine(self) -> None:
-        self._check_open()
-        if self.state.pending is None:
-            raise StateError(f"rank {self.rank}: combine called without a dispatch before it")
 
     def _combined(self, call, handle, out_t, stage) -> Tensor:
         """Stage the partial results if they live elsewhere, launch a planned combine."""
@@ -489,12 +487,13 @@ class RankAlltoAll:
         check is then a few comparisons; kept apart because a caller may change a Tensor's fields)."""
         got = self._fp8_inputs.get(runtime_max)
         if got is None:
-            a = self.a2a
-            shape = (a.ep_size, runtime_max, a.combine_hidden_size)
-            part = Fp8Partial(self._view(a.layout.off_combine_q, shape, "float8_e4m3fn", None),
-                              self._view(a.layout.off_combine_scales, shape[:2] + (shape[2] // Q8_BLOCK,),
-                                         "float32", None), a.combine_dtype.name)
-            got = self._fp8_inputs[runtime_max] = (part, tuple((t.ptr, t.shape, t.dtype.name) for t in part[:2]))
+            a2a = self.a2a
+            shape = (a2a.ep_size, runtime_max, a2a.combine_hidden_size)
+            part = Fp8Partial(self._view(a2a.layout.off_combine_q, shape, "float8_e4m3fn", None),
+                              self._view(a2a.layout.off_combine_scales, shape[:2] + (shape[2] // Q8_BLOCK,),
+                                         "float32", None), a2a.combine_dtype.name)
+            geometry = tuple((view.ptr, view.shape, view.dtype.name) for view in part[:2])
+            got = self._fp8_inputs[runtime_max] = (part, geometry)
         return got
 
     # -- repeats vouched for by the caller (ops/torch_views.py) --------------------------------
@@ -538,17 +537,17 @@ class RankAlltoAll:
         its arguments before it calls dispatch() calls this first."""
         if not self._tells_peers or self.rejected or self.mid_step:
             return
-        a = self.a2a
+        a2a = self.a2a
         try:
-            check_runtime_max(runtime_max_tokens_per_rank, a.max_tokens_per_rank)
+            check_runtime_max(runtime_max_tokens_per_rank, a2a.max_tokens_per_rank)
             handle = self.default_stream if stream is None else stream_handle(stream)
         except (TypeError, ValueError):
             return
         runtime_max = int(runtime_max_tokens_per_rank)
         self.rejected = rejection.message(self.rank, err)
-        self._run(Call(DISPATCH, 0, runtime_max, a.protocol, rejected=True), handle)
-        for off, nbytes in rejection.poisoned_spans(a.layout, a.combine_quant, a.combine_hidden_size,
-                                                    a.ep_size * runtime_max):
+        self._run(Call(DISPATCH, 0, runtime_max, a2a.protocol, rejected=True), handle)
+        for off, nbytes in rejection.poisoned_spans(a2a.layout, a2a.combine_quant, a2a.combine_hidden_size,
+                                                    a2a.ep_size * runtime_max):
             memset_d8_async(self.base + off, 0xFF, nbytes, handle)
         self._run(Call(COMBINE, 0, runtime_max, None, (self._out.ptr,), rejected=True), handle)
         self.steps += 1
@@ -569,7 +568,8 @@ class RankAlltoAll:
         return error_from_record(self.record) if self.record.kind else None
 
     def raise_recorded(self, cause=None) -> None:  # (cause: the CudaError; a lost context reads every rank's record)
-        err = error_from_records(self.record, [r.record for r in self.a2a.ranks] if cause is not None else (), cause)
+        others = [rank.record for rank in self.a2a.ranks] if cause is not None else ()
+        err = error_from_records(self.record, others, cause)
         if err is not None:
             raise err from cause
 

@@ -156,12 +156,12 @@ class ExpertIndex(Owned):
     def _tensor(self, name, shape, dtype) -> Tensor:
         return Tensor(self._base[name], shape, dtype, device=(CUDA, self.device.ordinal), owner=self._alloc)
 
-    def _views_for(self, tmax: int) -> tuple:
-        v = self._views.get(tmax)
+    def _views_for(self, runtime_max: int) -> tuple:
+        v = self._views.get(runtime_max)
         if v is None:
-            cap = self.ep_size * tmax * self.top_k
-            v = self._views[tmax] = (self._tensor("rows", (cap,), int32), self._tensor("row_weight", (cap,), float32),
-                                     self._tensor("row_of", (self.ep_size * tmax, self.top_k), int32))
+            cap = self.ep_size * runtime_max * self.top_k
+            v = self._views[runtime_max] = (self._tensor("rows", (cap,), int32), self._tensor("row_weight", (cap,), float32),
+                                     self._tensor("row_of", (self.ep_size * runtime_max, self.top_k), int32))
         return v
 
     def _launch(self, name: str, args, grid: int, block: int, shared: int, stream: int) -> None:
@@ -179,10 +179,10 @@ class ExpertIndex(Owned):
         cfg.blockDimX, cfg.sharedMemBytes = block, shared
         launch(stream)
 
-    def _build(self, ids: Tensor, weights: Tensor, tmax: int, stream: int) -> None:
+    def _build(self, ids: Tensor, weights: Tensor, runtime_max: int, stream: int) -> None:
         a, L = self._args, self.num_local_experts
         a.expert_ids, a.weights = ids.ptr, weights.ptr
-        a.n_entries = n = self.ep_size * tmax * self.top_k
+        a.n_entries = n = self.ep_size * runtime_max * self.top_k
         fused, warps, tile, tiles = index_plan(n, L)
         a.tile_entries, a.num_tiles = tile, tiles
         self.device.make_current()
@@ -193,8 +193,8 @@ class ExpertIndex(Owned):
             self._launch("moe_index_count", [a], tiles // warps, 32 * warps, shared, stream)
             self._launch("moe_index_scan", [a], 1, 1024, 0, stream)
             self._launch("moe_index_scatter", [a], tiles // warps, 32 * warps, shared, stream)
-        self.runtime_max_tokens_per_rank, self.stream = tmax, stream
-        self.rows, self.row_weight, self.row_of = self._views_for(tmax)
+        self.runtime_max_tokens_per_rank, self.stream = runtime_max, stream
+        self.rows, self.row_weight, self.row_of = self._views_for(runtime_max)
         for t in (self.counts, self.offsets, self.rows, self.row_weight, self.row_of):
             t.stream = stream or 1  # DLPack consumers on other streams wait for this build (1: legacy stream)
 
@@ -206,11 +206,11 @@ class ExpertIndex(Owned):
 # -- checks ----------------------------------------------------------------------------------------
 def _slot_rows(t: Tensor, name: str, index: ExpertIndex) -> tuple:
     """The per-slot row shape of a [ep_size, T^, ...] (3+ dims) or [ep_size * T^, ...] tensor."""
-    tmax = index.runtime_max_tokens_per_rank
-    if t.ndim >= 3 and t.shape[:2] == (index.ep_size, tmax):
+    runtime_max = index.runtime_max_tokens_per_rank
+    if t.ndim >= 3 and t.shape[:2] == (index.ep_size, runtime_max):
         return t.shape[2:]
     if not (t.ndim >= 2 and t.shape[0] == index.slots):
-        raise ValueError(f"{name}: must be [ep_size={index.ep_size}, T^={tmax}, ...] or [{index.slots}, ...] "
+        raise ValueError(f"{name}: must be [ep_size={index.ep_size}, T^={runtime_max}, ...] or [{index.slots}, ...] "
                          f"(the index's slots), got {list(t.shape)}")
     return t.shape[1:]
 
@@ -252,10 +252,10 @@ def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: in
         raise ValueError(f"weights: dtype must be float32, got {w.dtype.name}")
     if w.shape != ids.shape:
         raise ValueError(f"weights: shape must equal expert_ids' {list(ids.shape)}, got {list(w.shape)}")
-    tmax, top_k = ids.shape[1], ids.shape[2]
+    runtime_max, top_k = ids.shape[1], ids.shape[2]
     if out is None:
         out = ExpertIndex(ids.device[1], num_experts=num_experts, ep_size=ep_size, rank=rank,
-                          max_tokens_per_rank=tmax, top_k=top_k)
+                          max_tokens_per_rank=runtime_max, top_k=top_k)
     else:
         require(isinstance(out, ExpertIndex) and not out.closed, "out", "must be an open ExpertIndex")
         if (out.num_experts, out.ep_size, out.rank, out.top_k) != (num_experts, ep_size, rank, top_k):
@@ -263,9 +263,9 @@ def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: in
                              f"rank={out.rank}, top_k={out.top_k}; this call has {num_experts}, {ep_size}, {rank}, {top_k}")
         if out.device.ordinal != ids.device[1]:
             raise ValueError(f"out: lives on cuda:{out.device.ordinal}, expert_ids on cuda:{ids.device[1]}")
-        if tmax > out.max_tokens_per_rank:
-            raise ValueError(f"expert_ids: T^={tmax} exceeds the index's max_tokens_per_rank={out.max_tokens_per_rank}")
-    out._build(ids, w, tmax, s)
+        if runtime_max > out.max_tokens_per_rank:
+            raise ValueError(f"expert_ids: T^={runtime_max} exceeds the index's max_tokens_per_rank={out.max_tokens_per_rank}")
+    out._build(ids, w, runtime_max, s)
     return out
 
 

@@ -58,9 +58,8 @@ MIN_SPLIT_GROUPS = 32  # (512 bytes: fewer per block and the block's own fixed c
 MAX_DISPATCH_SPLITS = 8
 # A split dispatch at T^ of at most CLUSTER_TOKENS runs as one cluster of CLUSTER_BLOCKS
 # (the portable cluster size): its blocks meet at the cluster barrier instead of electing
-# the last one (kernels/fence.cu, publish_counts). On the H200 (8 in-process ranks,
-# deepseek-v3) that took the 1-token round trip from 8.3 to 7.9 µs in two A/B pairs; 2 tokens
-# read 8.9-9.0 either way, and 4 tokens lost 0.6 µs, so only T^ = 1 forms a cluster.
+# the last one (kernels/fence.cu, publish_counts). That pays at one token only: at two it
+# broke even and at four it lost (bench/results), so only T^ = 1 forms a cluster.
 CLUSTER_BLOCKS, CLUSTER_TOKENS = 8, 1
 GPC_SMS = 16  # SMs per GPC that clusters_fit assumes at least (Hopper and Blackwell data-center GPUs: 16-18)
 
@@ -100,38 +99,36 @@ class Schedule:
         apart = held // blocks_per_sm < sm_count - (CLUSTER_BLOCKS - 1) * max(1, sm_count // GPC_SMS)
         return shared and apart
 
-    def dispatch_splits(self, T: int, tmax: int, vectors) -> int:
-        """FENCE: blocks that share one token's pushes. A small batch's token is pushed from
-        one SM otherwise, and on the H200 that push took most of the dispatch (1 token per
-        rank, deepseek-v3: 6.0 µs, 4.0 with a seventh of the bytes; split over 8 blocks 5.2).
-        Every block of a split token counts the earlier tokens' selections itself
-        (kernels/fence.cu, earlier_selections), so splits stay where their ids fit one
-        warp-wide load: measured, 2 and 4 tokens gained 1.1 and 0.6 µs, while 8 and 16 lost
-        0.7-1.5. Within half the share (PDL's early trigger), at least MIN_SPLIT_GROUPS
-        groups per block, at most MAX_DISPATCH_SPLITS (16 measured no faster than 8); only
-        tokens whose payloads (`vectors`: each one's vector bytes, ids first) all move in 16-byte vectors."""
+    def dispatch_splits(self, T: int, runtime_max: int, vectors) -> int:
+        """FENCE: blocks that share one token's pushes, since a small batch's token pushed from
+        one SM takes most of the dispatch. Every block of a split token counts the earlier
+        tokens' selections itself (kernels/fence.cu, earlier_selections), so splits stay where
+        their ids fit one warp-wide load (beyond it the recount costs more than the split
+        gains). Within half the share (PDL's early trigger), at least MIN_SPLIT_GROUPS groups
+        per block, at most MAX_DISPATCH_SPLITS; only tokens whose payloads (`vectors`: each
+        one's vector bytes, ids first) all move in 16-byte vectors."""
         if not (self.push_groups and T and all(v == 16 for v in vectors)) or (T - 1) * self.top_k > ids_per_load(self.top_k):
             return 1
         half = max(1, self.max_grid // 2)
         n = max(1, min(half // T, self.push_groups // MIN_SPLIT_GROUPS, MAX_DISPATCH_SPLITS))
-        return CLUSTER_BLOCKS // T if self._clustered(tmax) and CLUSTER_BLOCKS // T <= n else n
+        return CLUSTER_BLOCKS // T if self._clustered(runtime_max) and CLUSTER_BLOCKS // T <= n else n
 
-    def _clustered(self, tmax: int) -> bool:
-        return self.clusters and tmax <= CLUSTER_TOKENS
+    def _clustered(self, runtime_max: int) -> bool:
+        return self.clusters and runtime_max <= CLUSTER_TOKENS
 
-    def dispatch_cluster(self, T: int, tmax: int, splits: int, grid: int) -> int:
+    def dispatch_cluster(self, T: int, runtime_max: int, splits: int, grid: int) -> int:
         """Blocks of the one cluster a FENCE dispatch's grid forms, or 0 (not clustered)."""
-        return grid if self._clustered(tmax) and splits > 1 and grid == T * splits == CLUSTER_BLOCKS else 0
+        return grid if self._clustered(runtime_max) and splits > 1 and grid == T * splits == CLUSTER_BLOCKS else 0
 
-    def dispatch_want(self, T: int, tmax: int, proto: str, splits: int = 1) -> int:
+    def dispatch_want(self, T: int, runtime_max: int, proto: str, splits: int = 1) -> int:
         """Blocks a dispatch would use: a block per token, or per part of one (splits; FENCE:
         at least enough to sanitize the received ids in one pass; SENTINEL: one per (source,
         slot) to receive)."""
         if proto == "fence":
-            return max(T * splits, -(-self.ep_size * tmax * self.top_k // (self.threads * 8)))
-        return self.ep_size * tmax
+            return max(T * splits, -(-self.ep_size * runtime_max * self.top_k // (self.threads * 8)))
+        return self.ep_size * runtime_max
 
-    def combine_want(self, T: int, tmax: int, proto: str, vec: int, quantize: bool = True) -> tuple:
+    def combine_want(self, T: int, runtime_max: int, proto: str, vec: int, quantize: bool = True) -> tuple:
         """(blocks, splits) of a combine of T tokens whose output takes vectors of `vec` bytes.
 
         Small batches spread each token over `splits` blocks until a thread issues one round
@@ -146,14 +143,14 @@ class Schedule:
         if proto == "sentinel":
             units = -(-self.combine_bytes // 16)
             splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
-            slots = self.ep_size * tmax
+            slots = self.ep_size * runtime_max
             apart = slots + T * splits + 1  # pushing and reducing blocks apart (sentinel.cu), if it fits half
             return (apart if apart <= max(1, self.max_grid // 2) else max(T * splits, slots) + 1), splits
         units = self.combine_hidden_size // 8 if self.fp8_combine else self.combine_bytes // vec
         splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
         slots = self.fp8_combine and quantize
-        blocks = max(T * splits, self.ep_size * tmax if slots else 0)
-        return (min(blocks, CLUSTER_BLOCKS) if self._clustered(tmax) else blocks), splits  # (Schedule.clusters_fit)
+        blocks = max(T * splits, self.ep_size * runtime_max if slots else 0)
+        return (min(blocks, CLUSTER_BLOCKS) if self._clustered(runtime_max) else blocks), splits  # (Schedule.clusters_fit)
 
     def grid(self, want: int, successor_want: int, prev_early: bool, successor_fills: bool = False) -> tuple:
         """(blocks, trigger early) of the next launch, given whether the previous one triggered
@@ -171,10 +168,8 @@ class Schedule:
         would leave every later large step at half the grid.
 
         A successor that fills its grid with throughput work (successor_fills: a combine that
-        runs its own FP8 quantize pass) gets the same rule even after an unheld launch. On the
-        H200 at 16 tokens (in-process ranks) that combine took 22.6 µs on half the grid, 18.8
-        with no early trigger at all and 19.2 under this rule; a bf16 combine there gains from
-        the early trigger.
+        runs its own FP8 quantize pass) gets the same rule even after an unheld launch: half
+        the grid slows that pass more than the early start gains, while a bf16 combine gains.
         """
         half = max(1, self.max_grid // 2)
         held = prev_early and want > half
@@ -290,42 +285,42 @@ def _grid(plan, state, want, successor_want, successor_fills=False):
 
 
 def _dispatch(plan, state, call):
-    sch, T, tmax = plan.schedule, call.tokens, call.runtime_max
-    proto = protocol_for(call.protocol, tmax, plan.crossover_tokens)
+    sch, T, runtime_max = plan.schedule, call.tokens, call.runtime_max
+    proto = protocol_for(call.protocol, runtime_max, plan.crossover_tokens)
     timeout = plan.first_timeout_ns if state.steps < plan.first_steps else plan.timeout_ns
     if call.rejected:
         splits, tag, sources = 1, TAG_REJECT | plan.rank, ()
-        grid, early = _grid(plan, state, sch.dispatch_want(0, tmax, proto), 1)
+        grid, early = _grid(plan, state, sch.dispatch_want(0, runtime_max, proto), 1)
         launch = plan.launches[proto][0]
     else:
         sources = tuple((a, vector_bytes(n, a)) for a, n in zip(call.addresses, plan.payload_bytes))
-        splits = sch.dispatch_splits(T, tmax, [v for _, v in sources]) if proto == "fence" else 1
+        splits = sch.dispatch_splits(T, runtime_max, [v for _, v in sources]) if proto == "fence" else 1
         q = state.quantizing_combine
-        grid, early = _grid(plan, state, sch.dispatch_want(T, tmax, proto, splits),
-                            sch.combine_want(T, tmax, proto, vector_bytes(plan.combine_bytes, 0), quantize=q)[0], q)
-        tag = tmax | state.tag_hi
-        launch = plan.cluster if sch.dispatch_cluster(T, tmax, splits, grid) else plan.launches[proto][0]
-    fields = (("local_num_tokens", T), ("runtime_max_tokens_per_rank", tmax), ("step_tag", tag),
+        grid, early = _grid(plan, state, sch.dispatch_want(T, runtime_max, proto, splits),
+                            sch.combine_want(T, runtime_max, proto, vector_bytes(plan.combine_bytes, 0), quantize=q)[0], q)
+        tag = runtime_max | state.tag_hi
+        launch = plan.cluster if sch.dispatch_cluster(T, runtime_max, splits, grid) else plan.launches[proto][0]
+    fields = (("local_num_tokens", T), ("runtime_max_tokens_per_rank", runtime_max), ("step_tag", tag),
               ("timeout_ns", timeout), ("dispatch_splits", splits))
     after = StepState(min(state.steps + 1, plan.first_steps), early, state.tag_hi, state.quantizing_combine,
-                      Pending(tmax, T, proto, splits))
+                      Pending(runtime_max, T, proto, splits))
     return Step(launch, proto, grid, early, fields, sources, after)
 
 
 def _combine(plan, state, call):
-    sch, pending, tmax = plan.schedule, state.pending, call.runtime_max
+    sch, pending, runtime_max = plan.schedule, state.pending, call.runtime_max
     T, proto = pending.tokens, pending.protocol
     (out,) = call.addresses
     if call.rejected:  # served from the poisoned combine input, as if an epilogue had quantized it
         prequantized = plan.fp8_combine
         vec = vector_bytes(plan.combine_bytes, plan.combine_input, out)
-        want, splits = sch.combine_want(0, tmax, proto, vec, quantize=False)
+        want, splits = sch.combine_want(0, runtime_max, proto, vec, quantize=False)
         successor = 1
     else:
         prequantized = call.prequantized
         vec = vector_bytes(plan.combine_bytes, out)
-        want, splits = sch.combine_want(T, tmax, proto, vec, quantize=not prequantized)
-        successor = sch.dispatch_want(T, tmax, proto, pending.splits)  # the next step's, if alike
+        want, splits = sch.combine_want(T, runtime_max, proto, vec, quantize=not prequantized)
+        successor = sch.dispatch_want(T, runtime_max, proto, pending.splits)  # the next step's, if alike
     grid, early = _grid(plan, state, want, successor)
     fields = (("combine_out", out), ("combine_vec", vec), ("combine_prequantized", int(prequantized)),
               ("combine_splits", splits))
