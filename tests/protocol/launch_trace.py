@@ -58,6 +58,9 @@ def _cluster_of(launch) -> int:
 def _recorder(events):
     """What dry_run calls at each skipped launch: its parameter block as it is then."""
     def record(launch, stream):
+        if not isinstance(launch.args[0], A2AParams):  # (a construction fill: dropped by make_rank)
+            events.append(["launch", str(launch.function), launch.grid, stream])
+            return
         p = A2AParams.from_buffer_copy(bytes(launch.args[0]))
         events.append(["launch", str(launch.function), _cluster_of(launch), launch.grid, stream,
                        hashlib.sha256(bytes(launch.args[0])).hexdigest()[:24], [int(getattr(p, f)) for f in FIELDS]])
@@ -75,6 +78,7 @@ def patch_driver(setattr_, events):
         "DeviceAllocation": lambda dev, n: types.SimpleNamespace(ptr=1 << 32, close=lambda: None),
         "copy_dtod_async": lambda *args: events.append(["copy", *args]),
         "memset_d8_async": lambda *args: events.append(["memset", *args]),
+        "SymmetricWorkspace": lambda group, nbytes: _Workspace(),
     }
     for name, module in list(sys.modules.items()):
         if name.startswith("ep_a2a") and module is not None and name != "ep_a2a.driver.launch":
@@ -89,32 +93,36 @@ def _specs():
             PayloadSpec("weights", (TOP_K,), "float32"))
 
 
-def make_rank(protocol, combine_quant, pdl, ranks_on_device, local):
-    """One rank of an all-to-all of EP ranks, built as MoeAlltoAll builds it, on no GPU."""
-    o = Options.check(EP, max_tokens_per_rank=MAX_TOKENS, top_k=TOP_K, num_experts=256, payloads=_specs(),
-                      combine_hidden_size=H, combine_dtype="bfloat16", protocol=protocol, timeout_s=10,
-                      first_timeout_s=60, validate_expert_ids=False, pdl=pdl, threads_per_block=256,
-                      crossover_tokens=16, on_timeout="trap", combine_quant=combine_quant)
-    pbytes = o.payload_bytes
-    layout = WorkspaceLayout.build(EP, MAX_TOKENS, TOP_K, pbytes, H * 2, sentinel=protocol != "fence",
-                                   landing=tuple(landing_bytes(b, k) for b, k in zip(pbytes, o.payload_kinds)),
-                                   q8_hidden=H if combine_quant else 0)
-    a2a = types.SimpleNamespace(
-        options=o, ep_size=EP, top_k=TOP_K, num_experts=256, max_tokens_per_rank=MAX_TOKENS, payload_specs=o.payloads,
-        combine_hidden_size=H, combine_dtype=o.combine_dtype, protocol=protocol, built_protocol=protocol,
-        layout=layout, kinds=o.payload_kinds,
-        workspace=types.SimpleNamespace(base=lambda i: BASE, peers=lambda i: [BASE + PEER_STRIDE * q for q in range(EP)]),
-        on_timeout="trap", group=types.SimpleNamespace(is_local=local), active_ranks=tuple(range(EP)),
-        combine_quant=combine_quant, threads=256, pdl=pdl, validate_expert_ids=False, first_timeout_s=60, timeout_s=10,
-        crossover_tokens=16)
-    dev = types.SimpleNamespace(ordinal=0, sm_count=132, compute_capability=(9, 0), make_current=lambda: None)
-    rank = types.SimpleNamespace(rank=3, device=dev, stream=types.SimpleNamespace(handle=7), ranks_on_device=ranks_on_device)
-    return a2a, A.RankAlltoAll(a2a, 0, rank)
+class _Workspace:
+    """SymmetricWorkspace's addresses, at fixed values (so that runs compare bytes)."""
+    size = 1 << 30
+
+    def base(self, i):
+        return BASE
+
+    def peers(self, i):
+        return [BASE + PEER_STRIDE * q for q in range(EP)]
+
+    def close(self):
+        pass
 
 
-def set_active(a2a, r, ranks):
-    a2a.active_ranks = tuple(ranks)
-    r._set_active(a2a.active_ranks)
+def make_rank(events, protocol, combine_quant, pdl, ranks_on_device, local):
+    """A MoeAlltoAll of EP ranks of which this process holds one (rank 3), built as on a GPU
+    with the driver replaced (patch_driver); what its construction launched is dropped."""
+    dev = types.SimpleNamespace(ordinal=0, sm_count=132, compute_capability=(9, 0), make_current=lambda: None,
+                                synchronize=lambda: None)
+    rank = types.SimpleNamespace(rank=3, device=dev, stream=types.SimpleNamespace(handle=7, synchronize=lambda: None),
+                                 ranks_on_device=ranks_on_device)
+    group = types.SimpleNamespace(ep_size=EP, is_local=local, ranks=[rank], agree=lambda values, what: None,
+                                  bootstrap=types.SimpleNamespace(barrier=lambda: None))
+    n = len(events)
+    a2a = A.MoeAlltoAll(group, max_tokens_per_rank=MAX_TOKENS, top_k=TOP_K, num_experts=256, payloads=_specs(),
+                        combine_hidden_size=H, combine_dtype="bfloat16", protocol=protocol, timeout_s=10,
+                        first_timeout_s=60, validate_expert_ids=False, pdl=pdl, threads_per_block=256,
+                        crossover_tokens=16, on_timeout="trap", combine_quant=combine_quant)
+    del events[n:]
+    return a2a, a2a.ranks[0]
 
 
 def _tensors(tag, T, odd=0):
@@ -126,7 +134,7 @@ def _tensors(tag, T, odd=0):
 
 def run_config(events, protocol, combine_quant, pdl, ranks_on_device):
     """The call sequence of one configuration; every call's results go into `events`."""
-    a2a, r = make_rank(protocol, combine_quant, pdl, ranks_on_device, local=True)
+    a2a, r = make_rank(events, protocol, combine_quant, pdl, ranks_on_device, local=True)
     outs = {}
 
     def step(tag, T, tmax, stream=None, part="cin", out=None, odd=0, dispatch_only=False):
@@ -165,13 +173,13 @@ def run_config(events, protocol, combine_quant, pdl, ranks_on_device):
             for _ in range(3):
                 step(0, T, tmax)
     events.append(["active"])
-    set_active(a2a, r, range(1, EP))
+    a2a.set_active_ranks(range(1, EP))
     for tmax, Ts in SWEEP_TOKENS[:2]:
         for _ in range(2):
             step(0, Ts[-1], tmax)
     # a rank alone in its process that rejects its input runs the step without tokens
     events.append(["reject"])
-    a2a2, r2 = make_rank(protocol, combine_quant, pdl, ranks_on_device, local=False)
+    a2a2, r2 = make_rank(events, protocol, combine_quant, pdl, ranks_on_device, local=False)
     ids, pays = _tensors(0, 4)
     for _ in range(6):
         r2.dispatch(ids, pays, 16)
@@ -181,6 +189,8 @@ def run_config(events, protocol, combine_quant, pdl, ranks_on_device):
         r2.dispatch(ids, bad, 16)
     except TypeError as e:
         events.append(["rejected", type(e).__name__])
+    a2a.close()
+    a2a2.close()
 
 
 CONFIGS = [(proto, q, pdl, rod) for proto in ("fence", "sentinel", "auto") for q in (None, "fp8")
