@@ -4,7 +4,7 @@ Ranks in other processes (a ProcessGroup) cannot see this rank's ValueError. A p
 launched its dispatch would wait for us until its timeout and then, in trap mode, lose its
 CUDA context. So when dispatch() rejects its input on such a rank, the rank still runs that
 step, without tokens and under a step tag that says so (layout.TAG_REJECT | rank, planned by
-steps.plan_step with Call.rejected), and then raises the error:
+schedule.plan_step with Call.rejected), and then raises the error:
   - every peer completes the step: our dispatch sends nothing and receives what they send;
     our combine serves the slots they routed here from a combine input set to all-ones
     (NaN: poisoned_spans), so each of their tokens that chose one of our experts combines to

@@ -188,7 +188,7 @@ class RankPlan:
     kernel launches, the parameter block with its static half written, the launch-shape rules
     and the sizes plan_step reads."""
     rank: int
-    params: object         # layout.A2AParams: the kernels' argument block, shared by every launch of this rank
+    params: object         # layout.A2AParams: the kernels' argument block, which every launch of the rank shares
     descs: tuple           # its payload descriptors, ids first
     payload_bytes: tuple   # bytes per token of each, ids first
     launches: dict         # protocol -> (dispatch Launch, combine Launch)
@@ -209,11 +209,11 @@ class RankPlan:
 
     def apply(self, step) -> None:
         """Write a planned step's fields into the parameter block and its grid into its launch."""
-        p = self.params
+        params = self.params
         for name, value in step.fields:
-            setattr(p, name, value)
-        for d, (src, vec) in zip(self.descs, step.sources):
-            d.src, d.vec = src, vec
+            setattr(params, name, value)
+        for desc, (src, vec) in zip(self.descs, step.sources):
+            desc.src, desc.vec = src, vec
         step.launch.grid = step.grid
         if step.launch is self.cluster:  # (the plain launch keeps the grid too: testing.hooks.last_grids)
             self.launches["fence"][0].grid = step.grid
@@ -293,11 +293,12 @@ def _dispatch(plan, state, call):
         grid, early = _grid(plan, state, sch.dispatch_want(0, runtime_max, proto), 1)
         launch = plan.launches[proto][0]
     else:
-        sources = tuple((a, vector_bytes(n, a)) for a, n in zip(call.addresses, plan.payload_bytes))
-        splits = sch.dispatch_splits(T, runtime_max, [v for _, v in sources]) if proto == "fence" else 1
-        q = state.quantizing_combine
-        grid, early = _grid(plan, state, sch.dispatch_want(T, runtime_max, proto, splits),
-                            sch.combine_want(T, runtime_max, proto, vector_bytes(plan.combine_bytes, 0), quantize=q)[0], q)
+        sources = tuple((address, vector_bytes(nbytes, address))
+                        for address, nbytes in zip(call.addresses, plan.payload_bytes))
+        splits = sch.dispatch_splits(T, runtime_max, [vec for _, vec in sources]) if proto == "fence" else 1
+        quantizing = state.quantizing_combine  # (the combine after us is predicted as the last one)
+        successor = sch.combine_want(T, runtime_max, proto, vector_bytes(plan.combine_bytes, 0), quantize=quantizing)[0]
+        grid, early = _grid(plan, state, sch.dispatch_want(T, runtime_max, proto, splits), successor, quantizing)
         tag = runtime_max | state.tag_hi
         launch = plan.cluster if sch.dispatch_cluster(T, runtime_max, splits, grid) else plan.launches[proto][0]
     fields = (("local_num_tokens", T), ("runtime_max_tokens_per_rank", runtime_max), ("step_tag", tag),
