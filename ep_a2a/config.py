@@ -2,6 +2,8 @@
 frozen, and the tuple every rank must agree on), and the dtype tables shared with `moe`."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -9,7 +11,7 @@ from typing import NamedTuple
 
 from .interop.tensor import Tensor, as_dtype as lookup_dtype
 from .layout import MAX_PAYLOADS, MAX_RANKS, MAX_TOP_K, Q8_BLOCK, sentinel_kind
-from .schedule import sentinel_max_tokens
+from .schedule import SENTINEL_MAX_TOKENS_H200
 from .validate import require
 
 PROTOCOLS = ("fence", "sentinel", "auto")
@@ -23,6 +25,14 @@ REDUCE_DTYPES = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
 # by the environment variables below.
 TIMEOUT_S, FIRST_TIMEOUT_S = 300.0, 1800.0
 TIMEOUT_ENV, FIRST_TIMEOUT_ENV = "EP_A2A_TIMEOUT_S", "EP_A2A_FIRST_TIMEOUT_S"
+CROSSOVER_ENV = "EP_A2A_SENTINEL_MAX_TOKENS"  # protocol="auto"'s crossover for the process
+
+
+def sentinel_max_tokens() -> int:
+    """The crossover_tokens of an all-to-all built without one: $EP_A2A_SENTINEL_MAX_TOKENS, else
+    schedule.SENTINEL_MAX_TOKENS_H200."""
+    v = os.environ.get(CROSSOVER_ENV)
+    return int(v) if v else SENTINEL_MAX_TOKENS_H200
 
 
 def default_timeout(value, env: str, default: float) -> float:
@@ -74,58 +84,102 @@ class Fp8Partial(NamedTuple):
 
 @dataclass(frozen=True)
 class Options:
-    """The construction arguments of MoeAlltoAll, checked (see its docstring for each)."""
+    """The construction arguments of MoeAlltoAll (by keyword after the group), checked.
+
+      max_tokens_per_rank: most tokens any rank passes in one step (sizes the workspace).
+      top_k, num_experts: routing; experts are split over ranks in contiguous blocks, the
+        first `num_experts % ep_size` ranks owning one more.
+      payloads: PayloadSpec of each dispatched tensor besides the expert ids (at most 8).
+      combine_hidden_size, combine_dtype: the partial results combine reduces (bf16, fp16
+        or fp32; accumulated in fp32).
+      protocol: "fence" (counts + release fence + flags; large batches), "sentinel" (the data
+        words signal arrival; small batches; needs the extra workspace listed in layout.py),
+        or "auto": per call, SENTINEL while runtime_max_tokens_per_rank <= crossover_tokens
+        (default: schedule.SENTINEL_MAX_TOKENS_H200, or $EP_A2A_SENTINEL_MAX_TOKENS), FENCE
+        above. Both protocols share the step counter, so consecutive steps may use either.
+      timeout_s / first_timeout_s: how long a kernel waits for a peer before it records who
+        was missing; the first steps get the longer one (peers may still be loading).
+        Defaults TIMEOUT_S and FIRST_TIMEOUT_S, or $EP_A2A_TIMEOUT_S and $EP_A2A_FIRST_TIMEOUT_S.
+      combine_quant: None, or "fp8": combine quantizes the partial results to float8 e4m3
+        with one fp32 scale per 128 values (hidden must be a multiple of 128) and the
+        sources pull those, dequantize and reduce in fp32: about half the combine bytes.
+        Error per value of a partial result: at most 1/16 of its 128-block's largest
+        magnitude (e4m3 keeps 3 mantissa bits). FENCE only.
+      on_timeout: "trap" (default): the kernel then traps; the CUDA context of the process is
+        lost and the next CUDA call raises, as PeerTimeoutError. "abort": the kernel tells
+        every peer to stop waiting too and returns; the context survives, the step's outputs
+        are poisoned (NaN rows, -1 ids: README) and every later call raises (error() polls
+        without raising): build a new all-to-all.
+      validate_expert_ids: copy the ids to the host and check their range before launching
+        (skipped under graph capture; off, out-of-range ids are dropped by the kernel). A rank
+        alone in its process that rejects its input still runs the step without tokens, so
+        that its peers never wait in vain (rejection.py).
+      pdl, threads_per_block: programmatic dependent launch (sm_90+) and the kernels' block size.
+    """
     ep_size: int
     max_tokens_per_rank: int
     top_k: int
     num_experts: int
-    payloads: tuple
     combine_hidden_size: int
-    combine_dtype: object          # interop.tensor.DType
-    protocol: str
-    timeout_s: float
-    first_timeout_s: float
-    validate_expert_ids: bool
-    pdl: bool
-    threads_per_block: int
-    crossover_tokens: int
-    on_timeout: str
-    combine_quant: str | None
+    payloads: tuple = ()
+    combine_dtype: object = "bfloat16"  # checked: an interop.tensor.DType
+    protocol: str = "fence"
+    timeout_s: float = None
+    first_timeout_s: float = None
+    validate_expert_ids: bool = True
+    pdl: bool = True
+    threads_per_block: int = 256
+    crossover_tokens: int = None
+    on_timeout: str = "trap"
+    combine_quant: str = None
 
     @classmethod
-    def check(cls, ep_size, *, max_tokens_per_rank, top_k, num_experts, payloads, combine_hidden_size,
-              combine_dtype, protocol, timeout_s, first_timeout_s, validate_expert_ids, pdl, threads_per_block,
-              crossover_tokens, on_timeout, combine_quant) -> "Options":
+    def check(cls, ep_size: int, **given) -> "Options":
         """The options, or a ValueError/TypeError naming the first argument that breaks its rule."""
-        ep = ep_size
+        try:
+            o = cls(ep_size, **given)
+        except TypeError as e:  # (a missing or unknown argument)
+            raise TypeError(f"MoeAlltoAll: {e}".replace("Options.__init__() ", "")) from None
+        ep, top_k, hidden, protocol, quant = ep_size, o.top_k, o.combine_hidden_size, o.protocol, o.combine_quant
         require(1 <= ep <= MAX_RANKS, "group", f"ep_size must be in 1..{MAX_RANKS}, got {ep}")
         require(1 <= top_k <= MAX_TOP_K, "top_k", f"must be in 1..{MAX_TOP_K}, got {top_k}")
-        require(num_experts >= 1, "num_experts", f"must be >= 1, got {num_experts}")
-        require(1 <= max_tokens_per_rank < 2 ** 23, "max_tokens_per_rank", f"must be in 1..2**23-1, got {max_tokens_per_rank}")
-        require(combine_hidden_size >= 1, "combine_hidden_size", f"must be >= 1, got {combine_hidden_size}")
+        require(o.num_experts >= 1, "num_experts", f"must be >= 1, got {o.num_experts}")
+        require(1 <= o.max_tokens_per_rank < 2 ** 23, "max_tokens_per_rank",
+                f"must be in 1..2**23-1, got {o.max_tokens_per_rank}")
+        require(hidden >= 1, "combine_hidden_size", f"must be >= 1, got {hidden}")
         require(protocol in PROTOCOLS, "protocol", f"must be one of {PROTOCOLS}, got {protocol!r}")
-        require(on_timeout in ON_TIMEOUT, "on_timeout", f"must be one of {ON_TIMEOUT}, got {on_timeout!r}")
-        timeout_s = default_timeout(timeout_s, TIMEOUT_ENV, TIMEOUT_S)
-        first_timeout_s = default_timeout(first_timeout_s, FIRST_TIMEOUT_ENV, FIRST_TIMEOUT_S)
+        require(o.on_timeout in ON_TIMEOUT, "on_timeout", f"must be one of {ON_TIMEOUT}, got {o.on_timeout!r}")
+        timeout_s = default_timeout(o.timeout_s, TIMEOUT_ENV, TIMEOUT_S)
+        first_timeout_s = default_timeout(o.first_timeout_s, FIRST_TIMEOUT_ENV, FIRST_TIMEOUT_S)
         require(timeout_s > 0 and first_timeout_s > 0, "timeout_s", "timeouts must be > 0 seconds")
         require(max(timeout_s, first_timeout_s) < 2 ** 63 / 1e9, "timeout_s", "timeouts must fit the kernels' u64 nanoseconds")
-        require(combine_quant in (None, "fp8"), "combine_quant", f"must be None or 'fp8', got {combine_quant!r}")
-        if combine_quant:
+        require(quant in (None, "fp8"), "combine_quant", f"must be None or 'fp8', got {quant!r}")
+        if quant:
             require(protocol == "fence", "combine_quant", f"'fp8' needs protocol='fence', got {protocol!r}")
-            require(combine_hidden_size % Q8_BLOCK == 0, "combine_quant",
-                    f"'fp8' needs combine_hidden_size to be a multiple of {Q8_BLOCK}, got {combine_hidden_size}")
-        cdt = lookup_dtype(combine_dtype)
+            require(hidden % Q8_BLOCK == 0, "combine_quant",
+                    f"'fp8' needs combine_hidden_size to be a multiple of {Q8_BLOCK}, got {hidden}")
+        cdt = lookup_dtype(o.combine_dtype)
         require(cdt.name in REDUCE_DTYPES, "combine_dtype", f"must be one of {tuple(REDUCE_DTYPES)}, got {cdt.name}")
-        payloads = tuple(payloads)
+        payloads = tuple(o.payloads)
         require(len(payloads) <= MAX_PAYLOADS - 1, "payloads", f"at most {MAX_PAYLOADS - 1} payloads, got {len(payloads)}")
         for p in payloads:
             require(isinstance(p, PayloadSpec), "payloads", f"expected PayloadSpec entries, got {type(p).__name__}")
             require(p.bytes_per_token > 0, "payloads", f"payload {p.name!r} has no bytes per token")
-        threads = int(threads_per_block)
+        threads = int(o.threads_per_block)
         require(threads % 32 == 0 and 96 <= threads <= 512, "threads_per_block", "must be a multiple of 32 in 96..512")
-        crossover = sentinel_max_tokens() if crossover_tokens is None else int(crossover_tokens)
-        return cls(ep, max_tokens_per_rank, top_k, num_experts, payloads, combine_hidden_size, cdt, protocol,
-                   timeout_s, first_timeout_s, validate_expert_ids, pdl, threads, crossover, on_timeout, combine_quant)
+        crossover = sentinel_max_tokens() if o.crossover_tokens is None else int(o.crossover_tokens)
+        return dataclasses.replace(o, payloads=payloads, combine_dtype=cdt, timeout_s=timeout_s,
+                                   first_timeout_s=first_timeout_s, threads_per_block=threads, crossover_tokens=crossover)
+
+    @classmethod
+    def signature(cls) -> inspect.Signature:
+        """MoeAlltoAll(self, group, *, <every option but ep_size>): its __init__'s, for help() and editors."""
+        fields = [f for f in dataclasses.fields(cls) if f.name != "ep_size"]
+        return inspect.Signature(
+            [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+             inspect.Parameter("group", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+            + [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, annotation=f.type,
+                                 **({} if f.default is dataclasses.MISSING else {"default": f.default})) for f in fields])
 
     @property
     def payload_kinds(self) -> tuple:

@@ -3,6 +3,8 @@ and those of the all-to-all, its peers, the bootstrap and the topology check. Ba
 raise the built-in TypeError / ValueError (validate.py)."""
 from __future__ import annotations
 
+import functools
+
 from .driver.errors import (CudaError, DriverTooOldError, EpA2AError, ForkedProcessError,  # noqa: F401 (re-exported)
                             NoDriverError, UnsupportedDeviceError)
 from .layout import ERR_PEER_ABORTED, ERR_PEER_REJECTED, ERR_TIMEOUT, ERR_TMAX_MISMATCH, PHASE_NAMES, TAG_TMAX_BITS
@@ -113,3 +115,16 @@ def error_from_record(rec):
         return RuntimeMaxMismatchError(rec, f"runtime_max_tokens_per_rank differs between ranks at step {rec.epoch}: "
                                        f"rank {rec.rank} used {ours}, rank {rec.peer} used {theirs}")
     return None
+
+
+def recorded_on_lost_context(method):
+    """Decorates a public call of an all-to-all rank (anything with raise_recorded): a driver
+    call failing after a lost context raises the PeerError a kernel recorded, not the CudaError."""
+    @functools.wraps(method)
+    def call(self, *args, **kw):
+        try:
+            return method(self, *args, **kw)
+        except CudaError as e:
+            self.raise_recorded(e)
+            raise
+    return call

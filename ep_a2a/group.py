@@ -2,7 +2,7 @@
 
 * `LocalGroup(devices)`: several ranks in this process, one per entry of `devices`
   (entries may repeat: several ranks on one GPU). This is how a single controller drives
-  every GPU of a node, and how the test suite runs EP on one H200.
+  every GPU of a node, and how the test suite runs EP on one GPU.
 * `ProcessGroup(bootstrap, device)`: this process is one rank of a group whose processes
   met through a Bootstrap (Unix socket, torch.distributed or MPI).
 """

@@ -156,12 +156,12 @@ class ExpertIndex(Owned):
     def _tensor(self, name, shape, dtype) -> Tensor:
         return Tensor(self._base[name], shape, dtype, device=(CUDA, self.device.ordinal), owner=self._alloc)
 
-    def _views_for(self, tmax: int) -> tuple:
-        v = self._views.get(tmax)
+    def _views_for(self, runtime_max: int) -> tuple:
+        v = self._views.get(runtime_max)
         if v is None:
-            cap = self.ep_size * tmax * self.top_k
-            v = self._views[tmax] = (self._tensor("rows", (cap,), int32), self._tensor("row_weight", (cap,), float32),
-                                     self._tensor("row_of", (self.ep_size * tmax, self.top_k), int32))
+            cap = self.ep_size * runtime_max * self.top_k
+            v = self._views[runtime_max] = (self._tensor("rows", (cap,), int32), self._tensor("row_weight", (cap,), float32),
+                                     self._tensor("row_of", (self.ep_size * runtime_max, self.top_k), int32))
         return v
 
     def _launch(self, name: str, args, grid: int, block: int, shared: int, stream: int) -> None:
@@ -179,10 +179,10 @@ class ExpertIndex(Owned):
         cfg.blockDimX, cfg.sharedMemBytes = block, shared
         launch(stream)
 
-    def _build(self, ids: Tensor, weights: Tensor, tmax: int, stream: int) -> None:
+    def _build(self, ids: Tensor, weights: Tensor, runtime_max: int, stream: int) -> None:
         a, L = self._args, self.num_local_experts
         a.expert_ids, a.weights = ids.ptr, weights.ptr
-        a.n_entries = n = self.ep_size * tmax * self.top_k
+        a.n_entries = n = self.ep_size * runtime_max * self.top_k
         fused, warps, tile, tiles = index_plan(n, L)
         a.tile_entries, a.num_tiles = tile, tiles
         self.device.make_current()
@@ -193,8 +193,8 @@ class ExpertIndex(Owned):
             self._launch("moe_index_count", [a], tiles // warps, 32 * warps, shared, stream)
             self._launch("moe_index_scan", [a], 1, 1024, 0, stream)
             self._launch("moe_index_scatter", [a], tiles // warps, 32 * warps, shared, stream)
-        self.runtime_max_tokens_per_rank, self.stream = tmax, stream
-        self.rows, self.row_weight, self.row_of = self._views_for(tmax)
+        self.runtime_max_tokens_per_rank, self.stream = runtime_max, stream
+        self.rows, self.row_weight, self.row_of = self._views_for(runtime_max)
         for t in (self.counts, self.offsets, self.rows, self.row_weight, self.row_of):
             t.stream = stream or 1  # DLPack consumers on other streams wait for this build (1: legacy stream)
 
@@ -206,13 +206,12 @@ class ExpertIndex(Owned):
 # -- checks ----------------------------------------------------------------------------------------
 def _slot_rows(t: Tensor, name: str, index: ExpertIndex) -> tuple:
     """The per-slot row shape of a [ep_size, T^, ...] (3+ dims) or [ep_size * T^, ...] tensor."""
-    tmax = index.runtime_max_tokens_per_rank
-    if t.ndim >= 3 and t.shape[:2] == (index.ep_size, tmax):
+    runtime_max = index.runtime_max_tokens_per_rank
+    if t.ndim >= 3 and t.shape[:2] == (index.ep_size, runtime_max):
         return t.shape[2:]
     if not (t.ndim >= 2 and t.shape[0] == index.slots):
-        require(False, name,
-                 f"must be [ep_size={index.ep_size}, T^={tmax}, ...] or [{index.slots}, ...] (the index's slots), "
-                 f"got {list(t.shape)}")
+        raise ValueError(f"{name}: must be [ep_size={index.ep_size}, T^={runtime_max}, ...] or [{index.slots}, ...] "
+                         f"(the index's slots), got {list(t.shape)}")
     return t.shape[1:]
 
 
@@ -244,38 +243,36 @@ def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: in
     s = _stream(stream, 0 if produced_on is None else produced_on)
     ids = cuda_tensor(expert_ids, "expert_ids", s)
     if ids.dtype != int32:  # (hot path: each message is formatted only when its rule is broken)
-        require(False, "expert_ids", f"dtype must be int32, got {ids.dtype.name}")
+        raise ValueError(f"expert_ids: dtype must be int32, got {ids.dtype.name}")
     if not (ids.ndim == 3 and ids.shape[0] == ep_size and ids.shape[1] >= 1 and 1 <= ids.shape[2] <= MAX_TOP_K):
-        require(False,
-                 "expert_ids", f"shape must be [ep_size={ep_size}, T^ >= 1, top_k in 1..{MAX_TOP_K}], got {list(ids.shape)}")
+        raise ValueError(f"expert_ids: shape must be [ep_size={ep_size}, T^ >= 1, top_k in 1..{MAX_TOP_K}], "
+                         f"got {list(ids.shape)}")
     w = cuda_tensor(weights, "weights", s, ids.device[1])
     if w.dtype != float32:
-        require(False, "weights", f"dtype must be float32, got {w.dtype.name}")
+        raise ValueError(f"weights: dtype must be float32, got {w.dtype.name}")
     if w.shape != ids.shape:
-        require(False, "weights", f"shape must equal expert_ids' {list(ids.shape)}, got {list(w.shape)}")
-    tmax, top_k = ids.shape[1], ids.shape[2]
+        raise ValueError(f"weights: shape must equal expert_ids' {list(ids.shape)}, got {list(w.shape)}")
+    runtime_max, top_k = ids.shape[1], ids.shape[2]
     if out is None:
         out = ExpertIndex(ids.device[1], num_experts=num_experts, ep_size=ep_size, rank=rank,
-                          max_tokens_per_rank=tmax, top_k=top_k)
+                          max_tokens_per_rank=runtime_max, top_k=top_k)
     else:
         require(isinstance(out, ExpertIndex) and not out.closed, "out", "must be an open ExpertIndex")
         if (out.num_experts, out.ep_size, out.rank, out.top_k) != (num_experts, ep_size, rank, top_k):
-            require(False, "out",
-                     f"was made for num_experts={out.num_experts}, ep_size={out.ep_size}, rank={out.rank}, "
-                     f"top_k={out.top_k}; this call has {num_experts}, {ep_size}, {rank}, {top_k}")
+            raise ValueError(f"out: was made for num_experts={out.num_experts}, ep_size={out.ep_size}, "
+                             f"rank={out.rank}, top_k={out.top_k}; this call has {num_experts}, {ep_size}, {rank}, {top_k}")
         if out.device.ordinal != ids.device[1]:
-            require(False, "out", f"lives on cuda:{out.device.ordinal}, expert_ids on cuda:{ids.device[1]}")
-        if tmax > out.max_tokens_per_rank:
-            require(False, "expert_ids",
-                     f"T^={tmax} exceeds the index's max_tokens_per_rank={out.max_tokens_per_rank}")
-    out._build(ids, w, tmax, s)
+            raise ValueError(f"out: lives on cuda:{out.device.ordinal}, expert_ids on cuda:{ids.device[1]}")
+        if runtime_max > out.max_tokens_per_rank:
+            raise ValueError(f"expert_ids: T^={runtime_max} exceeds the index's max_tokens_per_rank={out.max_tokens_per_rank}")
+    out._build(ids, w, runtime_max, s)
     return out
 
 
 def _check_built(index, what: str) -> None:
     require(isinstance(index, ExpertIndex) and not index.closed, "index", "must be an open ExpertIndex")
     if index.runtime_max_tokens_per_rank is None:
-        require(False, "index", f"build it with build_index() before {what}")
+        raise ValueError(f"index: build it with build_index() before {what}")
 
 
 def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
@@ -292,13 +289,13 @@ def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
     inner = _slot_rows(x, "src", index)
     y = cuda_tensor(out, "out", s, dev)
     if y.dtype != x.dtype:
-        require(False, "out", f"dtype must be src's {x.dtype.name}, got {y.dtype.name}")
+        raise ValueError(f"out: dtype must be src's {x.dtype.name}, got {y.dtype.name}")
     if not (y.ndim == 1 + len(inner) and y.shape[1:] == inner and y.shape[0] >= index.capacity):
-        require(False, "out",
-                 f"shape must be [rows >= capacity={index.capacity}, {', '.join(map(str, inner))}], got {list(y.shape)}")
+        raise ValueError(f"out: shape must be [rows >= capacity={index.capacity}, {', '.join(map(str, inner))}], "
+                         f"got {list(y.shape)}")
     row_bytes = math.prod(inner) * x.itemsize
     if not 0 < row_bytes < 2 ** 31:
-        require(False, "src", f"rows must hold 1..2**31-1 bytes, got {row_bytes}")
+        raise ValueError(f"src: rows must hold 1..2**31-1 bytes, got {row_bytes}")
     vec = vector_bytes(row_bytes, x.ptr, y.ptr)
     group, per_block = _groups(row_bytes // vec)
     grid = max(1, min(-(-index.capacity // per_block), 8 * index.device.sm_count))
@@ -333,7 +330,7 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
         _check_finalize_dtype(t.dtype.name, name)
     inner = _slot_rows(y, "out", index)
     if not (len(inner) == 1 and inner[0] >= 1):
-        require(False, "out", f"must have one hidden dimension, got shape {list(y.shape)}")
+        raise ValueError(f"out: must have one hidden dimension, got shape {list(y.shape)}")
     hidden = inner[0]
     _check_fc2_shape(x, hidden, index)
     widest = 16 // max(x.itemsize, y.itemsize)
@@ -351,13 +348,13 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
 
 def _check_finalize_dtype(dtype: str, name: str) -> None:
     if dtype not in REDUCE_DTYPES:
-        require(False, name, f"dtype must be one of {tuple(REDUCE_DTYPES)}, got {dtype}")
+        raise ValueError(f"{name}: dtype must be one of {tuple(REDUCE_DTYPES)}, got {dtype}")
 
 
 def _check_fc2_shape(x: Tensor, hidden: int, index: ExpertIndex) -> None:
     if not (x.ndim == 2 and x.shape[1] == hidden and x.shape[0] >= index.capacity):
-        require(False, "fc2_out",
-                 f"shape must be [rows >= capacity={index.capacity}, hidden={hidden}], got {list(x.shape)}")
+        raise ValueError(f"fc2_out: shape must be [rows >= capacity={index.capacity}, hidden={hidden}], "
+                         f"got {list(x.shape)}")
 
 
 def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int) -> None:
@@ -367,19 +364,18 @@ def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int
     _check_finalize_dtype(x.dtype.name, "fc2_out")
     _check_finalize_dtype(out.dtype, "out")
     if not (q.dtype.name == "float8_e4m3fn" and sc.dtype.name == "float32"):
-        require(False, "out",
-                 f"an Fp8Partial holds float8_e4m3fn values and float32 scales, got {q.dtype.name} and {sc.dtype.name}")
+        raise ValueError(f"out: an Fp8Partial holds float8_e4m3fn values and float32 scales, "
+                         f"got {q.dtype.name} and {sc.dtype.name}")
     inner = _slot_rows(q, "out", index)
     if not (len(inner) == 1 and inner[0] % Q8_BLOCK == 0 and inner[0] > 0):
-        require(False, "out",
-                 f"values must have one hidden dimension, a multiple of {Q8_BLOCK}, got shape {list(q.shape)}")
+        raise ValueError(f"out: values must have one hidden dimension, a multiple of {Q8_BLOCK}, "
+                         f"got shape {list(q.shape)}")
     hidden = inner[0]
     if _slot_rows(sc, "out", index) != (hidden // Q8_BLOCK,):
-        require(False, "out",
-                 f"scales must be [..., hidden / {Q8_BLOCK} = {hidden // Q8_BLOCK}], got {list(sc.shape)}")
+        raise ValueError(f"out: scales must be [..., hidden / {Q8_BLOCK} = {hidden // Q8_BLOCK}], got {list(sc.shape)}")
     _check_fc2_shape(x, hidden, index)
     if x.ptr % 16:
-        require(False, "fc2_out", f"must be 16-byte aligned with an FP8 out (16-byte loads), got {x.ptr:#x}")
+        raise ValueError(f"fc2_out: must be 16-byte aligned with an FP8 out (16-byte loads), got {x.ptr:#x}")
     require(q.ptr % 8 == 0 and sc.ptr % 4 == 0, "out", "values must be 8-byte aligned, scales 4-byte aligned")
     units = index.slots * (hidden // Q8_BLOCK)  # 128-value blocks: a half-warp each
     grid = max(1, min(-(-units // (_THREADS // 16)), 8 * index.device.sm_count))

@@ -1,34 +1,28 @@
-"""Launch shapes and protocol choice: pure functions of the sizes, testable without a GPU.
+"""Launch shapes, protocol choice and the step planner: pure functions, testable without a GPU.
 
 Which protocol a step uses, how many blocks each phase launches, how combine splits a token
-over blocks, and when a launch lets its successor start early (PDL). The all-to-all keeps
-the one bit of history the PDL rule needs (did the previous launch trigger early) and
-passes it in.
+over blocks, and when a launch lets its successor start early (PDL) are the rules of
+Schedule. plan_step applies them: from a rank's fixed plan (RankPlan), the state the device
+sees (StepState) and one phase call (Call) to what that launch needs (Step: its kernel,
+grid, trigger, splits and the parameter-block fields it writes) and the state after it.
+Dispatch, combine and a rejected step all plan here; the repeat fast path is a memo over
+plan_step's inputs (RankAlltoAll._run). A phase is an (operation, part) pair: a whole
+dispatch or combine today; a send or receive half of one is another part of the same
+operation, planned by the same rules.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
-from .layout import PRELOAD_GROUPS
+from .layout import PRELOAD_GROUPS, TAG_REJECT
 
 # protocol="auto" uses SENTINEL while runtime_max_tokens_per_rank is at most this, FENCE
-# above: the crossover measured by `python -m ep_a2a.bench --protocol auto` (which sweeps
-# both protocols) on one H200 with 8 in-process ranks, deepseek-v3, bf16 (bench/results/).
-# Override per all-to-all with crossover_tokens=, or for the process with the environment
-# variable EP_A2A_SENTINEL_MAX_TOKENS.
-# With 8 ranks sharing one H200, SENTINEL's round trip was slower than FENCE's at every size
-# (16.6 vs 11.1 µs at 1 token per rank, 75 vs 18.5 at 16; measured 2026-11-29,
-# bench/results/NVIDIA_H200-deepseek-v3-bf16-8ranks-fence-sentinel-*.json): on one GPU a
+# above (bench/results/ holds the sweeps it comes from). With 8 ranks sharing one GPU a
 # system-scope fence is cheap, while SENTINEL's landing copy, per-word checks and resets cost
-# memory traffic that all ranks share. So "auto" means FENCE on this machine; re-measure on
-# NVLink-connected GPUs, where the paper finds SENTINEL faster at small batches.
+# memory traffic that all ranks share, so FENCE wins at every size there; NVLink-connected
+# GPUs may favour SENTINEL at small batches (the paper does). Overridden per all-to-all by
+# crossover_tokens=, or for the process by $EP_A2A_SENTINEL_MAX_TOKENS (config.py).
 SENTINEL_MAX_TOKENS_H200 = 0
-
-
-def sentinel_max_tokens() -> int:
-    v = os.environ.get("EP_A2A_SENTINEL_MAX_TOKENS")
-    return int(v) if v else SENTINEL_MAX_TOKENS_H200
 
 
 def protocol_for(setting: str, runtime_max_tokens_per_rank: int, crossover_tokens: int) -> str:
@@ -64,9 +58,8 @@ MIN_SPLIT_GROUPS = 32  # (512 bytes: fewer per block and the block's own fixed c
 MAX_DISPATCH_SPLITS = 8
 # A split dispatch at T^ of at most CLUSTER_TOKENS runs as one cluster of CLUSTER_BLOCKS
 # (the portable cluster size): its blocks meet at the cluster barrier instead of electing
-# the last one (kernels/fence.cu, publish_counts). On the H200 (8 in-process ranks,
-# deepseek-v3) that took the 1-token round trip from 8.3 to 7.9 µs in two A/B pairs; 2 tokens
-# read 8.9-9.0 either way, and 4 tokens lost 0.6 µs, so only T^ = 1 forms a cluster.
+# the last one (kernels/fence.cu, publish_counts). That pays at one token only: at two it
+# broke even and at four it lost (bench/results), so only T^ = 1 forms a cluster.
 CLUSTER_BLOCKS, CLUSTER_TOKENS = 8, 1
 GPC_SMS = 16  # SMs per GPC that clusters_fit assumes at least (Hopper and Blackwell data-center GPUs: 16-18)
 
@@ -106,38 +99,36 @@ class Schedule:
         apart = held // blocks_per_sm < sm_count - (CLUSTER_BLOCKS - 1) * max(1, sm_count // GPC_SMS)
         return shared and apart
 
-    def dispatch_splits(self, T: int, tmax: int, payloads) -> int:
-        """FENCE: blocks that share one token's pushes. A small batch's token is pushed from
-        one SM otherwise, and on the H200 that push took most of the dispatch (1 token per
-        rank, deepseek-v3: 6.0 µs, 4.0 with a seventh of the bytes; split over 8 blocks 5.2).
-        Every block of a split token counts the earlier tokens' selections itself
-        (kernels/fence.cu, earlier_selections), so splits stay where their ids fit one
-        warp-wide load: measured, 2 and 4 tokens gained 1.1 and 0.6 µs, while 8 and 16 lost
-        0.7-1.5. Within half the share (PDL's early trigger), at least MIN_SPLIT_GROUPS
-        groups per block, at most MAX_DISPATCH_SPLITS (16 measured no faster than 8); only
-        tokens whose payloads (their PayloadDescs, ids first) all move in 16-byte vectors."""
-        if not (self.push_groups and T and all(d.vec == 16 for d in payloads)) or (T - 1) * self.top_k > ids_per_load(self.top_k):
+    def dispatch_splits(self, T: int, runtime_max: int, vectors) -> int:
+        """FENCE: blocks that share one token's pushes, since a small batch's token pushed from
+        one SM takes most of the dispatch. Every block of a split token counts the earlier
+        tokens' selections itself (kernels/fence.cu, earlier_selections), so splits stay where
+        their ids fit one warp-wide load (beyond it the recount costs more than the split
+        gains). Within half the share (PDL's early trigger), at least MIN_SPLIT_GROUPS groups
+        per block, at most MAX_DISPATCH_SPLITS; only tokens whose payloads (`vectors`: each
+        one's vector bytes, ids first) all move in 16-byte vectors."""
+        if not (self.push_groups and T and all(v == 16 for v in vectors)) or (T - 1) * self.top_k > ids_per_load(self.top_k):
             return 1
         half = max(1, self.max_grid // 2)
         n = max(1, min(half // T, self.push_groups // MIN_SPLIT_GROUPS, MAX_DISPATCH_SPLITS))
-        return CLUSTER_BLOCKS // T if self._clustered(tmax) and CLUSTER_BLOCKS // T <= n else n
+        return CLUSTER_BLOCKS // T if self._clustered(runtime_max) and CLUSTER_BLOCKS // T <= n else n
 
-    def _clustered(self, tmax: int) -> bool:
-        return self.clusters and tmax <= CLUSTER_TOKENS
+    def _clustered(self, runtime_max: int) -> bool:
+        return self.clusters and runtime_max <= CLUSTER_TOKENS
 
-    def dispatch_cluster(self, T: int, tmax: int, splits: int, grid: int) -> int:
+    def dispatch_cluster(self, T: int, runtime_max: int, splits: int, grid: int) -> int:
         """Blocks of the one cluster a FENCE dispatch's grid forms, or 0 (not clustered)."""
-        return grid if self._clustered(tmax) and splits > 1 and grid == T * splits == CLUSTER_BLOCKS else 0
+        return grid if self._clustered(runtime_max) and splits > 1 and grid == T * splits == CLUSTER_BLOCKS else 0
 
-    def dispatch_want(self, T: int, tmax: int, proto: str, splits: int = 1) -> int:
+    def dispatch_want(self, T: int, runtime_max: int, proto: str, splits: int = 1) -> int:
         """Blocks a dispatch would use: a block per token, or per part of one (splits; FENCE:
         at least enough to sanitize the received ids in one pass; SENTINEL: one per (source,
         slot) to receive)."""
         if proto == "fence":
-            return max(T * splits, -(-self.ep_size * tmax * self.top_k // (self.threads * 8)))
-        return self.ep_size * tmax
+            return max(T * splits, -(-self.ep_size * runtime_max * self.top_k // (self.threads * 8)))
+        return self.ep_size * runtime_max
 
-    def combine_want(self, T: int, tmax: int, proto: str, vec: int, quantize: bool = True) -> tuple:
+    def combine_want(self, T: int, runtime_max: int, proto: str, vec: int, quantize: bool = True) -> tuple:
         """(blocks, splits) of a combine of T tokens whose output takes vectors of `vec` bytes.
 
         Small batches spread each token over `splits` blocks until a thread issues one round
@@ -152,14 +143,14 @@ class Schedule:
         if proto == "sentinel":
             units = -(-self.combine_bytes // 16)
             splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
-            slots = self.ep_size * tmax
+            slots = self.ep_size * runtime_max
             apart = slots + T * splits + 1  # pushing and reducing blocks apart (sentinel.cu), if it fits half
             return (apart if apart <= max(1, self.max_grid // 2) else max(T * splits, slots) + 1), splits
         units = self.combine_hidden_size // 8 if self.fp8_combine else self.combine_bytes // vec
         splits = max(1, min(self.max_grid // max(T, 1), -(-units // self.threads)))
         slots = self.fp8_combine and quantize
-        blocks = max(T * splits, self.ep_size * tmax if slots else 0)
-        return (min(blocks, CLUSTER_BLOCKS) if self._clustered(tmax) else blocks), splits  # (Schedule.clusters_fit)
+        blocks = max(T * splits, self.ep_size * runtime_max if slots else 0)
+        return (min(blocks, CLUSTER_BLOCKS) if self._clustered(runtime_max) else blocks), splits  # (Schedule.clusters_fit)
 
     def grid(self, want: int, successor_want: int, prev_early: bool, successor_fills: bool = False) -> tuple:
         """(blocks, trigger early) of the next launch, given whether the previous one triggered
@@ -177,13 +168,163 @@ class Schedule:
         would leave every later large step at half the grid.
 
         A successor that fills its grid with throughput work (successor_fills: a combine that
-        runs its own FP8 quantize pass) gets the same rule even after an unheld launch. On the
-        H200 at 16 tokens (in-process ranks) that combine took 22.6 µs on half the grid, 18.8
-        with no early trigger at all and 19.2 under this rule; a bf16 combine there gains from
-        the early trigger.
+        runs its own FP8 quantize pass) gets the same rule even after an unheld launch: half
+        the grid slows that pass more than the early start gains, while a bf16 combine gains.
         """
         half = max(1, self.max_grid // 2)
         held = prev_early and want > half
         grid = max(1, min(half if prev_early else self.max_grid, want))
         early = self.pdl and grid <= half and (not (held or successor_fills) or successor_want <= half)
         return grid, bool(early)
+
+
+# -- one rank's plan and the step planner ---------------------------------------------------
+FIRST_STEPS = 4  # steps that wait for peers with first_timeout_s (peers may still be loading)
+
+
+@dataclass(frozen=True, eq=False)
+class RankPlan:
+    """What never changes in one rank after construction (alltoall.build_plan makes it): the
+    kernel launches, the parameter block with its static half written, the launch-shape rules
+    and the sizes plan_step reads."""
+    rank: int
+    params: object         # layout.A2AParams: the kernels' argument block, which every launch of the rank shares
+    descs: tuple           # its payload descriptors, ids first
+    payload_bytes: tuple   # bytes per token of each, ids first
+    launches: dict         # protocol -> (dispatch Launch, combine Launch)
+    cluster: object        # FENCE's one-cluster dispatch Launch, or None
+    empty: object          # an empty kernel of the protocol kernels' shape (the benchmark's floor)
+    schedule: Schedule
+    crossover_tokens: int
+    combine_bytes: int
+    combine_input: int     # this rank's combine input section (the address)
+    fp8_combine: bool
+    timeout_ns: int
+    first_timeout_ns: int
+    first_steps: int = FIRST_STEPS
+
+    @property
+    def max_grid(self) -> int:
+        return self.schedule.max_grid
+
+    def apply(self, step) -> None:
+        """Write a planned step's fields into the parameter block and its grid into its launch."""
+        params = self.params
+        for name, value in step.fields:
+            setattr(params, name, value)
+        for desc, (src, vec) in zip(self.descs, step.sources):
+            desc.src, desc.vec = src, vec
+        step.launch.grid = step.grid
+        if step.launch is self.cluster:  # (the plain launch keeps the grid too: testing.hooks.last_grids)
+            self.launches["fence"][0].grid = step.grid
+
+
+@dataclass(frozen=True)
+class Phase:
+    op: str                # "dispatch" or "combine"
+    part: str = "whole"    # the whole operation; "send" / "receive" halves are not built yet
+
+
+DISPATCH, COMBINE = Phase("dispatch"), Phase("combine")
+
+
+@dataclass(frozen=True)
+class Pending:
+    """The dispatch whose combine is due: what that combine is planned from."""
+    runtime_max: int
+    tokens: int
+    protocol: str
+    splits: int
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What the next launch's plan depends on besides its own call."""
+    steps: int = 0                # steps launched, counted up to the plan's first_steps
+    triggered_early: bool = False  # the previous launch let its successor start (PDL)
+    tag_hi: int = 0               # the active-rank hash bits of the step tag
+    quantizing_combine: bool = False  # the last combine ran its own FP8 pass (the next one is predicted alike)
+    pending: Pending | None = None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One phase call as the planner sees it: sizes, the protocol setting and the addresses."""
+    phase: Phase
+    tokens: int                  # T: this rank's tokens
+    runtime_max: int             # T^: shared by every rank this step
+    protocol: str | None         # dispatch: the setting, "fence", "sentinel" or "auto"; combine: None
+    addresses: tuple = ()        # dispatch: each input's address, ids first; combine: the output's
+    prequantized: bool = False   # combine: the epilogue wrote the FP8 input
+    rejected: bool = False       # the step this rank runs without tokens after rejecting its input
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one launch needs and the state after it."""
+    launch: object               # the plan's Launch to issue
+    protocol: str
+    grid: int
+    trigger_early: bool
+    fields: tuple                # (parameter-block field, value) pairs this launch writes
+    sources: tuple               # dispatch: (src, vec) of each payload descriptor; else ()
+    state: StepState
+
+
+def plan_step(plan: RankPlan, state: StepState, call: Call) -> Step:
+    """The launch `call` makes on a rank with this plan and state."""
+    if call.phase.part != "whole":
+        raise NotImplementedError(f"phase {call.phase}: only whole dispatches and combines are planned")
+    if call.phase.op == "dispatch":
+        return _dispatch(plan, state, call)
+    return _combine(plan, state, call)
+
+
+def _grid(plan, state, want, successor_want, successor_fills=False):
+    return plan.schedule.grid(want, successor_want, state.triggered_early, successor_fills)
+
+
+def _dispatch(plan, state, call):
+    sch, T, runtime_max = plan.schedule, call.tokens, call.runtime_max
+    proto = protocol_for(call.protocol, runtime_max, plan.crossover_tokens)
+    timeout = plan.first_timeout_ns if state.steps < plan.first_steps else plan.timeout_ns
+    if call.rejected:
+        splits, tag, sources = 1, TAG_REJECT | plan.rank, ()
+        grid, early = _grid(plan, state, sch.dispatch_want(0, runtime_max, proto), 1)
+        launch = plan.launches[proto][0]
+    else:
+        sources = tuple((address, vector_bytes(nbytes, address))
+                        for address, nbytes in zip(call.addresses, plan.payload_bytes))
+        splits = sch.dispatch_splits(T, runtime_max, [vec for _, vec in sources]) if proto == "fence" else 1
+        quantizing = state.quantizing_combine  # (the combine after us is predicted as the last one)
+        successor = sch.combine_want(T, runtime_max, proto, vector_bytes(plan.combine_bytes, 0), quantize=quantizing)[0]
+        grid, early = _grid(plan, state, sch.dispatch_want(T, runtime_max, proto, splits), successor, quantizing)
+        tag = runtime_max | state.tag_hi
+        launch = plan.cluster if sch.dispatch_cluster(T, runtime_max, splits, grid) else plan.launches[proto][0]
+    fields = (("local_num_tokens", T), ("runtime_max_tokens_per_rank", runtime_max), ("step_tag", tag),
+              ("timeout_ns", timeout), ("dispatch_splits", splits))
+    after = StepState(min(state.steps + 1, plan.first_steps), early, state.tag_hi, state.quantizing_combine,
+                      Pending(runtime_max, T, proto, splits))
+    return Step(launch, proto, grid, early, fields, sources, after)
+
+
+def _combine(plan, state, call):
+    sch, pending, runtime_max = plan.schedule, state.pending, call.runtime_max
+    T, proto = pending.tokens, pending.protocol
+    (out,) = call.addresses
+    if call.rejected:  # served from the poisoned combine input, as if an epilogue had quantized it
+        prequantized = plan.fp8_combine
+        vec = vector_bytes(plan.combine_bytes, plan.combine_input, out)
+        want, splits = sch.combine_want(0, runtime_max, proto, vec, quantize=False)
+        successor = 1
+    else:
+        prequantized = call.prequantized
+        vec = vector_bytes(plan.combine_bytes, out)
+        want, splits = sch.combine_want(T, runtime_max, proto, vec, quantize=not prequantized)
+        successor = sch.dispatch_want(T, runtime_max, proto, pending.splits)  # the next step's, if alike
+    grid, early = _grid(plan, state, want, successor)
+    fields = (("combine_out", out), ("combine_vec", vec), ("combine_prequantized", int(prequantized)),
+              ("combine_splits", splits))
+    quantizing = state.quantizing_combine if call.rejected else plan.fp8_combine and not prequantized
+    after = StepState(state.steps, early, state.tag_hi, quantizing, None)
+    return Step(plan.launches[proto][1], proto, grid, early, fields, (), after)

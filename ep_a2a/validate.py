@@ -30,12 +30,37 @@ def check_int(x, name: str, lo: int, hi: int = None) -> int:
     return v
 
 
-def check_runtime_max(tmax, max_tokens_per_rank: int) -> None:
-    if type(tmax) is int and 1 <= tmax <= max_tokens_per_rank:
+def check_runtime_max(runtime_max, max_tokens_per_rank: int) -> None:
+    if type(runtime_max) is int and 1 <= runtime_max <= max_tokens_per_rank:
         return
-    require(isinstance(tmax, (int, np.integer)) and not isinstance(tmax, bool) and 1 <= tmax <= max_tokens_per_rank,
+    require(isinstance(runtime_max, (int, np.integer)) and not isinstance(runtime_max, bool) and 1 <= runtime_max <= max_tokens_per_rank,
             "runtime_max_tokens_per_rank",
-            f"must be an int in 1..max_tokens_per_rank={max_tokens_per_rank}, got {tmax!r}")
+            f"must be an int in 1..max_tokens_per_rank={max_tokens_per_rank}, got {runtime_max!r}")
+
+
+def check_dispatch_inputs(tokens: int, runtime_max: int, payloads, specs, at: str = "") -> None:
+    """A dispatch's token count fits T^ and it got one tensor per PayloadSpec (`at`: which
+    rank's arguments, for the messages of a call that takes every rank's)."""
+    if tokens > runtime_max:
+        raise ValueError(f"token_selected_experts{at}: {tokens} local tokens exceed runtime_max_tokens_per_rank={runtime_max}")
+    if not isinstance(payloads, (list, tuple)):
+        raise TypeError(f"payloads{at}: expected a list of tensors, got {type(payloads).__name__}")
+    if len(payloads) != len(specs):
+        raise ValueError(f"payloads{at}: expected {len(specs)} tensors ({', '.join(p.name for p in specs)}), "
+                         f"got {len(payloads)}")
+
+
+def check_combine_runtime_max(runtime_max: int, dispatched: int) -> None:
+    if runtime_max != dispatched:
+        raise ValueError(f"runtime_max_tokens_per_rank: combine got {runtime_max} but the dispatch of this step "
+                         f"used {dispatched}")
+
+
+def check_partial_shape(shape, ep_size: int, runtime_max: int, hidden: int, name: str = "partial") -> None:
+    """combine's partial results: [ep_size, T^, hidden] or [ep_size * T^, hidden]."""
+    if shape[:-1] not in ((ep_size * runtime_max,), (ep_size, runtime_max)):
+        raise ValueError(f"{name}: must be [ep_size={ep_size}, runtime_max_tokens_per_rank={runtime_max}, {hidden}], "
+                         f"got {shape}")
 
 
 def cuda_tensor(obj, name: str, stream, ordinal=None, what: str = "", dtype: str = None) -> Tensor:
@@ -85,7 +110,7 @@ def token_tensor(obj, name: str, inner: tuple, dtype: str, rows, stream: int, *,
 class CheckedInputs:
     """token_tensor with a memory: engines pass the same tensors step after step, and an
     ep_a2a Tensor already checked under this argument name, with the same geometry, is not
-    checked again (~1 µs each). A weak reference: holding the tensor would move its
+    checked again. A weak reference: holding the tensor would move its
     cuMemFree into a later dispatch, where it would block the host between two in-process
     ranks' launches (deadlock)."""
 
@@ -128,7 +153,7 @@ def check_expert_ids_on_host(ids: Tensor, stream: int, num_experts: int) -> None
         raise err
 
 
-def check_fp8_partial(partial, tmax: int, combine_quant, fp8_input) -> None:
+def check_fp8_partial(partial, runtime_max: int, combine_quant, fp8_input) -> None:
     """An Fp8Partial is only ever this rank's own workspace views for this T^ (the kernel
     reads the section in place; there is nothing to stage from elsewhere): fp8_input()
     gives that rank's combine_input(T^, fp8=True) and the (ptr, shape, dtype) its views had
@@ -138,6 +163,6 @@ def check_fp8_partial(partial, tmax: int, combine_quant, fp8_input) -> None:
     want, geometry = fp8_input()
     for got, geo, name in zip(partial[:2], geometry, ("values", "scales")):
         if type(got) is not Tensor or (got.ptr, got.shape, got.dtype.name) != geo:
-            require(False, "partial", f"an Fp8Partial must be this rank's combine_input({tmax}, fp8=True); its "
-                    f"{name} is not that view")
+            raise ValueError(f"partial: an Fp8Partial must be this rank's combine_input({runtime_max}, fp8=True); its "
+                             f"{name} is not that view")
     require(partial.dtype == want.dtype, "partial", f"dtype must be {want.dtype!r}, got {partial.dtype!r}")

@@ -89,7 +89,7 @@ EP_DEVICE int earlier_selections(const A2AParams& p, int i, const int* s_target,
 
 // Lines 2-6: pick a slot on every distinct target rank, push the token. Work item w: token
 // w / S, part w % S of its 16-byte groups (S = dispatch_splits: at small batches a token's
-// pushes from one SM took most of the dispatch, so its groups are spread over S blocks).
+// pushes from one SM would take most of the dispatch, so its groups are spread over S blocks).
 // prologue: run by the whole block once, after its first item's payload and id loads are
 // issued (a block with no item: at the end) and before any of its slots or stores, so that
 // what it reads overlaps those loads.
@@ -247,8 +247,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
 
   griddep_wait();
   // The step and the end of a SENTINEL step before it are read while the block's first token
-  // loads are in flight: only the pushes must wait for them (on the H200, 8 in-process ranks,
-  // 9.5-9.6 -> 9.2 µs per round trip at 4 tokens).
+  // loads are in flight: only the pushes must wait for them.
   unsigned f;
   push_tokens(p, cnt, records, [&] {
     f = read_epoch(p) + 1;
@@ -256,9 +255,7 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
   });  // lines 2-6
   // Small grids (the host sets trigger_early when two kernels of every rank fit on the GPU
   // together) let the next kernel launch once their pushes are issued: its launch is still
-  // hidden behind our publish and wait, and its blocks are not placed while we push (on the
-  // H200 at 32 tokens per rank, triggering here rather than at the start took the round trip
-  // from 28.1-29.5 to 26.7-27.1 µs; 1-16 tokens within ±0.3).
+  // hidden behind our publish and wait, and its blocks are not placed while we push.
   if (p.trigger_early) griddep_launch_dependents();
   publish_counts(p, cnt, f);  // lines 7-10
   wait_counts(p, f, s_count); // line 11
@@ -371,7 +368,7 @@ __device__ void fence_combine(const A2AParams& p) {
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);
 
-  fence_step_done(p);                                      // (for the next dispatch: protocol.cuh)
+  record_fence_combine(p);                                 // (for the next dispatch: protocol.cuh)
   publish_partials<T, Q8>(p, f);                           // lines 17-19
   __shared__ Sources sh;
   if (static_cast<int>(blockIdx.x) < p.local_num_tokens * p.combine_splits && threadIdx.x < 32)

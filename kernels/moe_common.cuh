@@ -197,8 +197,8 @@ EP_DEVICE void with_members(int m, const F& f) {
 }
 
 // The bf16/fp16/fp32 reduction below keeps all 8 members of a group (absent ones predicated
-// off, reading +0): specialized per member count like the FP8 one, it ran 2-13% slower on
-// the H200 (8 in-process ranks), its per-member work being one add.
+// off, reading +0): specialized per member count like the FP8 one, it ran slower, its
+// per-member work being one add.
 // Vectors [v0, v1) of one token (v counted in units of W bytes).
 template <typename T, int W>
 EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned v0, unsigned v1) {

@@ -9,17 +9,12 @@
 #include "generated/params.cuh"
 
 // ---- parameters
-// The parameters live in constant bank 0, which a kernel finds cold: each first access to a
-// line of it misses, and the address computations after griddep_wait chain several such
-// misses. One load per 64-byte line, all issued together by the first warp before
-// griddep_wait, moves those misses onto the previous kernel's tail (on the H200, 8 in-process
-// ranks: FENCE's 1-token round trip 7.9-8.0 -> 7.5-7.6 µs). Only grids that trigger their
-// successor early do it, as the kernel cannot tell whether it was itself launched early: in
-// steady state at one batch size the host decides both phases alike, so those grids wait at
-// griddep_wait anyway; where a kernel launched as its predecessor ended (the first step, after
-// a larger one, a held launch), the misses sit on its own path, as they did unconditionally at
-// 64 and 128 tokens (+1.5 µs). The shared store is a use that ptxas cannot drop; every thread
-// writes its own word.
+// The parameters live in constant bank 0, which a kernel finds cold: the address
+// computations after griddep_wait would chain several line misses. One load per 64-byte line,
+// issued by the first warp before griddep_wait, moves those misses onto the previous kernel's
+// tail. Only grids that trigger their successor early do it (launched early themselves in
+// steady state); elsewhere the misses would sit on the kernel's own path. The shared store is
+// a use that ptxas cannot drop; every thread writes its own word.
 EP_DEVICE void warm_params(const A2AParams& p) {
   if (!p.trigger_early) return;
   constexpr unsigned LINE = 64 / sizeof(unsigned), N = sizeof(A2AParams) / sizeof(unsigned);
@@ -77,16 +72,10 @@ EP_DEVICE unsigned* last_combine_sentinel(const A2AParams& p) { return section<u
 // (every index it uses stays within this rank's own workspace), and the host refuses the
 // all-to-all from then on.
 //
-// These paths run only when a step fails, so SENTINEL's kernels keep them out of line
-// (EP_COLD, as they do their byte-wise payload paths: sentinel.cu): inlined at every wait and
-// tag check, their code sat between the hot instructions, and at decode batches a kernel's
-// pace is set by fetching its cold instruction cache, not by memory (on the H200 at 1 token
-// per rank, these reports out of line took SENTINEL's round trip from 10.7-10.9 to 10.2-10.3
-// µs, 4 tokens 0.3 faster, 16 the same). FENCE keeps them inline (EP_COLD_INLINE): out of
-// line in its kernels too, its 1-token round trip went from 7.6 to 7.8 µs although
-// fence_dispatch lost 23% of its instructions. On sm_100/103 EP_COLD code stays inline:
-// SENTINEL's byte-wise paths out of line spilled there, these reports are not measured on
-// those chips, and FENCE's FP8 combines would spill there with them out of line.
+// These paths run only when a step fails. SENTINEL's kernels keep them out of line (EP_COLD):
+// at decode batches their pace is set by fetching instructions, and inlined failure code sits
+// between the hot ones. FENCE keeps them inline (EP_COLD_INLINE), where out of line was
+// slower; so does sm_100/103, where out-of-line calls make the kernels spill.
 // `inline` only for linkage: one definition wherever the header is included.
 #if __CUDA_ARCH__ >= 1000 || defined(EP_COLD_INLINE)
 #define EP_COLD EP_DEVICE
@@ -317,7 +306,7 @@ EP_DEVICE void sentinel_combine_begins(const A2AParams& p, unsigned f) {  // war
   publish_combine_flag(p, f);
   if (threadIdx.x == 0) *last_combine_sentinel(p) = 1;
 }
-EP_DEVICE void fence_step_done(const A2AParams& p) {
+EP_DEVICE void record_fence_combine(const A2AParams& p) {
   if (blockIdx.x == 0 && threadIdx.x == 0) *last_combine_sentinel(p) = 0;
 }
 // Before a FENCE dispatch of step f writes to any peer, when step f - 1 was SENTINEL's.

@@ -75,10 +75,8 @@ EP_DEVICE void store_word(unsigned char* dst, unsigned bytes, unsigned vec, unsi
 // Code size. Rows that do not move in 16-byte vectors, and KIND_RAW16 payloads, take the
 // out-of-line paths below (EP_COLD, protocol.cuh); the 16-byte path stays inline. Inlined at
 // every unrolled use, their byte loops made the kernels several times larger, and at decode
-// batches fetching that code, not memory, set the pace: on the H200 (8 in-process ranks,
-// deepseek-v3 bf16) the sm_90 cubin fell from 60.6k to 16.7k SASS lines and, with
-// warm_params, the 1-token round trip from 13.7-13.8 to 11.0-11.1 µs. On sm_100/103 the calls
-// cost sentinel_dispatch spills under its 64 registers (ptxas), so there they stay inline.
+// batches fetching that code, not memory, sets the pace. On sm_100/103 the calls cost
+// sentinel_dispatch spills under its 64 registers (ptxas), so there they stay inline.
 
 // Words 4g..4g+3 of a row of `bytes` bytes (zero past its end), whatever its alignment.
 EP_COLD uint4 load_group_any(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
@@ -150,8 +148,7 @@ EP_DEVICE size_t landing_at(const A2AParams& p, const PayloadDesc& d, int source
 // end of the kernel: nobody waits for the result until the block's work is done. The thread
 // is the last warp's first: that warp selects no targets and, at decode batches and 256
 // threads, loads no payload groups, so its release waits for the counter read alone, not for
-// a selection's stores (on thread 0 it did: moving it took the H200's 1-token round trip from
-// 11.0 to 10.7 µs, 8 in-process ranks, deepseek-v3 bf16).
+// a selection's stores (as thread 0's did).
 EP_DEVICE unsigned counter_thread() { return blockDim.x - 32; }
 // By counter_thread: the step f into `f`, then the block counted in; returns the blocks
 // counted before it.

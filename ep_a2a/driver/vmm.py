@@ -132,11 +132,9 @@ class Allocation(_Resource):
     @classmethod
     def _adopt(cls, handle, size: int, device: Device, types: int) -> "Allocation":
         self = cls.__new__(cls)
-        try:
+        with _UndoStack() as undo:
+            undo.push(_drv.cuMemRelease, handle)
             g = granularity(device, types)
-        except BaseException:
-            _quietly(_drv.cuMemRelease, handle)
-            raise
         self._set(handle, size, device, types, g)
         return self
 
@@ -206,19 +204,13 @@ class Mapping(_Resource):
         self.allocation, self.device, self.size = allocation, allocation.device, allocation.size
         ordinals = list(dict.fromkeys([self.device.ordinal, *map(_ordinal, access_devices)]))
         self.device.make_current()
-        ptr = call(_drv.cuMemAddressReserve, self.size, allocation.granularity, 0, 0)
-        try:
+        with _UndoStack() as undo:
+            ptr = call(_drv.cuMemAddressReserve, self.size, allocation.granularity, 0, 0)
+            undo.push(_drv.cuMemAddressFree, ptr, self.size)
             call(_drv.cuMemMap, ptr, self.size, 0, allocation.handle, 0)
-        except BaseException:
-            _quietly(_drv.cuMemAddressFree, ptr, self.size)
-            raise
-        try:
+            undo.push(_drv.cuMemUnmap, ptr, self.size)
             descs = [_access_desc(o) for o in ordinals]
             call(_drv.cuMemSetAccess, ptr, self.size, descs, len(descs))
-        except BaseException:
-            _quietly(_drv.cuMemUnmap, ptr, self.size)
-            _quietly(_drv.cuMemAddressFree, ptr, self.size)
-            raise
         self.ptr, self.access_ordinals = int(ptr), tuple(ordinals)
         self._opened()
 
@@ -237,12 +229,29 @@ def _access_desc(ordinal: int) -> _drv.CUmemAccessDesc:
     return d
 
 
-def _quietly(fn, *args) -> None:
-    """Undo step of a rollback: the original error is the one worth raising."""
-    try:
-        fn(*args)
-    except Exception:
-        pass
+class _UndoStack:
+    """The undo steps of a construction so far: if the block raises, they run newest first
+    (each one's own failure swallowed: the original error is the one worth raising); if it
+    completes, none runs (the object now owns what was made)."""
+
+    def __init__(self):
+        self._steps = []
+
+    def push(self, fn, *args) -> None:
+        self._steps.append((fn, args))
+
+    def __enter__(self) -> "_UndoStack":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        steps, self._steps = self._steps, []
+        if exc_type is not None:
+            for fn, args in reversed(steps):
+                try:
+                    fn(*args)
+                except Exception:
+                    pass
+        return False
 
 
 class DeviceBuffer(_Resource):
@@ -250,12 +259,10 @@ class DeviceBuffer(_Resource):
     device and on `options.access_devices`."""
 
     def __init__(self, nbytes: int, device: DeviceLike, options: VmmOptions = VmmOptions()):
-        self.allocation = Allocation(nbytes, device, options)
-        try:
+        with _UndoStack() as undo:
+            self.allocation = Allocation(nbytes, device, options)
+            undo.push(self.allocation.close)
             self.mapping = Mapping(self.allocation, options.access_devices)
-        except BaseException:
-            self.allocation.close()
-            raise
         self.ptr, self.size, self.device = self.mapping.ptr, self.allocation.size, self.allocation.device
         self._opened()
 
@@ -278,12 +285,10 @@ class HostMapped(_Resource):
         self.device = _device(device)
         self.device.make_current()
         self.nbytes = nbytes
-        self.host_ptr = int(call(_drv.cuMemHostAlloc, nbytes, _drv.CU_MEMHOSTALLOC_DEVICEMAP | _drv.CU_MEMHOSTALLOC_PORTABLE))
-        try:
+        with _UndoStack() as undo:
+            self.host_ptr = int(call(_drv.cuMemHostAlloc, nbytes, _drv.CU_MEMHOSTALLOC_DEVICEMAP | _drv.CU_MEMHOSTALLOC_PORTABLE))
+            undo.push(_drv.cuMemFreeHost, self.host_ptr)
             self.device_ptr = int(call(_drv.cuMemHostGetDevicePointer, self.host_ptr, 0))
-        except BaseException:
-            _quietly(_drv.cuMemFreeHost, self.host_ptr)
-            raise
         ctypes.memset(self.host_ptr, 0, nbytes)
         self._opened()
 

@@ -54,7 +54,7 @@ class LayerBase:
     def dispatch(self) -> None:
         """Phase 2: launch this rank's dispatch (no host blocking, no framework call)."""
         st = self._step
-        st["views"] = self.a2a_rank.dispatch(st["ids"], [st["x"], st["w"]], st["tmax"], stream=self.s)
+        st["views"] = self.a2a_rank.dispatch(st["ids"], [st["x"], st["w"]], st["runtime_max"], stream=self.s)
 
     def index_and_gather(self, rows):
         """The start of phase 3, on this rank's stream: the expert index of the dispatched ids
@@ -68,13 +68,13 @@ class LayerBase:
     def finalize_partials(self, idx, fc2) -> None:
         """The end of phase 3, on this rank's stream: the experts' outputs (in the index's row
         order), weighted and summed per slot, into the combine input (FP8 where combine is)."""
-        finalize(idx, fc2, self.a2a_rank.combine_input(self._step["tmax"], fp8=self._fp8), stream=self.s)
+        finalize(idx, fc2, self.a2a_rank.combine_input(self._step["runtime_max"], fp8=self._fp8), stream=self.s)
 
     def combine_into(self, out) -> None:
         """Phase 4: launch this rank's combine of that input into `out` [T, hidden] (no host
         blocking)."""
-        r, tmax = self.a2a_rank, self._step["tmax"]
-        r.combine(r.combine_input(tmax, fp8=self._fp8), tmax, stream=self.s, out=out)
+        r, runtime_max = self.a2a_rank, self._step["runtime_max"]
+        r.combine(r.combine_input(runtime_max, fp8=self._fp8), runtime_max, stream=self.s, out=out)
 
 
 def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None, between=None) -> list:
@@ -85,13 +85,13 @@ def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None, bet
     benchmark marks its stage times there). Returns every layer's combine() result."""
     if not (len(layers) == len(xs) == len(routers)):
         raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
-    tmax = runtime_max_tokens_per_rank
-    if tmax is None:
-        tmax = max([1] + [int(x.shape[0]) for x in xs])
+    runtime_max = runtime_max_tokens_per_rank
+    if runtime_max is None:
+        runtime_max = max([1] + [int(x.shape[0]) for x in xs])
     prepared = []
     try:
         for layer, x, router in zip(layers, xs, routers):
-            layer.prepare(x, router, tmax)
+            layer.prepare(x, router, runtime_max)
             prepared.append(layer)
     except BaseException:
         for layer in prepared:  # nothing is launched yet: the step is simply dropped

@@ -163,7 +163,7 @@ class JaxMoeLayer(LayerBase):
                       self._out.view(0, (0, self.top_k), "float32")]
         self._keep = [x, ids, w]
         self.routing = (ids, w)
-        self._step = dict(T=T, tmax=int(runtime_max_tokens_per_rank), ids=staged[0], x=staged[1], w=staged[2])
+        self._step = dict(T=T, runtime_max=int(runtime_max_tokens_per_rank), ids=staged[0], x=staged[1], w=staged[2])
 
     def compute(self) -> None:
         """Phase 3 (once every rank of the process has dispatched): index and gather on our
@@ -221,10 +221,10 @@ class JaxMoeLayer(LayerBase):
         """One step for a rank alone in its process (see TorchMoeLayer.forward). Inside jax.jit
         (x traced) it is moe_forward_traced([self], ...), for a rank alone on its GPU."""
         import jax
-        tmax = self.a2a_rank.a2a.max_tokens_per_rank if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
+        runtime_max = self.a2a_rank.a2a.max_tokens_per_rank if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
         if isinstance(x, jax.core.Tracer):
-            return moe_forward_traced([self], [x], [router], tmax)[0]
-        self.prepare(x, router, tmax)
+            return moe_forward_traced([self], [x], [router], runtime_max)[0]
+        self.prepare(x, router, runtime_max)
         self.dispatch()
         self.compute()
         self.combine()
@@ -279,12 +279,12 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
         for layer in layers:
             layer._jit_ops = ops
     tokens = [layer.check_inputs(x, router) for layer, x, router in zip(layers, xs, routers)]
-    tmax = max([1] + tokens) if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
+    runtime_max = max([1] + tokens) if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
     fns = traced_functions()
     routes = [tuple(router) if isinstance(router, (tuple, list)) else
               fns["router"](router, layer.top_k, layer.renormalize) for layer, router in zip(layers, routers)]
     routes = [(jax.numpy.asarray(i, jax.numpy.int32), jax.numpy.asarray(w, jax.numpy.float32)) for i, w in routes]
-    d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], tmax)
+    d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], runtime_max)
     fc2 = [fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t) for layer, rows, counts in zip(layers, d.rows, d.counts)]
     return ops.combine_from_experts(fc2, d)
 

@@ -175,10 +175,10 @@ class TorchMoeLayer(LayerBase):
             x = x.contiguous()
             # No record_stream on this rank's stream: the caching allocator would record an
             # event on it when the tensor is freed, possibly after the group destroyed the
-            # stream (a crash seen on the H200). The step keeps x, ids and w alive until its
+            # stream (a crash). The step keeps x, ids and w alive until its
             # combine is issued, and the caller's stream then waits for ours, so memory the
             # caller frees is reused only after our reads.
-        self._step = dict(T=T, tmax=int(runtime_max_tokens_per_rank), ids=ids, x=x, w=w)
+        self._step = dict(T=T, runtime_max=int(runtime_max_tokens_per_rank), ids=ids, x=x, w=w)
         self.routing = (ids, w)
 
     def dispatch(self) -> None:
@@ -186,7 +186,7 @@ class TorchMoeLayer(LayerBase):
         import torch
         st = self._step
         with torch.cuda.stream(self.stream):
-            st["views"] = self._ops.dispatch(self.tr, st["ids"], [st["x"], st["w"]], st["tmax"])
+            st["views"] = self._ops.dispatch(self.tr, st["ids"], [st["x"], st["w"]], st["runtime_max"])
 
     def compute(self) -> None:
         """Phase 3: index, gather, FC1, activation, FC2, finalize into the combine input. Call it
@@ -223,17 +223,17 @@ class TorchMoeLayer(LayerBase):
                     if b > a:
                         torch.matmul(self._act[a:b], self.w_down[e].t(), out=self._y[a:b])
                 y = self._y
-            tmax = self._step["tmax"]
-            ops.finalize(self.tix, y, ops.combine_input(self.tr, tmax, fp8=self._fp8))
+            runtime_max = self._step["runtime_max"]
+            ops.finalize(self.tix, y, ops.combine_input(self.tr, runtime_max, fp8=self._fp8))
 
     def combine(self):
         """Phase 4: launch this rank's combine into the layer's output buffer (no host blocking).
         Returns the bf16 [T, hidden] output: a view valid until this layer's next step, ready
         on this rank's stream (moe_forward_all_ranks makes the caller's stream wait for it)."""
         import torch
-        T, tmax = self._step["T"], self._step["tmax"]
+        T, runtime_max = self._step["T"], self._step["runtime_max"]
         with torch.cuda.stream(self.stream):
-            self._ops.combine(self.tr, self._ops.combine_input(self.tr, tmax, fp8=self._fp8), tmax, out=self._out[:T])
+            self._ops.combine(self.tr, self._ops.combine_input(self.tr, runtime_max, fp8=self._fp8), runtime_max, out=self._out[:T])
         self._step = None
         self.output = self._out[:T]
         return self.output
@@ -242,8 +242,8 @@ class TorchMoeLayer(LayerBase):
         """One step for a rank alone in its process (every rank passes the same T^; default
         max_tokens_per_rank). Ranks sharing a process: use moe_forward_all_ranks."""
         import torch
-        tmax = self.a2a_rank.a2a.max_tokens_per_rank if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
-        self.prepare(x, router, tmax)
+        runtime_max = self.a2a_rank.a2a.max_tokens_per_rank if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
+        self.prepare(x, router, runtime_max)
         self.dispatch()
         self.compute()
         out = self.combine()

@@ -48,7 +48,7 @@ from ..driver.stream import is_capturing
 from ..interop.dlpack import DLDeviceType
 from ..interop.tensor import CUDA, Tensor, as_dtype
 from ..moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
-from ..validate import check_expert_ids_on_host, check_runtime_max, require, token_tensor
+from ..validate import check_dispatch_inputs, check_expert_ids_on_host, check_partial_shape, check_runtime_max, require, token_tensor
 from .jax_calls import RanksByDevice, buffer_ptr
 
 _PROBE_PTR = 256  # the address of the trace-time stand-ins (aligned for every dtype; never read)
@@ -203,13 +203,7 @@ class JaxAlltoAll:
             at = "" if single else f"[{i}]"
             name = f"token_selected_experts{at}"
             T = _probe(ids, name, (a.top_k,), "int32", None, a.max_tokens_per_rank).shape[0]
-            if T > tmax:
-                require(False, name, f"{T} local tokens exceed runtime_max_tokens_per_rank={tmax}")
-            if not isinstance(pays, (list, tuple)):
-                raise TypeError(f"payloads{at}: expected a list of tensors, got {type(pays).__name__}")
-            if len(pays) != len(a.payloads):
-                require(False, f"payloads{at}", f"expected {len(a.payloads)} tensors "
-                        f"({', '.join(p.name for p in a.payloads)}), got {len(pays)}")
+            check_dispatch_inputs(T, tmax, pays, a.payloads, at)
             for q, (p, spec) in enumerate(zip(pays, a.payloads)):
                 _probe(p, f"payloads{at}[{q}] ({spec.name})", tuple(spec.shape), spec.dtype, T, a.max_tokens_per_rank)
             tokens.append(T)
@@ -282,9 +276,7 @@ class JaxAlltoAll:
         for i, p in enumerate(parts):
             name = "partial" if single else f"partial[{i}]"
             t = _probe(p, name, (H,), dt, None, a.max_tokens_per_rank, leading_dims=(1, 2))
-            if t.shape[:-1] not in ((a.ep_size * tmax,), (a.ep_size, tmax)):
-                require(False, name, f"must be [ep_size={a.ep_size}, runtime_max_tokens_per_rank={tmax}, {H}], "
-                        f"got {t.shape}")
+            check_partial_shape(t.shape, a.ep_size, tmax, H, name)
         outs = [jax.ShapeDtypeStruct((T, H), _jdtype(dt)) for T in dispatched.num_tokens]
         body = functools.partial(self._combine_body, self._site(), tmax, dispatched.num_tokens,
                                  [tuple(p.shape) for p in parts])

@@ -11,9 +11,8 @@ so it must be compiled for every jaxlib at install (the cubins only need nvcc on
 GPU), and it would repeat in C++ the host logic dispatch and combine keep in Python (protocol
 choice, PDL triggers, grids, checks). buffer_callback is the same FFI custom call with
 jaxlib's own handler calling back into Python, so nothing is compiled by us. Its cost is the
-Python of the callback (on CPU jax 0.10.2: about 1.5 µs per extra callback in one program)
-and, for a program with has_side_effect=True calls, the loss of JAX's C++ dispatch fast
-path (about +45 µs per jitted call there): our calls are therefore declared pure, and their
+Python of the callback and, for a program with has_side_effect=True calls, the loss of
+JAX's C++ dispatch fast path (a far larger cost): our calls are therefore declared pure, and their
 order comes from data dependencies (dispatch hands combine a ticket array).
 
 Command buffers (XLA's CUDA graphs): our calls are registered command_buffer_compatible=False,

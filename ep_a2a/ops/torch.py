@@ -23,21 +23,18 @@ torch.compile traces only views already made: call each T^ once eagerly, or tr.p
 
 Registration: `torch.library.Library("ep_a2a", "DEF")` with define + impl (CUDA; the same
 function for CPU, where the all-to-all's own device rule raises naming the argument) +
-register_fake, chosen over `@torch.library.custom_op` by per-call cost. Measured on the
-development machine's CPU (torch 2.13, a trivial op with one mutated tensor, 200k calls):
-a Python call 0.05 µs; define+impl called through its OpOverload 1.9 µs (2.8 through the
-packet, 3.7 with Tensor[] arguments as dispatch has); custom_op 15.7 µs (16.8 through its
-OpOverload, 24.6 with Tensor[] arguments). The functions here call the OpOverloads, except
-in plain eager calls (no compile, tracing, mode or transform; plain torch.Tensor arguments:
-plain_eager()), where they run the same implementations directly: the dispatcher costs
-~10 µs per call on the H200, the checks that it would do nothing else ~0.3 µs (CPU).
+register_fake, chosen over `@torch.library.custom_op`, whose per-call cost is several times
+higher. The functions here call the OpOverloads, except in plain eager calls (no compile,
+tracing, mode or transform; plain torch.Tensor arguments: plain_eager()), where they run the
+same implementations directly: the dispatcher costs far more per call than the checks that
+it would do nothing else.
 
 Host cost: the ops never call DLPack per call. Each tensor argument fills an ep_a2a Tensor
 kept per argument position (interop/torch_tensor.TensorSlot), so a step whose tensors sit
 where the last step's did takes the all-to-all's repeat fast path; since the slots see
 whether a fill changed anything, such a step repeats without the all-to-all's geometry
 compare (RankAlltoAll.dispatch_same / combine_same); the stream is read as a raw handle.
-combine(out=None) allocates its output (a few µs): engines pass out=. Expert ids
+combine(out=None) allocates its output: engines pass out=. Expert ids
 are not copied to the host by default (bind(validate_expert_ids=False)): the kernel drops
 ids outside 0..num_experts-1 and -1; True checks them on the host at every eager dispatch (a
 synchronization; skipped under capture).
@@ -100,12 +97,12 @@ def _same_or_copy(passed, own) -> None:
 
 
 # -- implementations (run by the dispatcher with real tensors, or directly by eager calls) -------------
-# (The implementations hold their inputs with an inline `if explicit:`. A shared helper for
-# it cost ~0.2 µs per call on the H200's host, and an eager dispatch + combine has ~20 µs.)
+# (The implementations hold their inputs with an inline `if explicit:`: a shared helper's
+# call is a visible share of an eager step's host time.)
 def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream: int) -> None:
     """The dispatch itself, into b's own views: what the op runs, and what an eager call runs
     without the dispatcher."""
-    # (torch's current stream, the usual case, read here: StreamUse.pick's call costs ~0.15 µs)
+    # (torch's current stream, the usual case, read here: cheaper than StreamUse.pick's call)
     s, explicit = (current_stream_handle(b.ordinal), False) if stream == -1 else b.streams.pick(stream)
     # The record is taken off until this call has succeeded: a call that fails after a slot
     # took a new tensor leaves that slot "unchanged" for the next call with the same tensor,
@@ -119,7 +116,7 @@ def run_dispatch(b: TorchRank, token_selected_experts, payloads, runtime_max_tok
         b.r.reject_step(runtime_max_tokens_per_rank, s, e)  # peers in other processes may have launched
         raise
     # (the slots' own objects, none of their fields changed: the all-to-all's repeat without its
-    # geometry compare, ~0.7 µs less per call)
+    # geometry compare)
     if not (same and record is not None and b.r.dispatch_same(record, runtime_max_tokens_per_rank, s) is not None):
         b.r.dispatch(ids, pays, runtime_max_tokens_per_rank, s)
         record = b.r.last_repeats[0]
@@ -231,8 +228,8 @@ except AttributeError:  # (a torch without one of them: every call takes the dis
 
 
 def plain_eager() -> bool:
-    """Whether an eager call may run the implementation without the torch dispatcher (which
-    costs ~10 µs per call on the H200): not under torch.compile / export tracing (is_compiling() comes
+    """Whether an eager call may run the implementation without the torch dispatcher (the
+    larger part of an eager op's host cost): not under torch.compile / export tracing (is_compiling() comes
     first: dynamo folds it to True and traces nothing after it), no torch_dispatch mode
     (FakeTensorMode, functionalization, make_fx, FlopCounterMode, opcheck's schema check...),
     no torch_function mode, no functorch transform, no torch.jit.trace. With none of these,
@@ -302,8 +299,8 @@ def combine(rank, partial, runtime_max_tokens_per_rank: int, out=None, stream=No
         if T is None:
             raise StateError(f"rank {b.rank}: combine without a dispatch through these ops before it: "
                              "pass out= or num_tokens=")
-        # (eager: new_empty of a tensor with the dtype and device parses two ints, ~0.7 µs less
-        # than torch.empty's keywords; traced code keeps torch.empty, which names them)
+        # (eager: new_empty of a tensor with the dtype and device parses two ints, cheaper than
+        # torch.empty's keywords; traced code keeps torch.empty, which names them)
         out = b.out_like.new_empty(T, b.hidden) if direct else \
             torch.empty((T, b.hidden), dtype=b.combine_dtype, device=b.device)
     if direct and type(out) is _Tensor:
@@ -323,8 +320,8 @@ def expert_index(rank) -> TorchIndex:
 
 def build_index(index: TorchIndex, expert_ids, weights, stream=None) -> TorchIndex:
     """moe.build_index into `index` (its views for this T^ then hold the result)."""
-    tmax = int(expert_ids.shape[1]) if expert_ids.dim() == 3 else 0
-    rows, w, row_of = index.views(tmax)
+    runtime_max = int(expert_ids.shape[1]) if expert_ids.dim() == 3 else 0
+    rows, w, row_of = index.views(runtime_max)
     if plain_eager() and type(expert_ids) is _Tensor and type(weights) is _Tensor:
         run_build_index(index, expert_ids, weights, _stream_arg(stream))
     else:

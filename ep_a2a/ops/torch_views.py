@@ -32,8 +32,8 @@ def _current_stream_object(ordinal: int) -> int:
     return torch.cuda.current_stream(ordinal).cuda_stream
 
 
-# torch's current stream on cuda:`ordinal` as a raw handle (~0.1 µs; building a torch.cuda.Stream
-# object to read it, the fallback where torch lacks the raw accessor, costs ten times that)
+# torch's current stream on cuda:`ordinal` as a raw handle (building a torch.cuda.Stream object
+# to read it, the fallback where torch lacks the raw accessor, costs an order of magnitude more)
 current_stream_handle = _raw_stream if _raw_stream is not None else _current_stream_object
 
 
@@ -168,8 +168,8 @@ class TorchRank:
         if n != len(slots):
             return ids_slot.fill(token_selected_experts), [
                 (slots[q] if q < len(slots) else TensorSlot(f"payloads[{q}]"))(t) for q, t in enumerate(payloads)], False
-        # (straight calls for the usual count: a loop, map or comprehension over two payloads
-        # costs ~0.25 µs more per dispatch on CPython 3.11; `&`, not `and`: every slot is filled)
+        # (straight calls for the usual count, cheaper than a loop over two payloads; `&`, not
+        # `and`: every slot is filled)
         if n == 2:
             same = ids_slot.update(token_selected_experts) & slots[0].update(payloads[0]) & slots[1].update(payloads[1])
             return ids_slot.tensor, [slots[0].tensor, slots[1].tensor], same

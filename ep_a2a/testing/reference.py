@@ -46,20 +46,20 @@ def dispatch(expert_ids, payloads, ep_size: int, num_experts: int, runtime_max_t
     active: ranks taking part (default all); selections of other ranks' experts are dropped.
     """
     owner = expert_owner(num_experts, ep_size)
-    tmax = runtime_max_tokens_per_rank
+    runtime_max = runtime_max_tokens_per_rank
     top_k = expert_ids[0].shape[1]
     received = []
     for t in range(ep_size):
         received.append({
-            "expert_ids": np.full((ep_size, tmax, top_k), -1, np.int32),
-            "payloads": [np.zeros((ep_size, tmax) + p.shape[1:], p.dtype) for p in payloads[0]],
+            "expert_ids": np.full((ep_size, runtime_max, top_k), -1, np.int32),
+            "payloads": [np.zeros((ep_size, runtime_max) + p.shape[1:], p.dtype) for p in payloads[0]],
             "counts": np.zeros(ep_size, np.int64),
             "tokens": [[] for _ in range(ep_size)],
         })
     records = []
     for s in range(ep_size):
         ids = expert_ids[s]
-        assert ids.shape[0] <= tmax, "more tokens than runtime_max_tokens_per_rank"
+        assert ids.shape[0] <= runtime_max, "more tokens than runtime_max_tokens_per_rank"
         rec = np.full(ids.shape + (2,), -1, np.int64)
         for i, row in enumerate(ids):
             seen = {}

@@ -89,6 +89,7 @@ import numpy as np
 
 from ..driver.errors import CudaError
 from ..layout import Q8_BLOCK
+from ..testing import hooks
 from .bench_floors import ByteFloors, Stamps
 from .bench_method import (bare_launches, eager_step, host_time_us, interleaved_medians, per_round, ratio, split_round_trip,
                            stamp_split, stamps_refused)
@@ -364,7 +365,7 @@ class Bench:
         def dispatch_all():
             for (x_ids, pays), r in zip(ins, ranks):
                 r.dispatch(x_ids, pays, T)
-                r.abandon_dispatch()  # dispatch-only graph: the host phase check is not the point
+                hooks.abandon_dispatch(r)  # dispatch-only graph: the host phase check is not the point
 
         def roundtrip():
             for (x_ids, pays), r in zip(ins, ranks):
@@ -375,10 +376,10 @@ class Bench:
         def empty_like(rt: bool):
             def body():
                 for r in ranks:
-                    r.launch_empty(grid=r.last_grids[0])
+                    hooks.launch_empty(r, grid=hooks.last_grids(r)[0])
                 if rt:
                     for r in ranks:
-                        r.launch_empty(grid=r.last_grids[1])
+                        hooks.launch_empty(r, grid=hooks.last_grids(r)[1])
             return body
 
         self.meet()  # every rank has its inputs before anyone waits on a peer
@@ -390,7 +391,7 @@ class Bench:
         m = {}  # name -> this process's figure; reduced over processes below
         m["rt"], m["rt_overhead"] = self._time_rounds(roundtrip)
         m["empty_rt"], m["empty_d"] = self._time_body(empty_like(True)), self._time_body(empty_like(False))
-        refused = stamps_refused([r.last_grids for r in ranks], [r.max_grid for r in ranks],
+        refused = stamps_refused([hooks.last_grids(r) for r in ranks], [r.max_grid for r in ranks],
                                  [g.ranks_on_device for g in self.group.ranks]) if self.args.stamps else None
         if refused:
             self.say(f"T={T}: no stamped graph: {refused}")
@@ -474,10 +475,10 @@ class Bench:
     def host_overhead(self, T: int, iters: int = None) -> dict:
         """µs of host time per rank per eager dispatch+combine (arguments reused, no sync);
         the maximum over rank processes. Beside it, from the same host: everything but the
-        launches (the same calls inside driver.launch.dry_run(), which skips the launches: the
+        launches (the same calls inside testing.hooks.dry_run(), which skips the launches: the
         checks, parameter updates, any context bind) and two bare launches of the
         prepacked empty kernel (what the driver and its Python bindings cost without us)."""
-        from ..driver.launch import dry_run
+        from ..testing.hooks import dry_run
         a, ranks = self.a2a, self.a2a.ranks
         iters = iters or (20 if self.shared_gpu else 200)  # time-sliced steps cost ms each
         ins, _ = self._inputs(T)

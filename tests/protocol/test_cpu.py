@@ -125,16 +125,16 @@ def test_sentinel_escape_rule():
 
 def test_bench_crossover_and_crossover_override(monkeypatch):
     from ep_a2a.tools.bench_report import crossover
-    from ep_a2a import schedule
+    from ep_a2a import config, schedule
     rows = [dict(protocol=p, tokens_per_rank=t, round_trip_us=v) for p, t, v in
             [("fence", 1, 10), ("sentinel", 1, 8), ("fence", 2, 11), ("sentinel", 2, 10), ("fence", 4, 12),
              ("sentinel", 4, 13)]]
     assert crossover(rows) == 2
     assert crossover([r for r in rows if r["protocol"] == "fence"]) is None
     monkeypatch.setenv("EP_A2A_SENTINEL_MAX_TOKENS", "64")
-    assert schedule.sentinel_max_tokens() == 64
+    assert config.sentinel_max_tokens() == 64
     monkeypatch.delenv("EP_A2A_SENTINEL_MAX_TOKENS")
-    assert schedule.sentinel_max_tokens() == schedule.SENTINEL_MAX_TOKENS_H200
+    assert config.sentinel_max_tokens() == schedule.SENTINEL_MAX_TOKENS_H200
 
 
 def test_check_harness_routing_shapes():
@@ -403,7 +403,7 @@ def test_dispatch_splits_spread_small_batches_within_half_the_share():
     from ep_a2a import schedule
     from ep_a2a.schedule import Schedule
     groups = (7168 * 2 + 8 * 4 + 8 * 4) // 16  # deepseek-v3 bf16: hidden states, ids, weights
-    V16, V8 = [SimpleNamespace(vec=16)] * 3, [SimpleNamespace(vec=16), SimpleNamespace(vec=8)]
+    V16, V8 = [16] * 3, [16, 8]
     cap = min(schedule.MAX_DISPATCH_SPLITS, groups // schedule.MIN_SPLIT_GROUPS)
     for clusters in (True, False):
         s = Schedule(8, 8, 256, 7168, 14336, False, pdl=True, max_grid=66, push_groups=groups, clusters=clusters)

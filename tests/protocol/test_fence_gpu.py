@@ -7,6 +7,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from ep_a2a.testing import hooks
+
 pytestmark = pytest.mark.gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -84,10 +86,10 @@ def test_split_pushes(ep, top_k, scope, route, monkeypatch):
             run(a2a, rng, tokens, T, route=route, invalid_fraction=0.1)
             splits |= {r.params.dispatch_splits for r in a2a.ranks if tokens[r.rank]}
             if T == 1:  # the grids that were one cluster (8 blocks), or 0
-                clustered = {r.schedule.dispatch_cluster(1, 1, r.params.dispatch_splits, r.last_grids[0])
+                clustered = {r.schedule.dispatch_cluster(1, 1, r.params.dispatch_splits, hooks.last_grids(r)[0])
                              for r in a2a.ranks if tokens[r.rank]}
         assert (max(splits) > 1) == (top_k != 6), splits
-        assert all(r._cluster is not None for r in a2a.ranks)  # (sm_90: clusters_fit holds for up to 16 ranks)
+        assert all(r.plan.cluster is not None for r in a2a.ranks)  # (sm_90: clusters_fit holds for up to 16 ranks)
         assert clustered == ({8} if top_k != 6 else {0}), clustered
         before = [r.dropped_selections() for r in a2a.ranks[:-1]]
         a2a.set_active_ranks(list(range(ep - 1)))

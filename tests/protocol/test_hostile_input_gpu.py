@@ -53,7 +53,7 @@ def _build(group, protocol):
 
 def fresh(env):
     """Start an example from a clean all-to-all: rebuild it if the last one left a step open."""
-    if any(r._dispatched_tmax is not None or r.record.kind for r in env.a2a.ranks):
+    if any(r.mid_step or r.record.kind for r in env.a2a.ranks):
         try:
             env.a2a.close()
         except Exception:  # noqa: BLE001 - its recorded error was the earlier example's failure
@@ -141,7 +141,7 @@ def finish_dispatch_step(env):
     """Rank 0 dispatched by mistake: the others dispatch nothing at its T^, then all combine."""
     from ep_a2a.interop.arrays import empty
     r0 = env.a2a.ranks[0]
-    tmax = r0._dispatched_tmax
+    tmax = r0.state.pending.runtime_max
     for r in env.a2a.ranks[1:]:
         r.dispatch(empty((0, TOP_K), "int32", env.dev), [empty((0,) + s.shape, s.dtype, env.dev)
                                                          for s in env.a2a.payload_specs], tmax)
@@ -452,7 +452,7 @@ def test_partial_with_extra_middle_dimension_rejected(env):
         expect_rejected(env, lambda: r0.combine(bad, tmax, out=stp.outs[0]), ValueError, "partial",
                         lambda: finish_step(env, stp, skip=(0,)))
     finally:
-        if env.a2a.ranks[0]._dispatched_tmax is not None:
+        if env.a2a.ranks[0].mid_step:
             finish_step(env, stp)
     valid_step(env, rng)
 
@@ -481,7 +481,7 @@ def test_combine_runtime_max_must_be_an_int(env):
         expect_rejected(env, lambda: r0.combine(r0.combine_input(tmax), float(tmax), out=stp.outs[0]), ValueError,
                         "runtime_max_tokens_per_rank", lambda: finish_step(env, stp, skip=(0,)))
     finally:
-        if r0._dispatched_tmax is not None:
+        if r0.mid_step:
             finish_step(env, stp)
 
 

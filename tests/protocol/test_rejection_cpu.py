@@ -4,7 +4,7 @@ reject tag, with its combine input poisoned, then refuses every call; ranks of o
 and an invalid T^ launch nothing."""
 import pytest
 
-import ep_a2a.rejection as rejection
+import ep_a2a.alltoall as A
 from ep_a2a import layout
 from ep_a2a.errors import StateError
 from ep_a2a.interop.tensor import Tensor
@@ -25,7 +25,7 @@ def _launches(rec):
 @pytest.mark.parametrize("proto", ["fence", "sentinel"])
 def test_a_rank_alone_in_its_process_runs_the_rejected_step_without_tokens(proto, recorder, monkeypatch):
     memsets = []
-    monkeypatch.setattr(rejection, "memset_d8_async", lambda *args: memsets.append(args))
+    monkeypatch.setattr(A, "memset_d8_async", lambda *args: memsets.append(args))
     a2a, r, _ = _rank(local=False)
     a2a.protocol = proto
     ids, pays = _inputs("float32")  # the hidden states must be bfloat16
@@ -43,7 +43,7 @@ def test_a_rank_alone_in_its_process_runs_the_rejected_step_without_tokens(proto
 
 
 def test_ranks_of_one_process_reject_before_any_launch(recorder, monkeypatch):
-    monkeypatch.setattr(rejection, "memset_d8_async", lambda *args: pytest.fail("memset"))
+    monkeypatch.setattr(A, "memset_d8_async", lambda *args: pytest.fail("memset"))
     a2a, r, _ = _rank(local=True)
     with pytest.raises(TypeError, match="payloads"):
         r.dispatch(*_inputs("float32"), 8)
@@ -53,7 +53,7 @@ def test_ranks_of_one_process_reject_before_any_launch(recorder, monkeypatch):
 
 
 def test_an_invalid_runtime_max_forms_no_step(recorder, monkeypatch):
-    monkeypatch.setattr(rejection, "memset_d8_async", lambda *args: pytest.fail("memset"))
+    monkeypatch.setattr(A, "memset_d8_async", lambda *args: pytest.fail("memset"))
     a2a, r, _ = _rank(local=False)
     with pytest.raises(ValueError, match="runtime_max_tokens_per_rank"):
         r.dispatch(*_inputs(), 0)
@@ -65,27 +65,28 @@ def test_a_repeated_call_refused_by_the_host_id_check_also_runs_the_rejected_ste
     """The repeat fast path's host id check can refuse too (same tensors, new values): the
     peers are told the same way, also when a caller vouched for its Tensors (dispatch_same)."""
     import ep_a2a.alltoall as A
-    from ep_a2a import fastpath
-    monkeypatch.setattr(rejection, "memset_d8_async", lambda *args: None)
+    import ep_a2a.schedule as P
+    monkeypatch.setattr(A, "memset_d8_async", lambda *args: None)
     refuse = []
 
     def check(ids, stream, num_experts):
         if refuse:
             raise ValueError("token_selected_experts: ids must be in 0..num_experts-1 or -1")
-    for module in (A, fastpath):  # (the full path's check and the repeat's)
-        monkeypatch.setattr(module, "check_expert_ids_on_host", check)
-        monkeypatch.setattr(module, "is_capturing", lambda stream: False)
+    monkeypatch.setattr(A, "check_expert_ids_on_host", check)
+    monkeypatch.setattr(A, "is_capturing", lambda stream: False)
     a2a, r, _ = _rank(local=False)
     a2a.protocol = "fence"
     r.validate_expert_ids = True
     ids, pays = _inputs()
     repeats = []
-    again = r._dispatch_again
-    monkeypatch.setattr(r, "_dispatch_again", lambda *args: repeats.append(1) or again(*args))
-    for _ in range(fastpath.FIRST_STEPS + 2):
+    full = r._dispatch_checked
+    monkeypatch.setattr(r, "_dispatch_checked", lambda *args: repeats.append(-1) or full(*args))
+    done = r._dispatched
+    monkeypatch.setattr(r, "_dispatched", lambda *args: repeats.append(1) or done(*args))
+    for _ in range(P.FIRST_STEPS + 2):
         r.dispatch(ids, pays, 8)
         r.combine(r.combine_input(8), 8)
-    assert repeats, "the warm-up never reached the repeat fast path"
+    assert sum(repeats) > 0, "the warm-up never reached the repeat fast path"
     refuse.append(1)
     n = len(_launches(recorder))
     with pytest.raises(ValueError, match="token_selected_experts"):

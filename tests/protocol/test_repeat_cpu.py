@@ -11,9 +11,12 @@ import numpy as np
 import pytest
 
 import ep_a2a.alltoall as A
+import ep_a2a.alltoall as P
 import ep_a2a.interop.tensor as tensor_module
-from ep_a2a import fastpath, validate
+from ep_a2a import fastpath, schedule, validate
+from ep_a2a.config import Options
 from ep_a2a.errors import StateError
+from ep_a2a.testing import hooks
 from ep_a2a.testing.formats import payload_formats
 from ep_a2a.interop.tensor import Tensor, as_dtype
 from ep_a2a.layout import WorkspaceLayout, landing_bytes, sentinel_kind
@@ -44,14 +47,13 @@ def recorder(monkeypatch):
             rec.append(("launch", self.fn, bytes(self.p), self.grid, stream))
 
     monkeypatch.setattr(A, "HostMapped", _HostMapped)
-    monkeypatch.setattr(A, "Launch", FakeLaunch)
-    monkeypatch.setattr(A, "load", lambda name, dev: _Module())
-    monkeypatch.setattr(A, "occupancy", lambda f, t: 4)
-    monkeypatch.setattr(A, "cluster_launch", lambda dev, fn, args, cluster, block, pdl, at_once:
+    monkeypatch.setattr(P, "Launch", FakeLaunch)
+    monkeypatch.setattr(P, "load", lambda name, dev: _Module())
+    monkeypatch.setattr(P, "occupancy", lambda f, t: 4)
+    monkeypatch.setattr(P, "cluster_launch", lambda dev, fn, args, cluster, block, pdl, at_once:
                         FakeLaunch(dev, fn, args, cluster, block, pdl, cluster))
     monkeypatch.setattr(A, "DeviceAllocation", lambda dev, n: types.SimpleNamespace(ptr=1 << 32))
-    for module in (A, fastpath):  # (the full path's staging copy and the repeat's)
-        monkeypatch.setattr(module, "copy_dtod_async", lambda *args: rec.append(("copy", args)))
+    monkeypatch.setattr(A, "copy_dtod_async", lambda *args: rec.append(("copy", args)))
     # a Tensor last used on another stream is ordered before the call's (as_tensor): both
     # paths must make the same waits
     monkeypatch.setattr(tensor_module, "_wait", lambda consumer, producer, dev: rec.append(("wait", consumer, producer)))
@@ -65,14 +67,16 @@ def _rank(combine_quant=None, local=True):
     L = WorkspaceLayout.build(EP, TMAX, 8, pbytes, H * 2, sentinel=True,
                               landing=tuple(landing_bytes(b, k) for b, k in zip(pbytes, kinds)),
                               q8_hidden=H if combine_quant else 0)
+    options = Options(EP, TMAX, 8, 256, H, payloads=tuple(specs), combine_dtype=as_dtype("bfloat16"), protocol="auto",
+                      timeout_s=10, first_timeout_s=60, validate_expert_ids=False, crossover_tokens=8,
+                      combine_quant=combine_quant)  # (unchecked: FP8 under "auto" exercises both paths)
     a2a = types.SimpleNamespace(
-        ep_size=EP, top_k=8, num_experts=256, max_tokens_per_rank=TMAX, payload_specs=tuple(specs),
+        options=options, ep_size=EP, top_k=8, num_experts=256, max_tokens_per_rank=TMAX, payload_specs=tuple(specs),
         combine_hidden_size=H, combine_dtype=as_dtype("bfloat16"), protocol="auto", layout=L, kinds=kinds,
         workspace=types.SimpleNamespace(base=lambda i: 1 << 40, peers=lambda i: [1 << 40] * EP), on_timeout="trap",
         group=types.SimpleNamespace(is_local=local),
         active_ranks=tuple(range(EP)), combine_quant=combine_quant, threads=256, pdl=True, validate_expert_ids=False,
         first_timeout_s=60, timeout_s=10, crossover_tokens=0)
-    a2a.protocol_for = lambda t: a2a.protocol if a2a.protocol != "auto" else ("sentinel" if t <= 8 else "fence")
     dev = types.SimpleNamespace(ordinal=0, sm_count=132, make_current=lambda: None)
     rank = types.SimpleNamespace(rank=0, device=dev, stream=types.SimpleNamespace(handle=7), ranks_on_device=EP)
     return a2a, A.RankAlltoAll(a2a, 0, rank), specs
@@ -115,14 +119,17 @@ def _run(plan, fast, rec, monkeypatch, combine_quant=None, vouch=False):
     a2a, r, specs = _rank(combine_quant)
     pool, hits = {}, {"dispatch": 0, "combine": 0}
     vouched = {"d": (None, None), "c": (None, None)}  # (record, the objects of the call that left it)
-    d_again, c_again = r._dispatch_again, r._combine_again
+    full = {"dispatch": 0, "combine": 0}  # repeats = calls launched - calls that took the full path's checks
+    checked, dispatched, combined = r._dispatch_checked, r._dispatched, r._combined
 
-    def count(name, f):
+    def count(counts, name, f):
         def g(*args):
-            hits[name] += 1
+            counts[name] += 1
             return f(*args)
         return g
-    r._dispatch_again, r._combine_again = count("dispatch", d_again), count("combine", c_again)
+    r._dispatch_checked, r._dispatched = count(full, "dispatch", checked), count(hits, "dispatch", dispatched)
+    r._combined = count(hits, "combine", combined)
+    monkeypatch.setattr(A, "check_combine_runtime_max", count(full, "combine", A.check_combine_runtime_max))
 
     def obj(key, make):  # the same key gives the same object within a run (engines reuse buffers)
         if key not in pool:
@@ -146,7 +153,7 @@ def _run(plan, fast, rec, monkeypatch, combine_quant=None, vouch=False):
             vouched["d"] = (r.last_repeats[0], [ids, *pays])
         rec.append(("views", views[0].ptr, views[0].shape, views[0].stream, views[1][0].stream))
         if c["dispatch_only"]:
-            r._dispatched_tmax = None  # as the benchmark's dispatch-only graphs do
+            r.forget_dispatch()  # as the benchmark's dispatch-only graphs do
             continue
         part = r.combine_input(tmax) if c["part"] == "cin" else r.combine_input(tmax, fp8=True) \
             if c["part"] == "fp8" else obj(
@@ -163,7 +170,7 @@ def _run(plan, fast, rec, monkeypatch, combine_quant=None, vouch=False):
             y = r.combine(part, tmax, stream=c["stream"], out=out)
             vouched["c"] = (r.last_repeats[1], [part, out])
         rec.append(("out", y.ptr, y.shape, y.stream))
-    return list(rec), hits
+    return list(rec), {k: hits[k] - full[k] for k in hits}
 
 
 @pytest.mark.parametrize("seed,combine_quant", [(0, None), (1, None), (2, "fp8")])
@@ -192,7 +199,7 @@ def test_vouched_repeats_decline_where_a_dispatch_may_not_run(recorder, monkeypa
     a2a.protocol = "fence"
     ids = Tensor(1 << 33, (4, 8), "int32", device=(2, 0))
     pays = [Tensor((1 << 34) + (1 << 30) * q, (4,) + tuple(s.shape), s.dtype, device=(2, 0)) for q, s in enumerate(specs)]
-    for _ in range(fastpath.FIRST_STEPS + 1):
+    for _ in range(schedule.FIRST_STEPS + 1):
         r.dispatch(ids, pays, 16)
         r.combine(r.combine_input(16), 16)
     d, c = r.last_repeats
@@ -239,7 +246,7 @@ def test_one_token_fence_dispatch_runs_as_one_cluster_and_its_repeat_too(recorde
     assert schedule.CLUSTER_TOKENS == 1 and r.schedule.clusters
     assert launched(1, 1) == {("fence_dispatch@cluster8", 8)}
     assert launched(1, 2) == {("fence_dispatch", 8)}  # T^ decides, as on every rank
-    assert r.last_grids[0] == 8
+    assert hooks.last_grids(r)[0] == 8
 
 
 def test_framework_tensors_and_stream_objects_never_repeat(recorder, monkeypatch):
@@ -257,10 +264,10 @@ def test_framework_tensors_and_stream_objects_never_repeat(recorder, monkeypatch
     r.dispatch(ids, pays, 16)
     r.combine(r.combine_input(16), 16)
     rep = r._repeat_dispatch
-    assert rep is not None and rep.matches(r, ids, pays, 16, None)
+    assert rep is not None and rep.matches(ids, pays, 16, None)
     ids.ptr += 64  # a Tensor whose address changed is not the call it was
-    assert not rep.matches(r, ids, pays, 16, None)
-    assert not rep.matches(r, Tensor(ids.ptr - 64, (4, 8), "int32", device=(2, 0)), pays, 16, None)  # nor another object
+    assert not rep.matches(ids, pays, 16, None)
+    assert not rep.matches(Tensor(ids.ptr - 64, (4, 8), "int32", device=(2, 0)), pays, 16, None)  # nor another object
 
 
 def test_a_dead_reference_never_matches_a_none_argument():
@@ -269,16 +276,12 @@ def test_a_dead_reference_never_matches_a_none_argument():
     the argument (the GPU hostile-input test caught an AttributeError from here)."""
     import gc
 
-    class Rank:
-        @staticmethod
-        def repeat_state():
-            return False, "fence", 0, False
     t = Tensor(1 << 40, (4, H), "bfloat16", device=(2, 0))
-    r = fastpath.Repeat.of(Rank, 10, False, None, 4, [t, None], 0, 4, "fence", None, None)
-    assert r is not None and r.matches(Rank, t, (None,), 4, None)
+    r = fastpath.Repeat.of(None, 4, [t, None], 0, None, None)
+    assert r is not None and r.matches(t, (None,), 4, None)
     del t
     gc.collect()
-    assert not r.matches(Rank, None, (None,), 4, None)
+    assert not r.matches(None, (None,), 4, None)
 
 
 def test_a_dead_checked_input_never_matches_a_none_argument():
@@ -316,7 +319,7 @@ def test_fp8_input_made_once_per_t_hat_and_checked_by_geometry(recorder):
         validate.check_fp8_partial(q, 16, 'fp8', lambda: r._fp8_input(16))
 
 
-def test_combine_input_made_once_per_t_hat_so_a_step_asking_every_time_repeats(recorder):
+def test_combine_input_made_once_per_t_hat_so_a_step_asking_every_time_repeats(recorder, monkeypatch):
     """combine_input(T^) is one object per T^: an engine (or the README's snippet) that asks for
     it at every combine hands over the same Tensor, so the combine takes the repeat path."""
     _, r, specs = _rank()
@@ -326,11 +329,14 @@ def test_combine_input_made_once_per_t_hat_so_a_step_asking_every_time_repeats(r
     ids = Tensor(1 << 33, (4, 8), "int32", device=(2, 0))
     pays = [Tensor((1 << 34) + 4096 * k, (4,) + tuple(s.shape), s.dtype, device=(2, 0)) for k, s in enumerate(specs)]
     again = []
-    r._combine_again = lambda rep, f=r._combine_again: again.append(1) or f(rep)
-    for _ in range(fastpath.FIRST_STEPS + 3):
+    checks = A.check_combine_runtime_max
+    monkeypatch.setattr(A, "check_combine_runtime_max", lambda *args: again.append(-1) or checks(*args))  # (full path only)
+    combined = r._combined
+    r._combined = lambda *args: again.append(1) or combined(*args)
+    for _ in range(schedule.FIRST_STEPS + 3):
         r.dispatch(ids, pays, 16)
         r.combine(r.combine_input(16), 16)
-    assert len(again) >= 2, again
+    assert sum(again) >= 2, again
 
 
 def test_abandon_dispatch_is_fence_only(recorder):
@@ -340,12 +346,12 @@ def test_abandon_dispatch_is_fence_only(recorder):
     ids = Tensor(1 << 33, (4, 8), "int32", device=(2, 0))
     pays = [Tensor((1 << 34) + 4096 * k, (4,) + tuple(s.shape), s.dtype, device=(2, 0)) for k, s in enumerate(specs)]
     r.dispatch(ids, pays, 16)                      # FENCE (_rank's auto: SENTINEL up to 8)
-    r.abandon_dispatch()
+    hooks.abandon_dispatch(r)
     r.dispatch(ids, pays, 16)
     r.combine(r.combine_input(16), 16)
     r.dispatch(ids, pays, 8)                       # SENTINEL
     with pytest.raises(StateError, match="abandon_dispatch after a SENTINEL dispatch"):
-        r.abandon_dispatch()
+        hooks.abandon_dispatch(r)
     assert r.mid_step  # (refused: the step is still open and combine completes it)
     r.combine(r.combine_input(8), 8)
 
