@@ -21,7 +21,7 @@ from . import rejection, schedule
 from .config import PROTOCOLS, REDUCE_DTYPES, Fp8Partial, Options, PayloadSpec, peers_on_device  # noqa: F401 (PayloadSpec: re-exported)
 from .driver.errors import CudaError
 from .driver.lifetime import Owned
-from .driver.launch import Launch, cluster_launch, launch_once, occupancy
+from .driver.launch import Launch, cluster_launch, launch_once, occupancy, prefer_max_shared
 from .driver.memory import DeviceAllocation, copy_dtod_async, copy_dtoh, memset_d8_async, release_held
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
@@ -207,8 +207,8 @@ def build_plan(a2a, index: int, rank, record_address: int) -> RankPlan:
     reduce_dtype = REDUCE_DTYPES[options.combine_dtype.name]
     protocols = ("fence", "sentinel") if options.protocol == "auto" else (options.protocol,)
     q8 = "q8_" if options.combine_quant else ""
-    kernels = {protocol: (load(protocol, dev).function(f"{protocol}_dispatch"),
-                          load(protocol, dev).function(f"{protocol}_combine_{q8}{reduce_dtype}"))
+    kernels = {protocol: (prefer_max_shared(load(protocol, dev).function(f"{protocol}_dispatch")),
+                          prefer_max_shared(load(protocol, dev).function(f"{protocol}_combine_{q8}{reduce_dtype}")))
                for protocol in protocols}
     blocks_per_sm = min(occupancy(kernel, options.threads_per_block) for pair in kernels.values() for kernel in pair)
     # kernels of every rank sharing this GPU spin on each other: all must be resident

@@ -67,6 +67,18 @@ class Launch:
             check((err,), "cuLaunchKernelEx")
 
 
+def prefer_max_shared(function):
+    """`function` with the largest shared-memory carveout as its preference, returned.
+
+    An SM changes its split of L1 and shared memory only once it has drained, so a kernel
+    that spins on a kernel of another stream must run in the configuration that every other
+    kernel fits: otherwise a kernel between the phases that asks for more shared memory (a
+    GEMM, or any block of fewer than four warps) waits for SMs that never drain."""
+    check(_drv.cuFuncSetAttribute(function, _drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                  int(_drv.CUshared_carveout.CU_SHAREDMEM_CARVEOUT_MAX_SHARED)), "cuFuncSetAttribute")
+    return function
+
+
 def occupancy(function, block: int, shared_bytes: int = 0) -> int:
     """Resident blocks per SM of `function` at `block` threads."""
     return check(_drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(function, block, shared_bytes),

@@ -64,11 +64,8 @@ def parser() -> argparse.ArgumentParser:
                          "(combine_input(T^, fp8=True), as moe.finalize can), so combine only pulls and reduces")
     ap.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     ap.add_argument("--stamps", action="store_true",
-                    help="also time a graph with device timestamps between the phases (SENTINEL's dispatch / "
-                         "combine split, and FENCE's as a check); off by default: on the H200 with 8 in-process "
-                         "ranks that graph hung (a timeout's launch failure) at FENCE 128 and SENTINEL 16 tokens per "
-                         "rank, where every rank's grid is its whole share of the GPU (cause not found yet), while 1 "
-                         "and 4 tokens ran; such sizes now take no stamped graph and say why (stamps_refused)")
+                    help="also time a graph with a one-warp timestamp kernel between the phases on every rank's "
+                         "stream (SENTINEL's dispatch / combine split, and FENCE's as a check)")
     ap.add_argument("--threads", type=int_in(96, 512), default=256,
                     help="threads per block of the protocol kernels, a multiple of 32 in 96..512 (default 256)")
     ap.add_argument("--out", default=None, help=OUT_HELP)

@@ -169,17 +169,3 @@ def split_round_trip(round_trip_us: float, stamped_dispatch_us: float, stamped_c
         raise ValueError(f"stamped phases sum to {total} µs: nothing to split by")
     d = round_trip_us * stamped_dispatch_us / total
     return d, round_trip_us - d
-
-
-def stamps_refused(grids, max_grids, ranks_on_device) -> str | None:
-    """Why a size takes no stamped graph, or None. grids: each rank's (dispatch, combine)
-    blocks; max_grids: each rank's share of its GPU; ranks_on_device: how many ranks share
-    it. Where ranks share a GPU and a rank's grid is its whole share, their grids fill the
-    GPU exactly, and the graph with stamp kernels between the phases hung there on the H200
-    (SENTINEL at 16 tokens, 66 of 66 blocks; FENCE at 128 tokens with PDL stamps): the row
-    then gives the round trip without a stamped split instead of ending the sweep."""
-    i = next((i for i, (g, m, n) in enumerate(zip(grids, max_grids, ranks_on_device)) if n > 1 and max(g) >= m), None)
-    if i is None:
-        return None
-    return (f"rank {i}'s grid fills its share of the GPU ({max(grids[i])} of {max_grids[i]} blocks, "
-            f"{ranks_on_device[i]} ranks on it): stamp kernels between the phases hung there")

@@ -73,6 +73,7 @@ def patch_driver(setattr_, events):
         "HostMapped": _HostMapped,
         "load": lambda name, dev: _Module(),
         "occupancy": lambda f, t: 4,
+        "prefer_max_shared": lambda f: f,
         "cluster_launch": lambda dev, fn, args, cluster, block, pdl, at_once:
             launch_module.Launch(dev, fn, args, cluster, block, pdl=pdl, cluster=cluster),
         "DeviceAllocation": lambda dev, n: types.SimpleNamespace(ptr=1 << 32, close=lambda: None),

@@ -50,6 +50,7 @@ def recorder(monkeypatch):
     monkeypatch.setattr(P, "Launch", FakeLaunch)
     monkeypatch.setattr(P, "load", lambda name, dev: _Module())
     monkeypatch.setattr(P, "occupancy", lambda f, t: 4)
+    monkeypatch.setattr(P, "prefer_max_shared", lambda f: f)
     monkeypatch.setattr(P, "cluster_launch", lambda dev, fn, args, cluster, block, pdl, at_once:
                         FakeLaunch(dev, fn, args, cluster, block, pdl, cluster))
     monkeypatch.setattr(A, "DeviceAllocation", lambda dev, n: types.SimpleNamespace(ptr=1 << 32))

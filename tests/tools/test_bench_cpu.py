@@ -359,10 +359,3 @@ def test_the_timed_bodies_call_every_rank_in_order(monkeypatch):
     bench_method.bare_launches(ranks)
     assert calls == [("e", 0), ("e", 0), ("e", 1), ("e", 1)]
 
-
-def test_stamps_are_refused_where_a_shared_gpu_is_filled():
-    # in-process ranks whose grid is their whole share: refused, naming the rank and blocks
-    why = bench_method.stamps_refused([(8, 13), (66, 66)], [66, 66], [2, 2])
-    assert why is not None and "rank 1" in why and "66 of 66 blocks" in why and "2 ranks" in why
-    assert bench_method.stamps_refused([(32, 33)] * 8, [66] * 8, [8] * 8) is None   # half the share: stamped
-    assert bench_method.stamps_refused([(132, 132)], [132], [1]) is None             # a GPU of its own: stamped
