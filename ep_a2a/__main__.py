@@ -54,8 +54,8 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.top_k > args.experts:
-        ap.error(f"--top-k {args.top_k} exceeds the {args.experts} experts (--experts)")
+    from .tools.argtypes import check_top_k
+    check_top_k(ap, args.top_k, args.experts)
     return args
 
 

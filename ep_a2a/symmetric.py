@@ -108,14 +108,7 @@ class SymmetricWorkspace(Owned):
                 if q == rank.rank:
                     bases.append(buf.ptr)
                     continue
-                alloc = Allocation.import_fd_and_close(fds.pop(0), buf.size, rank.device)
-                try:
-                    m = Mapping(alloc, access_devices=(rank.device,))
-                except BaseException:
-                    alloc.close()
-                    raise
-                self._imported.append((m, alloc))
-                bases.append(m.ptr)
+                bases.append(self._map(Allocation.import_fd_and_close(fds.pop(0), buf.size, rank.device), rank))
             except BaseException:
                 # every fd not imported yet pins a whole peer workspace: close them all
                 for rest in received[q:]:
@@ -137,15 +130,18 @@ class SymmetricWorkspace(Owned):
             if q == rank.rank:
                 bases.append(buf.ptr)
                 continue
-            alloc = Allocation.import_fabric(h, buf.size, rank.device)
-            try:
-                m = Mapping(alloc, access_devices=(rank.device,))
-            except BaseException:
-                alloc.close()
-                raise
-            self._imported.append((m, alloc))
-            bases.append(m.ptr)
+            bases.append(self._map(Allocation.import_fabric(h, buf.size, rank.device), rank))
         return bases
+
+    def _map(self, alloc, rank) -> int:
+        """Map an imported peer allocation for this rank's device; the address of the mapping."""
+        try:
+            m = Mapping(alloc, access_devices=(rank.device,))
+        except BaseException:
+            alloc.close()
+            raise
+        self._imported.append((m, alloc))
+        return m.ptr
 
     @staticmethod
     def _upload_table(device, bases):

@@ -66,3 +66,9 @@ def choice_list(choices):
         return parts
     parse.__name__ = "name list"
     return parse
+
+
+def check_top_k(ap: argparse.ArgumentParser, top_k: int, experts: int) -> None:
+    """--top-k selects distinct experts: at most --experts of them (an argparse error otherwise)."""
+    if top_k > experts:
+        ap.error(f"--top-k {top_k} exceeds the {experts} experts (--experts)")

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from . import bench, exits
-from .argtypes import int_in, int_list, nonnegative_int, positive_float, positive_int
+from .argtypes import check_top_k, int_in, int_list, nonnegative_int, positive_float, positive_int
 from .bench_report import report
 from .result_paths import OUT_HELP, check_out
 
@@ -91,8 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--threads must be a multiple of 32 in 96..512, got {args.threads}")
     p = bench.PROFILES.get(args.profile, {})
     top_k, experts = args.top_k or p.get("top_k"), args.experts or p.get("num_experts")
-    if top_k > experts:
-        ap.error(f"--top-k {top_k} exceeds the {experts} experts (--experts)")
+    check_top_k(ap, top_k, experts)
     if args.mode == "procs":
         for flag, v in (("--ranks", args.ranks), ("--device", args.device), ("--profile-host", args.profile_host or None)):
             if v is not None:

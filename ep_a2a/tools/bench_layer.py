@@ -32,7 +32,7 @@ import numpy as np
 
 from ..layers.base import phase_gate, run_phases
 from . import exits
-from .argtypes import int_in, int_list, nonnegative_int, positive_int
+from .argtypes import check_top_k, int_in, int_list, nonnegative_int, positive_int
 from .bench_report import commit
 from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
@@ -277,8 +277,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--combine-quant {args.combine_quant} needs --protocol fence, got {args.protocol}")
     if args.protocol is None:
         args.protocol = "fence" if args.combine_quant else "auto"
-    if p["top_k"] > p["experts"]:
-        ap.error(f"--top-k {p['top_k']} exceeds the {p['experts']} experts (--experts)")
+    check_top_k(ap, p["top_k"], p["experts"])
     check_out(ap, args.out)
     return args
 

@@ -29,7 +29,7 @@ import argparse
 import sys
 
 from . import exits
-from .argtypes import int_in, int_list, positive_int
+from .argtypes import check_top_k, int_in, int_list, positive_int
 from .bench_method import bare_launches, eager_step, host_time_us, interleaved_medians
 from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
@@ -166,8 +166,7 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     ap = parser()
     args = ap.parse_args(argv)
-    if args.top_k > args.experts:
-        ap.error(f"--top-k {args.top_k} exceeds the {args.experts} experts (--experts)")
+    check_top_k(ap, args.top_k, args.experts)
     check_out(ap, args.out)
     return args
 
