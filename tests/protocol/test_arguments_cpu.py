@@ -94,16 +94,17 @@ DTYPE_SPELLINGS = st.one_of(st.sampled_from(sorted(DTYPES)), st.sampled_from(
 
 
 @st.composite
-def payload_specs(draw, max_size=8):
+def payload_specs(draw, max_size=8, max_dim=96, max_dims=3):
     n = draw(st.integers(0, max_size))
     names = draw(st.lists(st.sampled_from(NAMES), min_size=n, max_size=n, unique=True))
-    return [PayloadSpec(nm, tuple(draw(st.lists(st.integers(1, 96), min_size=1, max_size=3))), draw(DTYPE_SPELLINGS))
-            for nm in names]
+    return [PayloadSpec(nm, tuple(draw(st.lists(st.integers(1, max_dim), min_size=1, max_size=max_dims))),
+                        draw(DTYPE_SPELLINGS)) for nm in names]
 
 
 @st.composite
-def valid_options(draw):
-    """Arguments every rule allows (and a few spellings of each: NumPy ints, dtype objects)."""
+def valid_options(draw, small=None):
+    """Arguments every rule allows (and a few spellings of each: NumPy ints, dtype objects);
+    `small`: payloads of at most two dimensions of 48 (the GPU test's)."""
     protocol = draw(st.sampled_from(["fence", "sentinel", "auto"]))
     quant = draw(st.sampled_from([None, "fp8"])) if protocol == "fence" else None
     num_experts = draw(st.integers(1, 64))
@@ -111,7 +112,7 @@ def valid_options(draw):
         max_tokens_per_rank=draw(st.one_of(st.integers(1, 64), st.integers(1, 64).map(np.int64))),
         top_k=draw(st.integers(1, min(22, num_experts))), num_experts=num_experts,
         combine_hidden_size=128 * draw(st.integers(1, 4)) if quant else draw(st.integers(1, 300)),
-        payloads=draw(payload_specs(4)), combine_dtype=draw(st.sampled_from(
+        payloads=draw(payload_specs(4, max_dim=96 if small is None else 48, max_dims=3 if small is None else 2)), combine_dtype=draw(st.sampled_from(
             list(REDUCE) + [np.float16, np.float32, np.dtype("float32"), "f2", "<f4"])),
         protocol=protocol, combine_quant=quant, timeout_s=draw(st.sampled_from([None, 20, 20.0, np.float64(30)])),
         first_timeout_s=draw(st.sampled_from([None, 60.0, 120])), on_timeout=draw(st.sampled_from(["trap", "abort"])),
