@@ -27,6 +27,7 @@ def host_identity() -> bytes:
 
 
 def ranks_on_other_hosts(hosts: list, rank: int) -> list:
+    """The ranks whose host_identity() differs from `rank`'s (they need FABRIC handles)."""
     return [q for q, h in enumerate(hosts) if h != hosts[rank]]
 
 
@@ -188,12 +189,15 @@ class SymmetricWorkspace(Owned):
         return table
 
     def peers(self, local_index: int = 0) -> list:
+        """Every rank's workspace address as local rank `local_index` reaches it."""
         return self._peers[local_index]
 
     def base(self, local_index: int = 0) -> int:
+        """The address of local rank `local_index`'s own workspace."""
         return self._own[local_index].ptr
 
     def peer_table(self, local_index: int = 0) -> int:
+        """Device address of peers(local_index) as an array of u64 (for users' kernels)."""
         return self._tables[local_index].ptr
 
     def _release(self) -> None:

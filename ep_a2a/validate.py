@@ -94,6 +94,7 @@ def check_dispatch_inputs(tokens: int, runtime_max: int, payloads, specs, at: st
 
 
 def check_combine_runtime_max(runtime_max: int, dispatched: int) -> None:
+    """combine's T^ must be the one its step's dispatch used."""
     if runtime_max != dispatched:
         raise ValueError(f"runtime_max_tokens_per_rank: combine got {runtime_max} but the dispatch of this step "
                          f"used {dispatched}")
