@@ -57,17 +57,17 @@ def free_bytes(device) -> int | None:
     nvidia-ml-py or no libnvidia-ml: the allocation then fails in the driver instead)."""
     try:
         import pynvml
-        pynvml.nvmlInit()  # (reference-counted: one per call, released below)
-    except Exception:
-        return None
-    try:
+        if not _nvml_ready:
+            pynvml.nvmlInit()  # (once per process, kept, as topology.py does)
+            _nvml_ready.append(True)
         domain, rest = device.pci_bus_id.split(":", 1) if device.pci_bus_id.count(":") == 2 else ("0", device.pci_bus_id)
         bus = f"{int(domain, 16):08X}:{rest.upper()}"  # (NVML's form: an 8-digit domain)
         return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByPciBusId(bus)).free)
     except Exception:
         return None
-    finally:
-        pynvml.nvmlShutdown()
+
+
+_nvml_ready: list = []
 
 
 def check_memory(group, nbytes: int, free=None) -> None:
