@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"   # the one version number: pyproject.toml reads it from here
 
@@ -22,11 +23,23 @@ _EXPORTS = {
     ".interop.tensor": ["Tensor", "as_tensor"],
     ".moe": ["ExpertIndex", "build_index", "gather_rows", "finalize"],
 }
+if TYPE_CHECKING:  # (the names as type checkers and editors see them; at run time __getattr__ loads them)
+    from .alltoall import MoeAlltoAll
+    from .bootstrap import MpiBootstrap, TorchDistributedBootstrap, UnixSocketBootstrap
+    from .config import Fp8Partial, PayloadSpec
+    from .errors import (ActiveRanksMismatchError, BootstrapError, BootstrapTimeout, CudaError, DriverTooOldError,
+                         EpA2AError, ForkedProcessError, NoDriverError, PeerAbortedError, PeerError, PeerRejectedError,
+                         PeerTimeoutError, RuntimeMaxMismatchError, StateError, TopologyError, UnsupportedDeviceError)
+    from .group import LocalGroup, ProcessGroup, Rank
+    from .interop.tensor import Tensor, as_tensor
+    from .moe import ExpertIndex, build_index, finalize, gather_rows
+
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = list(_HOME)
 
 
 def __getattr__(name: str):
+    """A public name, imported from its module on first use (PEP 562), or a submodule."""
     module = _HOME.get(name)
     if module is None:  # a submodule, e.g. ep_a2a.bootstrap.UnixSocketBootstrap
         if name.startswith("_") or importlib.util.find_spec(f"{__name__}.{name}") is None:
@@ -38,4 +51,5 @@ def __getattr__(name: str):
 
 
 def __dir__():
+    """The module's names and every public name (loaded or not), for dir() and completion."""
     return sorted(set(globals()) | set(__all__))

@@ -56,7 +56,7 @@ class MoeAlltoAll(Owned):
                 "kinds": "payload_kinds"}
 
     def __init__(self, group, **given):
-        options = self.options = Options.check(group.ep_size, **given)
+        options = self.options = Options.check(group, **given)
         self.group, self.protocol, self.active_ranks = group, options.protocol, tuple(range(options.ep_size))
         if not group.is_local:
             group.agree(options.agreement(), "MoeAlltoAll arguments")

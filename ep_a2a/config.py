@@ -12,7 +12,7 @@ from typing import NamedTuple
 from .interop.tensor import Tensor, as_dtype as lookup_dtype
 from .layout import MAX_PAYLOADS, MAX_RANKS, MAX_TOP_K, Q8_BLOCK, sentinel_kind
 from .schedule import SENTINEL_MAX_TOKENS_H200
-from .validate import require
+from .validate import check_bool, check_choice, check_int, check_seconds, is_int, require
 
 PROTOCOLS = ("fence", "sentinel", "auto")
 ON_TIMEOUT = ("trap", "abort")
@@ -28,11 +28,24 @@ TIMEOUT_ENV, FIRST_TIMEOUT_ENV = "EP_A2A_TIMEOUT_S", "EP_A2A_FIRST_TIMEOUT_S"
 CROSSOVER_ENV = "EP_A2A_SENTINEL_MAX_TOKENS"  # protocol="auto"'s crossover for the process
 
 
+MAX_SECONDS = 9e9  # timeouts travel as (signed, in the agreement) 64-bit nanoseconds
+MAX_CROSSOVER = 2 ** 31 - 1
+MAX_HIDDEN = 2 ** 24        # combine_hidden_size: elements per token (slot offsets are 32-bit)
+MAX_PAYLOAD_BYTES = 2 ** 31 - 1  # a payload's bytes per token travel as u32
+
+
 def sentinel_max_tokens() -> int:
     """The crossover_tokens of an all-to-all built without one: $EP_A2A_SENTINEL_MAX_TOKENS, else
     schedule.SENTINEL_MAX_TOKENS_H200."""
     v = os.environ.get(CROSSOVER_ENV)
-    return int(v) if v else SENTINEL_MAX_TOKENS_H200
+    if not v:
+        return SENTINEL_MAX_TOKENS_H200
+    try:
+        n = int(v)
+    except ValueError:
+        n = -1
+    require(0 <= n <= MAX_CROSSOVER, CROSSOVER_ENV, f"must be an int in 0..{MAX_CROSSOVER}, got {v!r}")
+    return n
 
 
 def default_timeout(value, env: str, default: float) -> float:
@@ -43,9 +56,12 @@ def default_timeout(value, env: str, default: float) -> float:
     if raw is None:
         return default
     try:
-        return float(raw)
+        v = float(raw)
     except ValueError:
         raise ValueError(f"{env}: must be a number of seconds, got {raw!r}") from None
+    require(math.isfinite(v) and 0 < v <= MAX_SECONDS, env, f"must be a finite number of seconds in (0, {MAX_SECONDS:g}], "
+            f"got {raw!r}")
+    return v
 
 
 # The protocols' flags use gpu scope when every rank lives on one GPU (kernels/protocol.cuh
@@ -63,14 +79,39 @@ def peers_on_device(ranks_on_device: int, ep_size: int) -> int:
 @dataclass(frozen=True)
 class PayloadSpec:
     """One dispatch payload: `shape` and `dtype` of one token's data (any bytes: BF16 hidden
-    states, FP8 with scales, packed FP4, router weights, opaque uint8)."""
+    states, FP8 with scales, packed FP4, router weights, opaque uint8).
+
+    Checked when built: `name` a non-empty str, `shape` a tuple (or list) of positive ints,
+    `dtype` any spelling interop.tensor.as_dtype takes ("bfloat16", np.float16,
+    torch.bfloat16, jnp.bfloat16, ...), kept as its name."""
     name: str
     shape: tuple
     dtype: str = "uint8"
 
+    def __post_init__(self):
+        if not isinstance(self.name, str):
+            raise TypeError(f"PayloadSpec name: must be a str, got {type(self.name).__name__} {self.name!r}")
+        require(bool(self.name), "PayloadSpec name", "must not be empty")
+        at = f"PayloadSpec {self.name!r}"
+        if not isinstance(self.shape, (tuple, list)) or not all(is_int(d) for d in self.shape):
+            raise TypeError(f"{at} shape: must be a tuple of positive ints (one token's shape, e.g. (7168,)), "
+                            f"got {self.shape!r}")
+        shape = tuple(int(d) for d in self.shape)
+        require(len(shape) >= 1 and all(d >= 1 for d in shape), f"{at} shape",
+                f"must be a non-empty tuple of positive ints, got {shape}")
+        try:
+            dtype = lookup_dtype(self.dtype)
+        except TypeError as e:
+            raise TypeError(f"{at} dtype: {e}") from None
+        require(math.prod(shape) * dtype.itemsize <= MAX_PAYLOAD_BYTES, f"{at} shape",
+                f"at most {MAX_PAYLOAD_BYTES} bytes per token, got {shape} of {dtype.name}")
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dtype", dtype.name)
+
     @property
     def bytes_per_token(self) -> int:
-        return math.prod(int(s) for s in self.shape) * lookup_dtype(self.dtype).itemsize
+        """Bytes of one token's data: the product of the shape times the dtype's size."""
+        return math.prod(self.shape) * lookup_dtype(self.dtype).itemsize
 
 
 class Fp8Partial(NamedTuple):
@@ -80,6 +121,17 @@ class Fp8Partial(NamedTuple):
     values: Tensor  # float8_e4m3fn [ep_size, T^, hidden]
     scales: Tensor  # float32 [ep_size, T^, hidden / 128]
     dtype: str      # the combine dtype: each partial value is rounded to it before quantizing
+
+
+def group_size(group) -> int:
+    """The ep_size of `group` (a LocalGroup / ProcessGroup) or an int ep_size, checked."""
+    if is_int(group):
+        return check_int(group, "group", 1, MAX_RANKS)
+    ep, ranks = getattr(group, "ep_size", None), getattr(group, "ranks", None)
+    if not is_int(ep) or not isinstance(ranks, list):
+        raise TypeError(f"group: must be a LocalGroup or ProcessGroup, got {type(group).__name__}")
+    require(1 <= ep <= MAX_RANKS, "group", f"ep_size must be in 1..{MAX_RANKS}, got {ep}")
+    return int(ep)
 
 
 @dataclass(frozen=True)
@@ -134,40 +186,53 @@ class Options:
     combine_quant: str = None
 
     @classmethod
-    def check(cls, ep_size: int, **given) -> "Options":
-        """The options, or a ValueError/TypeError naming the first argument that breaks its rule."""
+    def check(cls, ep_size, **given) -> "Options":
+        """The options, or a TypeError (wrong type) / ValueError (wrong value) naming the first
+        argument that breaks its rule. `ep_size`: an int, or the group (its ep_size). Nothing
+        here touches the driver: a call that fails allocates and launches nothing."""
         try:
             o = cls(ep_size, **given)
         except TypeError as e:  # (a missing or unknown argument)
             raise TypeError(f"MoeAlltoAll: {e}".replace("Options.__init__() ", "")) from None
-        ep, top_k, hidden, protocol, quant = ep_size, o.top_k, o.combine_hidden_size, o.protocol, o.combine_quant
-        require(1 <= ep <= MAX_RANKS, "group", f"ep_size must be in 1..{MAX_RANKS}, got {ep}")
-        require(1 <= top_k <= MAX_TOP_K, "top_k", f"must be in 1..{MAX_TOP_K}, got {top_k}")
-        require(o.num_experts >= 1, "num_experts", f"must be >= 1, got {o.num_experts}")
-        require(1 <= o.max_tokens_per_rank < 2 ** 23, "max_tokens_per_rank",
-                f"must be in 1..2**23-1, got {o.max_tokens_per_rank}")
-        require(hidden >= 1, "combine_hidden_size", f"must be >= 1, got {hidden}")
-        require(protocol in PROTOCOLS, "protocol", f"must be one of {PROTOCOLS}, got {protocol!r}")
-        require(o.on_timeout in ON_TIMEOUT, "on_timeout", f"must be one of {ON_TIMEOUT}, got {o.on_timeout!r}")
-        timeout_s = default_timeout(o.timeout_s, TIMEOUT_ENV, TIMEOUT_S)
-        first_timeout_s = default_timeout(o.first_timeout_s, FIRST_TIMEOUT_ENV, FIRST_TIMEOUT_S)
-        require(timeout_s > 0 and first_timeout_s > 0, "timeout_s", "timeouts must be > 0 seconds")
-        require(max(timeout_s, first_timeout_s) < 2 ** 63 / 1e9, "timeout_s", "timeouts must fit the kernels' u64 nanoseconds")
-        require(quant in (None, "fp8"), "combine_quant", f"must be None or 'fp8', got {quant!r}")
+        ep = group_size(ep_size)
+        top_k = check_int(o.top_k, "top_k", 1, MAX_TOP_K)
+        experts = check_int(o.num_experts, "num_experts", 1, 2 ** 31 - 1)
+        require(top_k <= experts, "top_k", f"must be <= num_experts={experts} (a token picks top_k distinct experts), "
+                f"got {top_k}")
+        tokens = check_int(o.max_tokens_per_rank, "max_tokens_per_rank", 1, 2 ** 23 - 1)
+        hidden = check_int(o.combine_hidden_size, "combine_hidden_size", 1, MAX_HIDDEN)
+        protocol = check_choice(o.protocol, "protocol", PROTOCOLS)
+        on_timeout = check_choice(o.on_timeout, "on_timeout", ON_TIMEOUT)
+        quant = check_choice(o.combine_quant, "combine_quant", (None, "fp8"))
+        timeout_s = check_seconds(default_timeout(o.timeout_s, TIMEOUT_ENV, TIMEOUT_S), "timeout_s", MAX_SECONDS)
+        first_timeout_s = check_seconds(default_timeout(o.first_timeout_s, FIRST_TIMEOUT_ENV, FIRST_TIMEOUT_S),
+                                        "first_timeout_s", MAX_SECONDS)
         if quant:
             require(protocol == "fence", "combine_quant", f"'fp8' needs protocol='fence', got {protocol!r}")
             require(hidden % Q8_BLOCK == 0, "combine_quant",
                     f"'fp8' needs combine_hidden_size to be a multiple of {Q8_BLOCK}, got {hidden}")
-        cdt = lookup_dtype(o.combine_dtype)
+        try:
+            cdt = lookup_dtype(o.combine_dtype)
+        except TypeError as e:
+            raise TypeError(f"combine_dtype: {e}") from None
         require(cdt.name in REDUCE_DTYPES, "combine_dtype", f"must be one of {tuple(REDUCE_DTYPES)}, got {cdt.name}")
+        if not isinstance(o.payloads, (list, tuple)):
+            raise TypeError(f"payloads: must be a list of PayloadSpec, got {type(o.payloads).__name__}")
         payloads = tuple(o.payloads)
         require(len(payloads) <= MAX_PAYLOADS - 1, "payloads", f"at most {MAX_PAYLOADS - 1} payloads, got {len(payloads)}")
         for p in payloads:
-            require(isinstance(p, PayloadSpec), "payloads", f"expected PayloadSpec entries, got {type(p).__name__}")
-            require(p.bytes_per_token > 0, "payloads", f"payload {p.name!r} has no bytes per token")
-        threads = int(o.threads_per_block)
-        require(threads % 32 == 0 and 96 <= threads <= 512, "threads_per_block", "must be a multiple of 32 in 96..512")
-        crossover = sentinel_max_tokens() if o.crossover_tokens is None else int(o.crossover_tokens)
+            if not isinstance(p, PayloadSpec):
+                raise TypeError(f"payloads: must be a list of PayloadSpec, got an entry of type {type(p).__name__}")
+        names = [p.name for p in payloads]
+        require(len(set(names)) == len(names), "payloads", f"names must be unique, got {names}")
+        validate_ids, pdl = check_bool(o.validate_expert_ids, "validate_expert_ids"), check_bool(o.pdl, "pdl")
+        threads = check_int(o.threads_per_block, "threads_per_block", 96, 512)
+        require(threads % 32 == 0, "threads_per_block", f"must be a multiple of 32 in 96..512, got {threads}")
+        crossover = sentinel_max_tokens() if o.crossover_tokens is None else \
+            check_int(o.crossover_tokens, "crossover_tokens", 0, MAX_CROSSOVER)
+        o = dataclasses.replace(o, ep_size=ep, max_tokens_per_rank=tokens, top_k=top_k, num_experts=experts,
+                                combine_hidden_size=hidden, protocol=protocol, on_timeout=on_timeout,
+                                combine_quant=quant, validate_expert_ids=validate_ids, pdl=pdl)
         return dataclasses.replace(o, payloads=payloads, combine_dtype=cdt, timeout_s=timeout_s,
                                    first_timeout_s=first_timeout_s, threads_per_block=threads, crossover_tokens=crossover)
 

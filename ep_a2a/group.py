@@ -13,9 +13,11 @@ import weakref
 
 from . import topology
 from .driver.device import Device, get_device
+from .layout import MAX_RANKS
 from .driver.lifetime import Owned
 from .driver.memory import has_held, hold_frees, release_held
 from .driver.stream import Stream, is_capturing
+from .validate import check_bool, check_int, is_int
 
 
 class Rank:
@@ -36,6 +38,9 @@ class Rank:
 
 
 class Group(Owned):
+    """What LocalGroup and ProcessGroup share: `ranks` (the ranks living in this process),
+    `ep_size` (all ranks of the group) and `bootstrap` (None in a LocalGroup). A group is
+    closed by close() or its context manager, after the all-to-alls built on it."""
     _kind = "groups"
     ranks: list        # the ranks that live in this process
     ep_size: int
@@ -43,6 +48,7 @@ class Group(Owned):
 
     @property
     def is_local(self) -> bool:
+        """True for a LocalGroup: every rank of the group lives in this process."""
         return self.bootstrap is None
 
     def _release(self) -> None:
@@ -51,10 +57,21 @@ class Group(Owned):
 
 
 class LocalGroup(Group):
+    """Every rank of the group in this process: rank i on GPU `devices[i]` (a list of CUDA
+    ordinals; repeats put several ranks on one GPU, e.g. LocalGroup([0] * 8)), each with its
+    own non-blocking stream. `check_topology`: distinct GPUs must reach each other over
+    NVLink (checked through NVML; a TopologyError otherwise).
+
+    In-process ranks spin on each other: issue every rank's dispatch before anything
+    blocks on one of them (the same for combine)."""
+
     def __init__(self, devices, check_topology: bool = True):
-        devices = [int(d) for d in devices]
-        if not devices:
-            raise ValueError("devices: a LocalGroup needs at least one device")
+        if not isinstance(devices, (list, tuple, range)) or not all(is_int(d) for d in devices):
+            raise TypeError(f"devices: must be a list of CUDA device ordinals (ints), got {devices!r}")
+        devices = [check_int(d, "devices", 0) for d in devices]
+        if not 1 <= len(devices) <= MAX_RANKS:
+            raise ValueError(f"devices: a LocalGroup needs 1..{MAX_RANKS} ranks (one device per rank), got {len(devices)}")
+        check_topology = check_bool(check_topology, "check_topology")
         self.ep_size = len(devices)
         devs = [get_device(d) for d in devices]
         if check_topology:
@@ -66,14 +83,29 @@ class LocalGroup(Group):
 
     @property
     def devices(self):
+        """The distinct CUDA ordinals of the group, sorted."""
         return sorted({r.device.ordinal for r in self.ranks})
 
 
 class ProcessGroup(Group):
+    """This process is one rank (bootstrap.rank of bootstrap.world_size) of a group whose
+    processes met through `bootstrap` (UnixSocketBootstrap, TorchDistributedBootstrap,
+    MpiBootstrap), on the CUDA ordinal `device`. Construction is collective: every process
+    builds its ProcessGroup. `check_topology`: every pair of distinct GPUs must reach each
+    other over NVLink (NVML; a TopologyError otherwise)."""
+
     def __init__(self, bootstrap, device: int, check_topology: bool = True):
+        for attr in ("rank", "world_size", "allgather", "barrier"):
+            if not hasattr(bootstrap, attr):
+                raise TypeError(f"bootstrap: must be a Bootstrap (UnixSocketBootstrap, TorchDistributedBootstrap, "
+                                f"MpiBootstrap), got {type(bootstrap).__name__} without {attr!r}")
+        device = check_int(device, "device", 0)
+        check_topology = check_bool(check_topology, "check_topology")
+        world = check_int(bootstrap.world_size, "bootstrap.world_size", 1, MAX_RANKS)
+        check_int(bootstrap.rank, "bootstrap.rank", 0, world - 1)
         self.bootstrap = bootstrap
-        self.ep_size = bootstrap.world_size
-        dev = get_device(int(device))
+        self.ep_size = world
+        dev = get_device(device)
         ids = [b.decode() for b in bootstrap.allgather(dev.pci_bus_id.encode())]
         if check_topology:
             topology.check_nvlink(ids)

@@ -10,6 +10,7 @@ from .driver.lifetime import Owned
 from .driver.memory import DeviceAllocation, copy_htod
 from .driver.vmm import Allocation, DeviceBuffer, Mapping, VmmOptions
 from .errors import CudaError, TopologyError
+from .validate import check_workspace_fits
 
 FABRIC_HANDLE_BYTES = 64
 
@@ -26,6 +27,7 @@ def host_identity() -> bytes:
 
 
 def ranks_on_other_hosts(hosts: list, rank: int) -> list:
+    """The ranks whose host_identity() differs from `rank`'s (they need FABRIC handles)."""
     return [q for q, h in enumerate(hosts) if h != hosts[rank]]
 
 
@@ -50,6 +52,37 @@ def exchange_fabric_handles(bootstrap, handle, why_not: str = "") -> list:
     return [p[1:] for p in parts]
 
 
+def free_bytes(device) -> int | None:
+    """Free memory of `device` in bytes as NVML reports it, or None where NVML cannot tell (no
+    nvidia-ml-py or no libnvidia-ml: the allocation then fails in the driver instead)."""
+    try:
+        import pynvml
+        if not _nvml_ready:
+            pynvml.nvmlInit()  # (once per process, kept, as topology.py does)
+            _nvml_ready.append(True)
+        domain, rest = device.pci_bus_id.split(":", 1) if device.pci_bus_id.count(":") == 2 else ("0", device.pci_bus_id)
+        bus = f"{int(domain, 16):08X}:{rest.upper()}"  # (NVML's form: an 8-digit domain)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByPciBusId(bus)).free)
+    except Exception:
+        return None
+
+
+_nvml_ready: list = []
+
+
+def check_memory(group, nbytes: int, free=None) -> None:
+    """Before any allocation: the workspaces of this process's ranks on each GPU (several
+    ranks of a LocalGroup may share one) must fit that GPU's free memory (a ValueError naming
+    the sizes, instead of an out-of-memory CudaError from cuMemCreate halfway through)."""
+    free, on = free or free_bytes, {}
+    for r in group.ranks:
+        on.setdefault(r.device.ordinal, []).append(r.device)
+    for ordinal, devices in on.items():
+        available = free(devices[0])
+        if available is not None:
+            check_workspace_fits(nbytes, len(devices), available, f"cuda:{ordinal}")
+
+
 class SymmetricWorkspace(Owned):
     """`nbytes` of device memory per rank of `group`, mapped into every rank.
 
@@ -67,6 +100,7 @@ class SymmetricWorkspace(Owned):
     _kind = "workspaces"
 
     def __init__(self, group, nbytes: int):
+        check_memory(group, nbytes)  # (before _opened: nothing is held yet)
         self._opened()  # (first: a constructor that fails halfway closes what it made)
         self.group, self._own, self._imported, self._tables = group, [], [], []
         self._peers: list = []
@@ -151,12 +185,15 @@ class SymmetricWorkspace(Owned):
         return table
 
     def peers(self, local_index: int = 0) -> list:
+        """Every rank's workspace address as local rank `local_index` reaches it."""
         return self._peers[local_index]
 
     def base(self, local_index: int = 0) -> int:
+        """The address of local rank `local_index`'s own workspace."""
         return self._own[local_index].ptr
 
     def peer_table(self, local_index: int = 0) -> int:
+        """Device address of peers(local_index) as an array of u64 (for users' kernels)."""
         return self._tables[local_index].ptr
 
     def _release(self) -> None:

@@ -4,7 +4,7 @@ a wrong device, layout, alignment, shape or range a ValueError; the message name
 argument and the rule."""
 from __future__ import annotations
 
-import operator
+import math
 import weakref
 
 import numpy as np
@@ -15,26 +15,69 @@ from .interop.tensor import CUDA, Tensor, as_dtype as lookup_dtype, as_tensor
 
 
 def require(ok: bool, arg: str, rule: str) -> None:
+    """A ValueError "arg: rule" unless `ok`."""
     if not ok:
         raise ValueError(f"{arg}: {rule}")
 
 
+def is_int(x) -> bool:
+    """An integer as the API takes one: int or NumPy integer, never a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def check_int(x, name: str, lo: int, hi: int = None) -> int:
-    """x as a Python int in [lo, hi] (hi None: no upper bound), else ValueError naming `name`."""
-    try:
-        v = operator.index(x)
-    except TypeError:
-        v = None
-    if v is None or v < lo or (hi is not None and v > hi):
-        raise ValueError(f"{name}: must be an int in {lo}..{'' if hi is None else hi}, got {x!r}")
+    """x as a Python int in [lo, hi] (hi None: no upper bound): a TypeError naming `name` for a
+    non-integer (bools and floats included), a ValueError for one out of range."""
+    rule = f"must be an int in {lo}..{'' if hi is None else hi}"
+    if not is_int(x):
+        raise TypeError(f"{name}: {rule}, got {type(x).__name__} {x!r}")
+    v = int(x)
+    if v < lo or (hi is not None and v > hi):
+        raise ValueError(f"{name}: {rule}, got {v}")
     return v
 
 
+def check_bool(x, name: str) -> bool:
+    """x as a Python bool (True/False or a NumPy bool), else a TypeError naming `name`."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: must be True or False, got {type(x).__name__} {x!r}")
+    return bool(x)
+
+
+def check_choice(x, name: str, choices: tuple):
+    """x, one of `choices` exactly (strings, or None where listed): a TypeError for another
+    type, a ValueError for another value."""
+    if not (isinstance(x, str) or (x is None and None in choices)):
+        raise TypeError(f"{name}: must be one of {choices}, got {type(x).__name__} {x!r}")
+    require(x in choices, name, f"must be one of {choices}, got {x!r}")
+    return None if x is None else str(x)
+
+
+def check_seconds(x, name: str, most: float) -> float:
+    """x as a float of seconds: a real number (no bool), finite, > 0 and at most `most`."""
+    if not isinstance(x, (int, float, np.integer, np.floating)) or isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name}: must be a number of seconds, got {type(x).__name__} {x!r}")
+    v = float(x)
+    require(math.isfinite(v) and 0 < v <= most, name, f"timeouts must be > 0 seconds, finite and at most {most:g}, got {x!r}")
+    return v
+
+
+def check_workspace_fits(nbytes: int, ranks: int, free: int, where: str) -> None:
+    """The rule of the workspace-size check: `ranks` workspaces of `nbytes` (the ranks of this
+    process that share the GPU `where`) must fit its `free` bytes, a ValueError naming the sizes."""
+    need = nbytes * ranks
+    require(need <= free, "max_tokens_per_rank",
+            f"the workspace needs {nbytes} bytes ({nbytes / 2 ** 30:.2f} GiB) per rank x {ranks} rank(s) on {where} "
+            f"= {need} bytes, more than the {free} bytes free there: lower max_tokens_per_rank, the payloads "
+            "or combine_hidden_size")
+
+
 def check_runtime_max(runtime_max, max_tokens_per_rank: int) -> None:
+    """T^ of a call: an int (NumPy integers too, never a bool) in 1..max_tokens_per_rank, else a
+    ValueError (for a wrong type too: the call-level checks' contract, tests/protocol/test_hostile_input_gpu.py)."""
     if type(runtime_max) is int and 1 <= runtime_max <= max_tokens_per_rank:
         return
-    require(isinstance(runtime_max, (int, np.integer)) and not isinstance(runtime_max, bool) and 1 <= runtime_max <= max_tokens_per_rank,
-            "runtime_max_tokens_per_rank",
+    require(is_int(runtime_max) and 1 <= runtime_max <= max_tokens_per_rank, "runtime_max_tokens_per_rank",
             f"must be an int in 1..max_tokens_per_rank={max_tokens_per_rank}, got {runtime_max!r}")
 
 
@@ -51,6 +94,7 @@ def check_dispatch_inputs(tokens: int, runtime_max: int, payloads, specs, at: st
 
 
 def check_combine_runtime_max(runtime_max: int, dispatched: int) -> None:
+    """combine's T^ must be the one its step's dispatch used."""
     if runtime_max != dispatched:
         raise ValueError(f"runtime_max_tokens_per_rank: combine got {runtime_max} but the dispatch of this step "
                          f"used {dispatched}")

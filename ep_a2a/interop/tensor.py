@@ -70,17 +70,25 @@ _BY_NUMPY = {d.numpy: d for d in DTYPES.values() if d.numpy is not None}
 
 
 def as_dtype(x) -> DType:
-    """A DType from a DType, its name ("bfloat16"), or a NumPy dtype / scalar type / typestr."""
+    """A DType from a DType, its name ("bfloat16"), a NumPy dtype / scalar type / typestr, an
+    ml_dtypes type (jnp.bfloat16) or a framework dtype object (torch.bfloat16), else a TypeError."""
     if isinstance(x, DType):
         return x
     if isinstance(x, str) and x in DTYPES:
         return DTYPES[x]
+    if x is None or isinstance(x, (bool, int, float)):  # (np.dtype(None) would read float64)
+        raise TypeError(f"dtype {x!r} is not supported: use one of {', '.join(DTYPES)}")
+    name = str(x)  # framework dtype objects print their name: torch.bfloat16 -> "torch.bfloat16"
+    if type(x).__module__.split(".")[0] == "torch" and name.startswith("torch.") and name[6:] in DTYPES:
+        return DTYPES[name[6:]]
     try:
         with warnings.catch_warnings():  # (NumPy's deprecated aliases, e.g. "a": refused below anyway)
             warnings.simplefilter("ignore", DeprecationWarning)
-            d = _BY_NUMPY.get(np.dtype(x))
+            npd = np.dtype(x)
     except (TypeError, ValueError, SyntaxError):  # np.dtype("01") raises SyntaxError
-        d = None
+        npd = None
+    # (by name too: ml_dtypes' bfloat16 / float8 types, where this module's table has no NumPy dtype)
+    d = None if npd is None else _BY_NUMPY.get(npd) or (DTYPES.get(npd.name) if npd.kind == "V" else None)
     if d is None:
         raise TypeError(f"dtype {x!r} is not supported: use one of {', '.join(DTYPES)}")
     return d
