@@ -137,6 +137,7 @@ class Bootstrap(Owned, abc.ABC):
         return self._fd_bootstrap.allgather_fds(fds)
 
     def barrier(self) -> None:
+        """Return once every rank of the group has called barrier."""
         self.allgather(b"")
 
     _kind = "bootstraps"
@@ -291,6 +292,7 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
     # -- collectives ---------------------------------------------------------------------------
 
     def allgather(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order (collective)."""
         data = bytes(data)
         if len(data) > MAX_PAYLOAD:
             raise ValueError(f"allgather contribution of {len(data)} bytes exceeds the {MAX_PAYLOAD}-byte bound")
@@ -298,6 +300,8 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
         return [p for p, _ in got]
 
     def allgather_fds(self, fds: list[int]) -> list[list[int]]:
+        """Every rank's file descriptors, in rank order, received as new fds of this process
+        (SCM_RIGHTS; the caller closes them)."""
         fds = [int(fd) for fd in fds]
         if len(fds) > MAX_FDS:
             raise ValueError(f"allgather_fds of {len(fds)} fds exceeds the {MAX_FDS}-fd bound")
@@ -305,6 +309,7 @@ class UnixSocketBootstrap(RootAdmission, Bootstrap):
         return [f for _, f in got]
 
     def barrier(self) -> None:
+        """Return once every rank of the group has called barrier."""
         self._collective(wire.BARRIER, b"", [])
 
     def _collective(self, kind: int, payload: bytes, fds: list[int]) -> list[tuple[bytes, list[int]]]:
@@ -502,6 +507,7 @@ class TorchDistributedBootstrap(Bootstrap):
         self._opened()
 
     def allgather(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order (collective)."""
         import numpy as np
 
         torch, dist = self._torch, self._dist
@@ -534,6 +540,7 @@ class MpiBootstrap(Bootstrap):
         self._opened()
 
     def allgather(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order (collective)."""
         import numpy as np
 
         MPI = self._MPI

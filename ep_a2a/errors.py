@@ -47,7 +47,8 @@ class PeerError(EpA2AError):
 
 
 class PeerTimeoutError(PeerError, TimeoutError):
-    pass
+    """A kernel waited for a peer past its deadline (timeout_s); `peer`, `phase` and `epoch`
+    say who was missing where."""
 
 
 class PeerAbortedError(PeerError):

@@ -147,10 +147,12 @@ class ExpertIndex(Owned):
     # -- shapes of the last build ---------------------------------------------------------------
     @property
     def slots(self) -> int:
+        """Rows of the rank-major receive layout: ep_size * T^ (of the last build)."""
         return self.ep_size * (self.runtime_max_tokens_per_rank or self.max_tokens_per_rank)
 
     @property
     def capacity(self) -> int:
+        """Expert-major rows the last build can place: slots * top_k."""
         return self.slots * self.top_k
 
     def _tensor(self, name, shape, dtype) -> Tensor:

@@ -177,18 +177,22 @@ class Tensor:
     # -- geometry ---------------------------------------------------------------------------
     @property
     def ndim(self) -> int:
+        """Number of dimensions."""
         return len(self.shape)
 
     @property
     def numel(self) -> int:
+        """Number of elements."""
         return math.prod(self.shape)
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element."""
         return self.dtype.itemsize
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the elements (numel * itemsize)."""
         return self.numel * self.dtype.itemsize
 
     @property
@@ -204,6 +208,7 @@ class Tensor:
         return True
 
     def data_ptr(self) -> int:
+        """The device address of the first element (as torch.Tensor.data_ptr)."""
         return self.ptr
 
     def view(self, offset: int = 0, shape=None, dtype=None) -> "Tensor":

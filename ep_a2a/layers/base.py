@@ -47,6 +47,7 @@ class LayerBase:
         self._gate_event = None  # run_phases' cross-rank gate (created on first use)
 
     def close_gate(self) -> None:
+        """Release the event the layer's steps wait on (part of close)."""
         if self._gate_event is not None:
             self._gate_event.close()
             self._gate_event = None

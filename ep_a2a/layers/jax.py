@@ -233,6 +233,7 @@ class JaxMoeLayer(LayerBase):
     __call__ = forward
 
     def close(self) -> None:
+        """Release what the layer made (its expert index and buffers); the all-to-all is the caller's."""
         self.close_gate()
         if self._jit_ops is not None:  # (shared by the layers of one traced step: closing twice is a no-op)
             self._jit_ops.close()

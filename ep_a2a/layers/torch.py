@@ -253,6 +253,7 @@ class TorchMoeLayer(LayerBase):
     __call__ = forward
 
     def close(self) -> None:
+        """Release what the layer made (its expert index and buffers); the all-to-all is the caller's."""
         self.close_gate()
         if self.index is not None:
             self.a2a_rank.synchronize()

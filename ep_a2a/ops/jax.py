@@ -136,6 +136,7 @@ class JaxAlltoAll:
         return self
 
     def close(self) -> None:
+        """Free the all-to-all and the per-device launch state."""
         if self.by_device is not None:
             self.by_device.close()
         for idx in self._own_indexes:
