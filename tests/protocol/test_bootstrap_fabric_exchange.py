@@ -1,12 +1,13 @@
 """The FABRIC handle exchange of a workspace spanning hosts, over a real rendezvous of
 processes (no GPU: the handles are the 64 opaque bytes the driver would export), and the
 choice between it and fd passing."""
-import multiprocessing as mp
 import os
 import uuid
 
 import numpy as np
 import pytest
+
+from common import run_processes
 
 from ep_a2a import symmetric
 from ep_a2a.errors import CudaError, TopologyError
@@ -34,19 +35,10 @@ def _member(rank, name, base_dir, token, seed, refusing, q):
 
 
 def _run(tmp_path, refusing):
-    ctx = mp.get_context("spawn")
-    q, seed = ctx.Queue(), int(np.random.default_rng().integers(1 << 31))
+    seed = int(np.random.default_rng().integers(1 << 31))
     name, token = "x" + uuid.uuid4().hex[:10], uuid.uuid4().hex
-    ps = [ctx.Process(target=_member, args=(r, name, str(tmp_path), token, seed, refusing, q)) for r in range(WORLD)]
-    for p in ps:
-        p.start()
-    out = {}
-    for _ in ps:
-        r, *rest = q.get(timeout=60)
-        out[r] = rest
-    for p in ps:
-        p.join(10)
-    return seed, out
+    got, _ = run_processes(_member, lambda r: (r, name, str(tmp_path), token, seed, refusing), WORLD, timeout=60, join=10)
+    return seed, {r: rest for r, *rest in got}
 
 
 def test_every_rank_gets_every_handle_in_rank_order(tmp_path):
@@ -125,15 +117,10 @@ def test_fabric_handles_of_the_driver_are_exchanged_or_refused_clearly(tmp_path)
     """Where the driver grants FABRIC (an IMEX channel), each rank maps the other's region from
     the 64 bytes it received and reads the bytes the owner wrote; where it refuses, both ranks
     raise the TopologyError that names the refusal."""
-    ctx = mp.get_context("spawn")
-    q, seed = ctx.Queue(), int(np.random.default_rng().integers(1 << 31))
+    seed = int(np.random.default_rng().integers(1 << 31))
     name, token = "fx" + uuid.uuid4().hex[:10], uuid.uuid4().hex
-    ps = [ctx.Process(target=_gpu_member, args=(r, name, str(tmp_path), token, seed, q)) for r in range(2)]
-    for p in ps:
-        p.start()
-    out = dict((r, rest) for r, *rest in (q.get(timeout=120) for _ in ps))
-    for p in ps:
-        p.join(10)
+    got, _ = run_processes(_gpu_member, lambda r: (r, name, str(tmp_path), token, seed), 2, timeout=120, join=10)
+    out = {r: rest for r, *rest in got}
     print("FABRIC on this machine:", {r: o[0] for r, o in out.items()})
     assert out[0][0] == out[1][0], out
     if out[0][0] == "refused":

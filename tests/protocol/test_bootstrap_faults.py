@@ -73,8 +73,13 @@ def _run(tmp_path, plans):
     ps = [ctx.Process(target=_member, args=(r, name, str(tmp_path), token, plans.get(r), q)) for r in range(WORLD)]
     for p in ps:
         p.start()
-    out = {}
-    deadline = time.monotonic() + TIMEOUT + GRACE + 20
+    return reap(ps, q, TIMEOUT + GRACE + 20, plans, tmp_path)
+
+
+def reap(ps, q, wait_s, plans, tmp_path):
+    """Join the rank processes `ps` (killing those alive after `wait_s`), then {rank: report}
+    from `q`, after checking that every process ended by itself and no socket file remains."""
+    deadline = time.monotonic() + wait_s
     for p in ps:
         p.join(max(0.1, deadline - time.monotonic()))
     alive = [r for r, p in enumerate(ps) if p.is_alive()]
@@ -82,10 +87,11 @@ def _run(tmp_path, plans):
         if p.is_alive():
             p.kill()
             p.join()
+    out = {}
     while not q.empty() or len(out) < sum(p.exitcode == 0 for p in ps):
         r, *rest = q.get(timeout=5)
         out[r] = rest
-    assert not alive, f"ranks {alive} still running after {TIMEOUT + GRACE + 20:g} s (plans {plans}, reports {out})"
+    assert not alive, f"ranks {alive} still running after {wait_s:g} s (plans {plans}, reports {out})"
     left = os.listdir(tmp_path / f"ep_a2a-{os.getuid()}")
     assert not left, f"socket files left behind: {left} (plans {plans}, reports {out})"
     return out

@@ -13,7 +13,7 @@ import uuid
 import numpy as np
 import pytest
 
-from test_bootstrap_faults import count_messages
+from test_bootstrap_faults import count_messages, reap
 
 TIMEOUT = 10.0
 POINTS_PER_CASE = 8  # a fresh random draw of the message boundaries per (victim, signal)
@@ -53,22 +53,7 @@ def _run(tmp_path, plans):
     ps = [ctx.Process(target=_member, args=(r, name, str(tmp_path), token, plans.get(r), q)) for r in range(2)]
     for p in ps:
         p.start()
-    deadline = time.monotonic() + TIMEOUT + 60
-    for p in ps:
-        p.join(max(0.1, deadline - time.monotonic()))
-    alive = [r for r, p in enumerate(ps) if p.is_alive()]
-    for p in ps:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    out = {}
-    while not q.empty() or len(out) < sum(p.exitcode == 0 for p in ps):
-        r, *rest = q.get(timeout=5)
-        out[r] = rest
-    assert not alive, f"ranks {alive} still running (plans {plans}, reports {out})"
-    left = os.listdir(tmp_path / f"ep_a2a-{os.getuid()}")
-    assert not left, f"socket files left behind: {left} (plans {plans}, reports {out})"
-    return out
+    return reap(ps, q, TIMEOUT + 60, plans, tmp_path)
 
 
 @pytest.fixture(scope="module")
