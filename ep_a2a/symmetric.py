@@ -52,29 +52,11 @@ def exchange_fabric_handles(bootstrap, handle, why_not: str = "") -> list:
     return [p[1:] for p in parts]
 
 
-def free_bytes(device) -> int | None:
-    """Free memory of `device` in bytes as NVML reports it, or None where NVML cannot tell (no
-    nvidia-ml-py or no libnvidia-ml: the allocation then fails in the driver instead)."""
-    try:
-        import pynvml
-        if not _nvml_ready:
-            pynvml.nvmlInit()  # (once per process, kept, as topology.py does)
-            _nvml_ready.append(True)
-        domain, rest = device.pci_bus_id.split(":", 1) if device.pci_bus_id.count(":") == 2 else ("0", device.pci_bus_id)
-        bus = f"{int(domain, 16):08X}:{rest.upper()}"  # (NVML's form: an 8-digit domain)
-        return int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByPciBusId(bus)).free)
-    except Exception:
-        return None
-
-
-_nvml_ready: list = []
-
-
 def check_memory(group, nbytes: int, free=None) -> None:
     """Before any allocation: the workspaces of this process's ranks on each GPU (several
     ranks of a LocalGroup may share one) must fit that GPU's free memory (a ValueError naming
     the sizes, instead of an out-of-memory CudaError from cuMemCreate halfway through)."""
-    free, on = free or free_bytes, {}
+    free, on = free or (lambda device: device.free_memory()), {}
     for r in group.ranks:
         on.setdefault(r.device.ordinal, []).append(r.device)
     for ordinal, devices in on.items():

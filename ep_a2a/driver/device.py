@@ -111,6 +111,12 @@ class Device:
         self.make_current()
         call(_drv.cuCtxSynchronize)
 
+    def free_memory(self) -> int:
+        """Free bytes as this GPU's context sees them (cuMemGetInfo: a MIG instance's own memory,
+        not the whole card's as NVML would report)."""
+        self.make_current()
+        return int(call(_drv.cuMemGetInfo)[0])
+
     def __repr__(self) -> str:
         return f"Device({self.ordinal}, {self.name!r}, sm_{self.compute_capability[0]}{self.compute_capability[1]})"
 

@@ -16,13 +16,6 @@ pytestmark = pytest.mark.gpu
 TOLERANCE = 2 << 20
 
 
-def _free_bytes(dev):
-    from cuda.bindings import driver as _drv
-    from ep_a2a.driver.errors import call
-    dev.make_current()
-    return call(_drv.cuMemGetInfo)[0]
-
-
 def _open_fds():
     return len(os.listdir("/proc/self/fd"))
 
@@ -30,7 +23,7 @@ def _open_fds():
 def _state(dev):
     from ep_a2a.driver.vmm import live_counts
     gc.collect()
-    return _free_bytes(dev), live_counts(), _open_fds()
+    return dev.free_memory(), live_counts(), _open_fds()
 
 
 def _make(group, hidden, protocol):

@@ -111,11 +111,6 @@ def _random_bytes(n, seed=None):
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
 
 
-def _free_bytes(dev):
-    dev.make_current()
-    return call(_drv.cuMemGetInfo)[0]
-
-
 def _open_fds():
     return len(os.listdir("/proc/self/fd"))
 
@@ -157,11 +152,11 @@ def test_create_close_cycles_leak_nothing(dev):
         buf.close()
 
     cycle()  # first use may grow driver-internal state once
-    counts, free, fds = live_counts(), _free_bytes(dev), _open_fds()
+    counts, free, fds = live_counts(), dev.free_memory(), _open_fds()
     for _ in range(200):
         cycle()
     assert live_counts() == counts == {"allocations": 0, "mappings": 0}
-    assert abs(_free_bytes(dev) - free) <= g
+    assert abs(dev.free_memory() - free) <= g
     assert _open_fds() == fds
 
 
@@ -241,7 +236,7 @@ def test_export_to_child_process(dev):
 def test_set_access_failure_rolls_back(dev):
     g = granularity(dev)
     bad = call(_drv.cuDeviceGetCount) + 7
-    free = _free_bytes(dev)
+    free = dev.free_memory()
     with pytest.raises(CudaError) as e:
         DeviceBuffer(g, dev, VmmOptions(access_devices=(bad,)))
     assert e.value.call == "cuMemSetAccess"
@@ -255,7 +250,7 @@ def test_set_access_failure_rolls_back(dev):
             data = _random_bytes(g)
             _htod(m.ptr, data)
             np.testing.assert_array_equal(_dtoh(m.ptr, g), data)
-    assert abs(_free_bytes(dev) - free) <= g
+    assert abs(dev.free_memory() - free) <= g
 
 
 @pytest.mark.gpu

@@ -16,9 +16,10 @@ CPU = settings(max_examples=200, deadline=None, database=None)
 GIB = 2 ** 30
 
 
-def fake_group(ordinals):
-    """A local group's shape as the construction path reads it: ranks with a device ordinal."""
-    ranks = [types.SimpleNamespace(rank=i, device=types.SimpleNamespace(ordinal=o, pci_bus_id=f"0000:{o:02x}:00.0"))
+def fake_group(ordinals, free=None):
+    """A local group's shape as the construction path reads it: ranks with a device ordinal
+    whose free memory is `free` bytes."""
+    ranks = [types.SimpleNamespace(rank=i, device=types.SimpleNamespace(ordinal=o, free_memory=lambda: free))
              for i, o in enumerate(ordinals)]
     return types.SimpleNamespace(ranks=ranks, ep_size=len(ranks), is_local=True, bootstrap=None)
 
@@ -60,16 +61,15 @@ def test_unknown_free_memory_skips_the_check():
     symmetric.check_memory(fake_group([0, 0]), 2 ** 60, lambda device: None)
 
 
-def test_a_workspace_too_large_is_refused_before_any_allocation(monkeypatch):
+def test_a_workspace_too_large_is_refused_before_any_allocation():
     """The whole constructor, with the device's free memory given: max_tokens_per_rank=2**22
     on 8 ranks of one GPU needs more than an H200 has; the error names the bytes, and nothing
     was allocated (the group's devices are stand-ins: an allocation would fail otherwise)."""
     import ep_a2a
     from ep_a2a.driver.vmm import live_counts
-    monkeypatch.setattr(symmetric, "free_bytes", lambda device: 139 * GIB)
     before = live_counts()
     with pytest.raises(ValueError, match=r"^max_tokens_per_rank: the workspace needs \d+ bytes .* x 8 rank\(s\) on cuda:0"):
-        ep_a2a.MoeAlltoAll(fake_group([0] * 8), max_tokens_per_rank=2 ** 22, top_k=8, num_experts=64,
+        ep_a2a.MoeAlltoAll(fake_group([0] * 8, 139 * GIB), max_tokens_per_rank=2 ** 22, top_k=8, num_experts=64,
                            payloads=[ep_a2a.PayloadSpec("hidden", (7168,), "bfloat16")], combine_hidden_size=7168)
     assert live_counts() == before
 
