@@ -156,6 +156,12 @@ def logical_bytes(tokens, ep_size: int, top_k: int, payload_specs, hidden: int, 
     return fan * act, fan * hidden * combine_itemsize
 
 
+def step_bytes(a2a, tokens) -> tuple:
+    """logical_bytes of one step of `a2a` with these token counts."""
+    return logical_bytes(tokens, a2a.ep_size, a2a.top_k, a2a.payload_specs, a2a.combine_hidden_size,
+                         a2a.combine_dtype.itemsize)
+
+
 def draw_step(rng, a2as, max_tokens: int, ep: int) -> dict:
     key = list(a2as)[int(rng.integers(len(a2as)))]
     u = rng.random()
@@ -227,8 +233,7 @@ def main(argv=None) -> int:
                 fig["first_failures"].append(f"step {step} ({d}): {type(e).__name__}: {e}")
                 print(f"ERROR at step {step} (seed {seed}, {d}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 break
-            db, cb = logical_bytes(d["tokens"], a2a.ep_size, a2a.top_k, a2a.payload_specs, a2a.combine_hidden_size,
-                                   a2a.combine_dtype.itemsize)
+            db, cb = step_bytes(a2a, d["tokens"])
             fig["steps"] += 1
             fig["dispatch_bytes"] += db
             fig["combine_bytes"] += cb

@@ -11,7 +11,7 @@ each through the harness the tests use (testing/harness.run_step):
 """
 from __future__ import annotations
 
-from .stress import COMBINE_DTYPES, HIDDEN, TOP_K, build_alltoalls, draw_step, logical_bytes
+from .stress import COMBINE_DTYPES, HIDDEN, TOP_K, build_alltoalls, draw_step, step_bytes
 from .stress_kinds import Outcome, step_kind
 
 
@@ -44,8 +44,7 @@ def _run(a2a, rng, d, verify, label, prequantize=False) -> tuple:
     mism = list(rep.mismatches)
     if verify and rep.combine_rows_checked != sum(d["tokens"]):
         mism.append(f"combine checked {rep.combine_rows_checked} rows of {sum(d['tokens'])}")
-    db, cb = logical_bytes(d["tokens"], a2a.ep_size, a2a.top_k, a2a.payload_specs, a2a.combine_hidden_size,
-                           a2a.combine_dtype.itemsize)
+    db, cb = step_bytes(a2a, d["tokens"])
     if mism:
         mism = [f"{label} T^={d['tmax']} tokens={d['tokens']} route={d['route']}: {m}" for m in mism]
     return Outcome(label, proto, verify, mism, db, cb), rep

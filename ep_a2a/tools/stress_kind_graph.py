@@ -72,23 +72,23 @@ class GraphSet:
 def graph_step(soak, rng, verify) -> Outcome:
     from ..testing import graph_step as gs
     from ..testing.harness import run_step
-    from .stress import logical_bytes
+    from .stress import step_bytes
     gset = soak.resource("graphs", lambda: GraphSet(soak))
     a2a = gset.a2a
+    bad = []
+    if not gset.steps:  # the first step captures every T^ (no graph is made after the warm-up)
+        for size in gset.sizes:
+            bad += gset.captured(rng, size)[1]
     if rng.random() < 0.3:  # an eager step on the graphs' all-to-all, any protocol setting
         mode = str(rng.choice(MODES))
         a2a.use_protocol(mode)
         tmax = int(rng.integers(1, soak.args.max_tokens + 1))
         tokens = [int(t) for t in rng.integers(0, tmax + 1, soak.ep_size)]
         rep = run_step(a2a, rng, tokens, tmax, route=str(rng.choice(["uniform", "zipf", "perfect"])), verify=verify)
-        db, cb = logical_bytes(tokens, a2a.ep_size, a2a.top_k, a2a.payload_specs, a2a.combine_hidden_size, 2)
-        bad = [f"graph/eager {mode} T^={tmax} tokens={tokens}: {m}" for m in rep.mismatches]
+        db, cb = step_bytes(a2a, tokens)
+        bad += [f"graph/eager {mode} T^={tmax} tokens={tokens}: {m}" for m in rep.mismatches]
         a2a.use_protocol("auto")
         return Outcome(f"graph/eager/{mode}", a2a.protocol_for(tmax) if mode == "auto" else mode, verify, bad, db, cb)
-    bad = []
-    if not gset.steps:  # the first step captures every T^ (then no graph is made after the warm-up)
-        for size in gset.sizes:
-            bad += gset.captured(rng, size)[1]
     tmax = int(rng.choice(gset.sizes))
     steps, more = gset.captured(rng, tmax)
     bad += more
@@ -99,5 +99,5 @@ def graph_step(soak, rng, verify) -> Outcome:
     if verify:
         bad += gs.check(steps, drawn, f"graph/replay T^={tmax}")
     tokens = [st.tokens for st in steps]
-    db, cb = logical_bytes(tokens, a2a.ep_size, a2a.top_k, a2a.payload_specs, a2a.combine_hidden_size, 2)
+    db, cb = step_bytes(a2a, tokens)
     return Outcome(f"graph/replay/T^={tmax}", a2a.protocol_for(tmax), verify, bad, db, cb)

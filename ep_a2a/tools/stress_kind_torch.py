@@ -5,7 +5,7 @@ made, and partial results in the workspace or staged all drawn per step; every s
 against the reference (testing/torch_step.run_torch_step). Runs only where torch sees CUDA."""
 from __future__ import annotations
 
-from .stress import MODES, logical_bytes
+from .stress import MODES, step_bytes
 from .stress_kinds import Outcome, step_kind
 
 
@@ -51,6 +51,6 @@ def torch_step(soak, rng, verify) -> Outcome:
     bad = [f"torch {mode} T^={tmax} tokens={tokens} out_given={out_given} staged={staged}: {m}" for m in rep.mismatches]
     if rep.combine_rows_checked != sum(tokens):
         bad.append(f"torch: combine checked {rep.combine_rows_checked} rows of {sum(tokens)}")
-    db, cb = logical_bytes(tokens, a2a.ep_size, a2a.top_k, a2a.payload_specs, a2a.combine_hidden_size, 2)
+    db, cb = step_bytes(a2a, tokens)
     # (the torch harness compares every step: `verify` does not thin these out)
     return Outcome(f"torch/{mode}", a2a.protocol_for(tmax), True, bad, db, cb)

@@ -235,3 +235,26 @@ def test_a_short_mixed_soak_passes(tmp_path, capsys):
     assert len(res["samples"]) >= 3 and res["steps_checked"] > 0
     assert set(res["protocols"]) == {"fence", "sentinel"}
     assert "VERDICT: PASS" in text.out
+
+
+def test_the_tally_counts_per_kind_label_and_protocol():
+    from ep_a2a.tools.stress_mixed import Tally
+    from ep_a2a.tools.stress_kinds import Outcome
+    t = Tally()
+    rng = np.random.default_rng()
+    n = int(rng.integers(5, 40))
+    want_checked = 0
+    for step in range(n):
+        checked = bool(rng.random() < 0.5)
+        want_checked += checked
+        t.add("graph" if step % 2 else "eager", Outcome(f"l{step % 3}", "fence" if step % 3 else "sentinel", checked,
+                                                       [], 10, 3), step)
+    t.add("eager", Outcome("bad", "fence", True, ["x differs", "y differs"]), n)
+    t.error("torch", n + 1, RuntimeError("lost"))
+    doc = t.as_json()
+    assert doc["steps"] == n + 1 and doc["steps_checked"] == want_checked + 1
+    assert doc["mismatches"] == 2 and doc["errors"] == 1 and len(doc["first_failures"]) == 2
+    assert doc["dispatch_bytes"] == 10 * n and doc["combine_bytes"] == 3 * n
+    assert sum(v["steps"] for v in doc["kinds"].values()) == n + 1
+    assert sum(doc["protocols"].values()) == n + 1
+    json.dumps(doc)  # the report is JSON
