@@ -107,39 +107,12 @@ def run(args, facts: dict) -> int:
           f"{f'{args.steps} steps' if args.steps else f'{args.minutes:g} min'}; kinds {', '.join(kinds)}"
           + "".join(f"; {n} skipped: {why}" for n, why in skipped.items()) + ")", flush=True)
     deadline = None if args.steps else t_begin + 60.0 * args.minutes * (1 - TEARDOWN_FRACTION)
-    tally, samples = Tally(), []
     group = ep_a2a.LocalGroup([args.device] * args.ranks)
     soak = Soak(group, args, seed)
     pci = group.ranks[0].device.pci_bus_id
     close_errors = []
-    step = 0
     try:
-        ok = True
-        for k in kinds.values():  # warm-up: every kind once, before the clock
-            ok = _one(soak, kinds, tally, step, k)
-            step += 1
-            if not ok:
-                break
-        start = time.monotonic()
-        samples.append(sampling.take(0.0, tally.steps, pci))
-        print(samples[-1].line() + f"  (after warm-up, {start - t_begin:.1f} s)", flush=True)
-        next_sample = start + args.sample_s
-        while ok:
-            now = time.monotonic()
-            if (tally.steps >= args.steps) if args.steps else (now >= deadline):
-                break
-            ok = _one(soak, kinds, tally, step)
-            step += 1
-            now = time.monotonic()
-            if now >= next_sample:
-                next_sample += args.sample_s
-                samples.append(sampling.take(now - start, tally.steps, pci))
-                print(samples[-1].line() + f", mismatches {tally.mismatch_count}, errors {tally.errors}", flush=True)
-        now = time.monotonic()
-        if now - start - samples[-1].t_s >= min(10.0, args.sample_s / 2):  # the end, unless a sample was just taken
-            samples.append(sampling.take(now - start, tally.steps, pci))
-            print(samples[-1].line() + "  (end)", flush=True)
-        wall = now - start
+        tally, samples, wall = drive(soak, kinds, args, pci, deadline)
     finally:
         close_errors = soak.close()
         try:
@@ -149,11 +122,7 @@ def run(args, facts: dict) -> int:
     for e in close_errors:
         print(f"close failed: {e}", file=sys.stderr)
 
-    grown_ok, reasons, grew = sampling.verdict(samples)
-    if args.steps and len(samples) < 3:  # a run of a few steps reproduces a mismatch; it cannot judge growth
-        grown_ok, reasons = True, [f"not judged: {len(samples)} samples in {args.steps} steps"]
-    judged = not (args.steps and len(samples) < 3)
-    ok = tally.mismatch_count == 0 and tally.errors == 0 and grown_ok and not close_errors
+    ok, judged, grown_ok, reasons, grew = judge(tally, samples, bool(args.steps), close_errors)
     _summary(tally, samples, grew, wall, time.monotonic() - t_begin, seed)
     result = dict(tool="ep_a2a.stress --mixed", **facts, commit=_commit(),
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(), args=vars(args),
@@ -172,6 +141,51 @@ def run(args, facts: dict) -> int:
           + ("" if ok else f" (reproduce with --seed {seed})"), flush=True)
     return exits.OK if ok else exits.FAILED
 
+
+def drive(soak, kinds: dict, args, pci=None, deadline=None) -> tuple:
+    """The soak's steps: the warm-up (every kind once), then kinds drawn until `deadline`
+    (time.monotonic) or args.steps, a sample after the warm-up, every args.sample_s seconds
+    and at the end. Returns (Tally, samples, seconds since the warm-up)."""
+    tally, samples, step = Tally(), [], 0
+    ok = True
+    for k in kinds.values():  # warm-up: every kind once, before the clock
+        ok = _one(soak, kinds, tally, step, k)
+        step += 1
+        if not ok:
+            break
+    start = time.monotonic()
+    samples.append(sampling.take(0.0, tally.steps, pci))
+    print(samples[-1].line() + "  (after the warm-up)", flush=True)
+    next_sample = start + args.sample_s
+    while ok:
+        now = time.monotonic()
+        if (tally.steps >= args.steps) if args.steps else (now >= deadline):
+            break
+        ok = _one(soak, kinds, tally, step)
+        step += 1
+        now = time.monotonic()
+        if now >= next_sample:
+            next_sample += args.sample_s
+            samples.append(sampling.take(now - start, tally.steps, pci))
+            print(samples[-1].line() + f", mismatches {tally.mismatch_count}, errors {tally.errors}", flush=True)
+    now = time.monotonic()
+    if now - start - samples[-1].t_s >= min(10.0, args.sample_s / 2):  # the end, unless a sample was just taken
+        samples.append(sampling.take(now - start, tally.steps, pci))
+        print(samples[-1].line() + "  (end)", flush=True)
+    return tally, samples, now - start
+
+
+
+def judge(tally, samples: list, by_steps: bool, close_errors=()) -> tuple:
+    """(ok, growth judged, growth ok, growth reasons, growth) of a soak: ok needs no mismatch,
+    no error, no close error and growth within tolerance; a run by --steps with fewer than
+    three samples reproduces steps and is not judged on growth."""
+    grown_ok, reasons, grew = sampling.verdict(samples)
+    judged = not (by_steps and len(samples) < 3)
+    if not judged:
+        grown_ok, reasons = True, [f"not judged: {len(samples)} samples"]
+    ok = tally.mismatch_count == 0 and tally.errors == 0 and grown_ok and not close_errors
+    return ok, judged, grown_ok, reasons, grew
 
 def _commit() -> str:
     from .bench_report import commit

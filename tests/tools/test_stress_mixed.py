@@ -258,3 +258,83 @@ def test_the_tally_counts_per_kind_label_and_protocol():
     assert sum(v["steps"] for v in doc["kinds"].values()) == n + 1
     assert sum(doc["protocols"].values()) == n + 1
     json.dumps(doc)  # the report is JSON
+
+
+# -- the soak's loop and verdict with kinds that run on the CPU ----------------------------------
+
+class _Group:
+    ep_size = 2
+
+
+def _cpu_args(**kw):
+    args = stress.parser().parse_args(["--mixed"])
+    args.steps, args.sample_s, args.check_every = None, 0.25, None
+    vars(args).update(kw)
+    return args
+
+
+def _cpu_kinds(scratch, leak_mib: int):
+    """Two real CPU kinds: 'work' (a NumPy sort, compared with a reference) and 'hold', which keeps
+    leak_mib MiB of touched memory per step in a soak resource (a real leak when leak_mib > 0)."""
+    @stress_kinds.step_kind("work", weight=1.0)
+    def work(soak, rng, verify):
+        x = rng.standard_normal(20000)
+        got = np.sort(x)
+        bad = [] if not verify or np.array_equal(got, sorted(x)) else ["sort differs"]
+        return stress_kinds.Outcome("work/sort", "fence", verify, bad, x.nbytes, 0)
+
+    @stress_kinds.step_kind("hold", weight=1.0)
+    def hold(soak, rng, verify):
+        kept = soak.resource("kept", list, lambda kept: kept.clear())
+        if leak_mib:
+            kept.append(np.ones(leak_mib * sampling.MIB, np.uint8))
+        return stress_kinds.Outcome("hold", "sentinel", False)
+    return {"work": scratch["work"], "hold": scratch["hold"]}
+
+
+def test_a_clean_cpu_soak_passes_and_samples_on_time(scratch_registry):
+    import time
+    from ep_a2a.tools import stress_mixed
+    kinds = _cpu_kinds(scratch_registry, 0)
+    soak = stress_kinds.Soak(_Group(), _cpu_args(), int(np.random.default_rng().integers(2 ** 31)))
+    t0 = time.monotonic()
+    tally, samples, wall = stress_mixed.drive(soak, kinds, soak.args, None, t0 + 1.6)
+    soak.close()
+    assert 1.0 < wall < 2.5 and tally.steps > 10 and tally.errors == 0 and tally.mismatch_count == 0
+    assert set(tally.kinds) == {"work", "hold"} and tally.checked >= min(50, tally.steps)
+    assert len(samples) >= 5 and samples[0].t_s == 0.0
+    assert all(b.t_s > a.t_s for a, b in zip(samples, samples[1:]))
+    ok, judged, grown_ok, reasons, grew = stress_mixed.judge(tally, samples, False)
+    assert ok and judged and grown_ok, reasons
+
+
+def test_a_leaking_cpu_soak_fails_on_growth(scratch_registry):
+    import time
+    from ep_a2a.tools import stress_mixed
+    kinds = _cpu_kinds(scratch_registry, 2)
+    soak = stress_kinds.Soak(_Group(), _cpu_args(), 1)
+    try:
+        t0 = time.monotonic()
+        tally, samples, _ = stress_mixed.drive(soak, kinds, soak.args, None, t0 + 1.6)
+        held = len(soak.resource("kept", list))
+    finally:
+        soak.close()
+    ok, judged, grown_ok, reasons, grew = stress_mixed.judge(tally, samples, False)
+    assert held * 2 > 64, f"only {held} steps of 2 MiB: the run was too short to leak past the tolerance"
+    assert not ok and judged and not grown_ok
+    assert any(r.startswith("rss_bytes grew") for r in reasons), (reasons, grew)
+    ok, judged, _, reasons, _ = stress_mixed.judge(tally, samples[:2], True)
+    assert ok and not judged and reasons[0].startswith("not judged")  # a short --steps run
+    assert not stress_mixed.judge(tally, samples[:2], False)[0]       # a short --minutes run
+
+
+def test_a_step_that_raises_stops_the_soak(scratch_registry):
+    from ep_a2a.tools import stress_mixed
+
+    @stress_kinds.step_kind("boom")
+    def boom(soak, rng, verify):
+        raise RuntimeError("the context is lost")
+    soak = stress_kinds.Soak(_Group(), _cpu_args(steps=50), 3)
+    tally, samples, _ = stress_mixed.drive(soak, {"boom": stress_kinds.KINDS["boom"]}, soak.args)
+    assert tally.errors == 1 and tally.steps == 0 and "the context is lost" in tally.failures[0]
+    assert not stress_mixed.judge(tally, samples, True)[0]
