@@ -70,7 +70,8 @@ def parser() -> argparse.ArgumentParser:
     dur.add_argument("--minutes", type=positive_float, default=None, help="run this long (default 3)")
     dur.add_argument("--steps", type=positive_int, default=None, help="run this many steps instead")
     ap.add_argument("--check-every", type=positive_int, default=None,
-                    help="check every k-th step against the reference (default: every one of the first 50, then 10)")
+                    help="check every k-th step against the reference (default: every one of the first 50, "
+                         "then every 10th; every 4th with --mixed)")
     ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=None,
                     help="in-process ranks on --device (default 4; 8 with --mixed)")
     ap.add_argument("--device", type=nonnegative_int, default=0, help="the GPU ordinal (default 0)")
