@@ -75,16 +75,19 @@ DROPPED_KEY = "active-dropped"   # selections each rank of it dropped by the ref
 def active_step(soak, rng, verify) -> Outcome:
     from ..testing import reference as ref
     from ..testing.formats import payload_formats
+    import numpy as np
     ep, most = soak.ep_size, soak.args.max_tokens
-    hidden, top_k = int(rng.choice(HIDDEN)), int(rng.choice(TOP_K))
+    # shapes from the seed, the same at every rebuild: a rebuilt workspace takes the bytes the
+    # closed one gave back, so device memory is comparable across the soak's samples
+    shapes = np.random.default_rng([soak.seed, 1 << 41])
+    hidden, top_k, cdt = int(shapes.choice(HIDDEN)), int(shapes.choice(TOP_K)), str(shapes.choice(COMBINE_DTYPES))
 
     def make():
         import ep_a2a
         crossover = int(rng.integers(1, most)) if most > 1 else 1
         return ep_a2a.MoeAlltoAll(soak.group, max_tokens_per_rank=most, top_k=top_k, num_experts=2 * ep + 1,
                                   payloads=payload_formats(hidden, top_k)["bf16"], combine_hidden_size=hidden,
-                                  combine_dtype=str(rng.choice(COMBINE_DTYPES)), protocol="auto",
-                                  crossover_tokens=crossover, timeout_s=20.0)
+                                  combine_dtype=cdt, protocol="auto", crossover_tokens=crossover, timeout_s=20.0)
     a2a = soak.resource(ACTIVE_KEY, make)
     active = list(a2a.active_ranks)
     if ep > 2 and rng.random() < 0.3:
