@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from ..driver.memory import release_held
 from . import exits, stress_sampling as sampling
 from .result_paths import device_slug, output_path, result_name, write_json
 from .stress_kinds import Soak, draw, load_kinds, usable
@@ -147,6 +148,13 @@ def drive(soak, kinds: dict, args, pci=None, deadline=None) -> tuple:
     (time.monotonic) or args.steps, a sample after the warm-up, every args.sample_s seconds
     and at the end. Returns (Tally, samples, seconds since the warm-up)."""
     tally, samples, step = Tally(), [], 0
+
+    def sample(t_s):
+        # between steps no rank waits for a launch: free what the last step's inputs queued
+        # (driver.memory holds frees while in-process ranks exist), so that a sample counts
+        # only what outlives a step
+        release_held()
+        samples.append(sampling.take(t_s, tally.steps, pci))
     ok = True
     for k in kinds.values():  # warm-up: every kind once, before the clock
         ok = _one(soak, kinds, tally, step, k)
@@ -154,7 +162,7 @@ def drive(soak, kinds: dict, args, pci=None, deadline=None) -> tuple:
         if not ok:
             break
     start = time.monotonic()
-    samples.append(sampling.take(0.0, tally.steps, pci))
+    sample(0.0)
     print(samples[-1].line() + "  (after the warm-up)", flush=True)
     next_sample = start + args.sample_s
     while ok:
@@ -166,11 +174,11 @@ def drive(soak, kinds: dict, args, pci=None, deadline=None) -> tuple:
         now = time.monotonic()
         if now >= next_sample:
             next_sample += args.sample_s
-            samples.append(sampling.take(now - start, tally.steps, pci))
+            sample(now - start)
             print(samples[-1].line() + f", mismatches {tally.mismatch_count}, errors {tally.errors}", flush=True)
     now = time.monotonic()
     if now - start - samples[-1].t_s >= min(10.0, args.sample_s / 2):  # the end, unless a sample was just taken
-        samples.append(sampling.take(now - start, tally.steps, pci))
+        sample(now - start)
         print(samples[-1].line() + "  (end)", flush=True)
     return tally, samples, now - start
 
