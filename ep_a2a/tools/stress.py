@@ -14,7 +14,12 @@ Bytes moved are logical, as in the paper's Appendix B: per step,
   dispatch: sum of tokens * min(ep_size, top_k) * activation bytes per token (hidden states
             and their scales; expert ids and router weights left out),
   combine:  sum of tokens * min(ep_size, top_k) * hidden * combine dtype size.
-Exit status: 0 all good, 1 a mismatch or an error, 2 a bad command line, 3 no usable GPU.
+With --mixed the command runs the mixed soak instead (stress_mixed.py): eager steps of both
+protocols and auto, FP8 combine, active-rank changes, CUDA graphs per T^ replayed between
+eager steps and torch-op steps, one kind per step, with a sample of memory, fds and VMM
+mappings every minute and a verdict on their growth.
+Exit status: 0 all good, 1 a mismatch, an error or (--mixed) growth, 2 a bad command line,
+3 no usable GPU.
 """
 from __future__ import annotations
 
@@ -45,8 +50,14 @@ EPILOG = f"""examples:
   python -m ep_a2a.stress --steps 200 --ranks 8 --seed 1234
       200 steps, reproducing a run's draws from its seed
 
-The summary goes to bench/results/stress-<gpu>-<M>min.json (or -<S>steps) in the checkout,
-or to --out.
+  python -m ep_a2a.stress --mixed --minutes 9 --out /tmp/soak.json
+      the mixed soak: 8 in-process ranks, every step kind, a sample line per minute and a
+      final "VERDICT: PASS" or "VERDICT: FAIL" line
+  python -m ep_a2a.stress --mixed --list-kinds
+      the registered step kinds (ep_a2a/tools/stress_kind_*.py) and their weights
+
+The summary goes to bench/results/stress-<gpu>-<M>min.json (stress-mixed-<gpu>-<R>ranks-<M>min
+.json with --mixed; -<S>steps for --steps) in the checkout, or to --out.
 {exits.EPILOG}"""
 
 
@@ -59,19 +70,49 @@ def parser() -> argparse.ArgumentParser:
     dur.add_argument("--minutes", type=positive_float, default=None, help="run this long (default 3)")
     dur.add_argument("--steps", type=positive_int, default=None, help="run this many steps instead")
     ap.add_argument("--check-every", type=positive_int, default=None,
-                    help="check every k-th step against the reference (default: every one of the first 50, then 10)")
-    ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=4, help="in-process ranks on --device (default 4)")
+                    help="check every k-th step against the reference (default: every one of the first 50, "
+                         "then every 10th; every 4th with --mixed)")
+    ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=None,
+                    help="in-process ranks on --device (default 4; 8 with --mixed)")
     ap.add_argument("--device", type=nonnegative_int, default=0, help="the GPU ordinal (default 0)")
     ap.add_argument("--max-tokens", type=int_in(1, 2 ** 23 - 1), default=128,
                     help="max_tokens_per_rank of every all-to-all (default 128)")
     ap.add_argument("--seed", type=nonnegative_int, default=None, help="seed of every draw; one step reproduces from (seed, step) (default: drawn at random and printed)")
     ap.add_argument("--out", "--json", dest="out", default=None, help=OUT_HELP + "; --json is the older name")
+    mixed = ap.add_argument_group("mixed soak")
+    mixed.add_argument("--mixed", action="store_true", help="run the mixed soak (every registered step kind)")
+    mixed.add_argument("--kinds", type=name_list, default=None,
+                       help="comma-separated step kinds of the mixed soak (default: every registered one)")
+    mixed.add_argument("--sample-s", type=positive_float, default=60.0,
+                       help="seconds between two samples of memory, fds and mappings (default 60: once a minute)")
+    mixed.add_argument("--list-kinds", action="store_true", help="list the registered step kinds and exit")
     return ap
 
 
-def _args(argv):
+def name_list(s: str) -> list:
+    """A comma-separated list of names (checked against the registry once it is loaded)."""
+    parts = [p.strip() for p in s.split(",")]
+    if not s.strip() or "" in parts:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of names, got {s!r}")
+    return parts
+
+
+name_list.__name__ = "name list"
+
+
+def parse_args(argv):
+    """The parsed command line, defaults resolved (--ranks, --minutes, --seed); exit 2 on a bad one."""
     ap = parser()
     args = ap.parse_args(argv)
+    if not args.mixed and (args.kinds is not None or args.list_kinds):
+        ap.error("--kinds and --list-kinds belong to the mixed soak: add --mixed")
+    if args.kinds is not None:
+        from .stress_kinds import load_kinds
+        unknown = sorted(set(args.kinds) - set(load_kinds()))
+        if unknown:
+            ap.error(f"--kinds: unknown step kinds {', '.join(unknown)} (registered: {', '.join(sorted(load_kinds()))})")
+    if args.ranks is None:
+        args.ranks = 8 if args.mixed else 4
     if args.minutes is None and args.steps is None:
         args.minutes = 3.0
     if args.seed is None:
@@ -80,7 +121,10 @@ def _args(argv):
     return args
 
 
-def _build(group, args, rng, built: dict) -> dict:
+_args = parse_args   # (the older name, which tests/tools/test_cli_cpu.py reads)
+
+
+def build_alltoalls(group, args, rng, built: dict) -> dict:
     """One all-to-all per (format, combine dtype), shapes drawn from `rng`, protocol "auto" so
     that both protocols' kernels and workspace exist; the step picks the protocol. Filled into
     `built` as they are made, so the caller closes those made before a failure."""
@@ -113,7 +157,13 @@ def logical_bytes(tokens, ep_size: int, top_k: int, payload_specs, hidden: int, 
     return fan * act, fan * hidden * combine_itemsize
 
 
-def _draw_step(rng, a2as, max_tokens: int, ep: int) -> dict:
+def step_bytes(a2a, tokens) -> tuple:
+    """logical_bytes of one step of `a2a` with these token counts."""
+    return logical_bytes(tokens, a2a.ep_size, a2a.top_k, a2a.payload_specs, a2a.combine_hidden_size,
+                         a2a.combine_dtype.itemsize)
+
+
+def draw_step(rng, a2as, max_tokens: int, ep: int) -> dict:
     key = list(a2as)[int(rng.integers(len(a2as)))]
     u = rng.random()
     tmax = 1 if u < 0.1 else max_tokens if u < 0.2 else int(rng.integers(1, max_tokens + 1))
@@ -133,11 +183,20 @@ def _checked(step: int, every) -> bool:
 
 
 def main(argv=None) -> int:
-    args = _args(argv)
+    args = parse_args(argv)
+    if args.list_kinds:
+        from .stress_kinds import load_kinds
+        for kind in load_kinds().values():
+            print(f"{kind.name:<10} weight {kind.weight:g}{'  (needs torch with CUDA)' if kind.needs else ''}  "
+                  f"{kind.run.__module__}.{kind.run.__name__}")
+        return exits.OK
     missing = exits.require_gpu("ep_a2a.stress")
     if missing is not None:
         return missing
-    facts = _device_facts(args.device)
+    facts = device_facts(args.device)
+    if args.mixed:
+        from .stress_mixed import run
+        return run(args, facts)
     import ep_a2a
     from ..testing.harness import run_step
 
@@ -150,7 +209,7 @@ def main(argv=None) -> int:
     group = ep_a2a.LocalGroup([args.device] * args.ranks)
     a2as = {}
     try:
-        _build(group, args, np.random.default_rng([seed, 1 << 40]), a2as)
+        build_alltoalls(group, args, np.random.default_rng([seed, 1 << 40]), a2as)
         setup_s = time.monotonic() - t0
         start = next_report = time.monotonic()
         next_report += PROGRESS_S
@@ -158,7 +217,7 @@ def main(argv=None) -> int:
         step = 0
         while (step < args.steps) if args.steps else (time.monotonic() < deadline):
             rng = np.random.default_rng([seed, step])  # one step reproduces from (seed, step)
-            d = _draw_step(rng, a2as, args.max_tokens, args.ranks)
+            d = draw_step(rng, a2as, args.max_tokens, args.ranks)
             a2a = a2as[d["key"]]
             # an "auto" all-to-all runs either protocol's kernels; FP8 combine is FENCE only
             a2a.use_protocol("fence" if a2a.combine_quant else d["mode"])
@@ -175,8 +234,7 @@ def main(argv=None) -> int:
                 fig["first_failures"].append(f"step {step} ({d}): {type(e).__name__}: {e}")
                 print(f"ERROR at step {step} (seed {seed}, {d}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 break
-            db, cb = logical_bytes(d["tokens"], a2a.ep_size, a2a.top_k, a2a.payload_specs, a2a.combine_hidden_size,
-                                   a2a.combine_dtype.itemsize)
+            db, cb = step_bytes(a2a, d["tokens"])
             fig["steps"] += 1
             fig["dispatch_bytes"] += db
             fig["combine_bytes"] += cb
@@ -229,7 +287,7 @@ def main(argv=None) -> int:
     return exits.OK if ok else exits.FAILED
 
 
-def _device_facts(ordinal: int) -> dict:
+def device_facts(ordinal: int) -> dict:
     """Taken before the run: after a kernel trap the context is gone, and the summary is still due."""
     from ..driver.device import driver_version, get_device
     dev = get_device(ordinal)
