@@ -121,9 +121,6 @@ def parse_args(argv):
     return args
 
 
-_args = parse_args   # (the older name, which tests/tools/test_cli_cpu.py reads)
-
-
 def build_alltoalls(group, args, rng, built: dict) -> dict:
     """One all-to-all per (format, combine dtype), shapes drawn from `rng`, protocol "auto" so
     that both protocols' kernels and workspace exist; the step picks the protocol. Filled into

@@ -19,7 +19,7 @@ from ep_a2a.tools import bench_cli, bench_layer, bench_report, bench_torch, exit
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {"demo": (demo.parser, demo.parse_args), "bench": (bench_cli.parser, bench_cli.parse_args),
          "bench_layer": (bench_layer.parser, bench_layer.parse_args),
-         "bench_torch": (bench_torch.parser, bench_torch.parse_args), "stress": (stress.parser, stress._args)}
+         "bench_torch": (bench_torch.parser, bench_torch.parse_args), "stress": (stress.parser, stress.parse_args)}
 MAINS = {"bench": bench_cli.main, "bench_layer": bench_layer.main, "bench_torch": bench_torch.main, "stress": stress.main}
 
 
