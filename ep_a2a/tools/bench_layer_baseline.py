@@ -48,7 +48,7 @@ class AllGatherBaseline:
     def __init__(self, layers, T: int):
         import torch
         L0 = layers[0]
-        if L0._gmm is None:
+        if L0.gemm != "grouped":
             raise RuntimeError(f"the graphed baseline needs torch's grouped GEMM: {L0.gemm_reason}")
         self.layers, self.T = layers, T
         self.streams = [layer.stream for layer in layers]
@@ -113,10 +113,10 @@ class AllGatherBaseline:
         offs = torch.searchsorted(key, self.bounds[r], out_int32=True)  # end row of each local expert
         tok = torch.take(self.token_of, order)
         xg = self.x_all[r].index_select(0, tok)
-        h = layer._gmm(xg, layer._w1t, offs=offs)
+        h = layer.fc1(xg, offs)
         gate_, up = h[:, :I], h[:, I:]
         F.silu(gate_, inplace=True)
-        y = layer._gmm(torch.mul(gate_, up), layer._w2t, offs=offs)
+        y = layer.fc2(torch.mul(gate_, up), offs)
         yw = torch.mul(y, torch.take(w, order).unsqueeze(1))            # fp32 (rows past the last expert: garbage)
         dest = torch.where(key < L, tok, self.dump)                    # ... summed into the dump row
         part = self.part[r]
@@ -133,12 +133,12 @@ class GemmFloor:
         import torch
         self.layers = layers
         self.streams = [layer.stream for layer in layers]
-        self.offs = [torch.empty_like(layer._offs) for layer in layers]
+        self.offs = [torch.empty_like(layer.buffers[2]) for layer in layers]
 
     def set_offsets(self) -> None:
         """Take each layer's offsets of its last step (outside any capture)."""
         for o, layer in zip(self.offs, self.layers):
-            o.copy_(layer._offs)
+            o.copy_(layer.buffers[2])
 
     def step(self, T: int) -> None:
         import torch
@@ -146,7 +146,8 @@ class GemmFloor:
         with torch.no_grad():
             for layer, s, offs in zip(self.layers, self.streams, self.offs):
                 cap = layer.ep_size * T * layer.top_k
+                rows, act, _ = layer.buffers
                 with torch.cuda.stream(s):
-                    layer._gmm(layer._xg[:cap], layer._w1t, offs=offs)
-                    layer._gmm(layer._act[:cap], layer._w2t, offs=offs)
+                    layer.fc1(rows[:cap], offs)
+                    layer.fc2(act[:cap], offs)
         join(torch, self.streams)

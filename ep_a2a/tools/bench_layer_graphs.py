@@ -24,7 +24,7 @@ to more than the layer.
 Floors in the same run: the GEMM-only time (the same grouped GEMMs on the rows our layer
 gathered, with its expert offsets), and the weight-read floor: the bytes of the experts the
 routing touches over the HBM rate of a device-to-device copy measured here (read + write).
-Host: the eager layer's host time to issue one step, per rank.
+Host: the eager layer's host time to issue one step, per rank, and its split by phase.
 """
 from __future__ import annotations
 
@@ -168,6 +168,38 @@ def _eager_host_us(torch, run, iters: int) -> float:
     return float(statistics.median(times))
 
 
+def eager_host_phases_us(torch, layers, xs, logits, T: int, iters: int) -> dict:
+    """Median host µs per rank of each phase of an eager step, issued in run_phases' order
+    (prepare includes the router; the gates are in dispatch and combine): where the eager
+    layer's host time goes."""
+    from ..layers.base import phase_gate
+    names = ("prepare", "dispatch", "compute", "combine")
+    samples = {k: [] for k in names}
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = [time.perf_counter()]
+        for layer, x, lg in zip(layers, xs, logits):
+            layer.prepare(x, lg, T)
+        t.append(time.perf_counter())
+        phase_gate(layers)
+        for layer in layers:
+            layer.dispatch()
+        t.append(time.perf_counter())
+        for layer in layers:
+            layer.compute()
+        t.append(time.perf_counter())
+        phase_gate(layers)
+        for layer in layers:
+            layer.combine()
+        t.append(time.perf_counter())
+        for layer in layers:
+            torch.cuda.current_stream(layer.device).wait_stream(layer.stream)
+        for k, a, b in zip(names, t, t[1:]):
+            samples[k].append((b - a) * 1e6 / len(layers))
+    torch.cuda.synchronize()
+    return {k: float(statistics.median(v)) for k, v in samples.items()}
+
+
 def run(args, profiles: dict, commit) -> dict:
     import torch
     import ep_a2a
@@ -250,8 +282,9 @@ def _one_size(torch, args, T, layers, floor, rng, shape, rate, say, forward, rel
             torch.cuda.synchronize()
             diff = max(rel_err(a.float().cpu().numpy(), b.float().cpu().numpy()) for a, b in zip(ours, theirs))
             host = _eager_host_us(torch, ours_step, args.host_iters)
+            phases = eager_host_phases_us(torch, layers, xs, logits, T, args.host_iters)
             out_rows.append(dict(tokens_per_rank=T, routing=routing, max_rel_diff_vs_baseline=diff,
-                                 eager_host_us_per_rank=host / ep, eager_ours=ours,
+                                 eager_host_us_per_rank=host / ep, eager_host_phases_us_per_rank=phases,
                                  **load_stats(ids, ep, T, top_k, E, H, I)))
         pool = torch.cuda.graph_pool_handle()
         for name, step in (("ours", ours_step), ("baseline", base_step), ("gemm_floor", floor_step)):
@@ -267,7 +300,6 @@ def _one_size(torch, args, T, layers, floor, rng, shape, rate, say, forward, rel
             floor.set_offsets()
             for name, (gs, gl) in graphs.items():
                 row[name] = time_pair(torch, gs, gl, R, args.replays)
-            row.pop("eager_ours")
             _summary_line(say, row)
         graphs.clear()
         torch.cuda.synchronize()
@@ -284,7 +316,7 @@ def _one_size(torch, args, T, layers, floor, rng, shape, rate, say, forward, rel
                 row["gemm_floor"]["stages"] = profile_stages(torch, floor_step, args.stage_replays, floor_p)
                 _stage_line(say, row)
         for row in out_rows:
-            _floors(row, rate)
+            derive_figures(row, rate)
     finally:
         graphs.clear()
         torch.cuda.synchronize()
@@ -301,8 +333,8 @@ def _refill(torch, rng, xs, logits, ids, E, dev, H) -> None:
     torch.cuda.synchronize()
 
 
-def _floors(row: dict, rate_tbps: float) -> None:
-    """Ratios of the row to its floors (what the issue's targets read)."""
+def derive_figures(row: dict, rate_tbps: float) -> None:
+    """The row's speedup, weight-read floor, glue share and ratios to its floors."""
     o, b, f = row["ours"], row["baseline"], row["gemm_floor"]
     row["speedup_vs_baseline"] = b["step_us"] / o["step_us"] if o["step_us"] > 0 else None
     row["weight_read_floor_us"] = row["weight_bytes_read"] / (rate_tbps * 1e12) * 1e6
@@ -321,7 +353,9 @@ def _summary_line(say, row) -> None:
     say(f"T={row['tokens_per_rank']:5d} {row['routing']:8s} ours {o['step_us']:9.1f} ±{o['spread_us']:.1f} µs   "
         f"baseline {b['step_us']:9.1f} ±{b['spread_us']:.1f}   GEMM floor {f['step_us']:8.1f}   "
         f"x{b['step_us'] / o['step_us']:.2f}   imbalance {row['load_imbalance']:.2f}   "
-        f"eager host {row['eager_host_us_per_rank']:.0f} µs/rank   graph==eager {row['graph_equals_eager']}")
+        f"eager host {row['eager_host_us_per_rank']:.0f} µs/rank ("
+        + "/".join(f"{v:.0f}" for v in row["eager_host_phases_us_per_rank"].values())
+        + f" prepare/dispatch/compute/combine)   graph==eager {row['graph_equals_eager']}")
 
 
 def _stage_line(say, row) -> None:

@@ -140,8 +140,8 @@ def _row(rng, T, routing):
                graph_equals_eager=True, weight_bytes_read=10 ** 9, ours=step(), baseline=step(), gemm_floor=step())
     row["ours"]["stages"] = st.ours_stage_times(events, 3)
     row["baseline"]["stages"] = dict(error="no CUPTI")
-    from ep_a2a.tools.bench_layer_graphs import _floors
-    _floors(row, 4.0)
+    from ep_a2a.tools.bench_layer_graphs import derive_figures
+    derive_figures(row, 4.0)
     return row
 
 
