@@ -4,10 +4,12 @@ replays are cut into replays, and a stage of one replay spans from its first ker
 (on any rank) to its last kernel's end (on any rank). Nothing is inserted between stages.
 
 Records are the device events of a torch.profiler (kineto / CUPTI) chrome trace: dicts with
-"name", "cat" ("kernel", "gpu_memcpy", "gpu_memset"), "ts" and "dur" in µs. Kernels of a
-graph replay carry no rank (graph nodes run on streams of the driver's choosing), so what
-needs a rank is read from order: the grouped GEMMs of a step are FC1 on every rank, then FC2
-on every rank, and the first half by start time is taken as FC1.
+"name", "cat" ("kernel", "gpu_memcpy", "gpu_memset"), "ts" and "dur" in µs, "args"."stream".
+Kernels of a graph replay need not carry their rank's stream (graph nodes run on streams of
+the driver's choosing), so FC1 and FC2, the same GEMM kernel, are told apart by order: per
+stream where the GEMMs spread over several streams with an even count on each (a stream's
+first half is FC1), else over the whole step (the first half by start time: every rank's
+FC1 is ready before any FC2, which waits for its FC1 and activation).
 """
 from __future__ import annotations
 
@@ -67,13 +69,13 @@ def kernel_class(name: str, cat: str = "kernel") -> str:
 
 
 def device_records(trace_events) -> list:
-    """The device records of a chrome trace's events, as (start µs, end µs, name, cat), sorted
-    by start."""
+    """The device records of a chrome trace's events, as (start µs, end µs, name, cat, stream),
+    sorted by start."""
     out = []
     for e in trace_events:
         if e.get("ph", "X") == "X" and e.get("cat") in DEVICE_CATS and "ts" in e:
             ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
-            out.append((ts, ts + dur, str(e.get("name", "")), e["cat"]))
+            out.append((ts, ts + dur, str(e.get("name", "")), e["cat"], (e.get("args") or {}).get("stream")))
     out.sort(key=lambda r: (r[0], r[1]))
     return out
 
@@ -115,10 +117,24 @@ def classify_replay(chunk, mapping: dict, stages: tuple, default: str = None) ->
             stage = default or "other"
         out.setdefault(stage, []).append(rec)
     if gemms:
-        half = len(gemms) // 2 if len(gemms) > 1 else 1
-        out["fc1"] += gemms[:half]
-        out["fc2"] += gemms[half:]
+        fc1, fc2 = split_fc(gemms)
+        out["fc1"] += fc1
+        out["fc2"] += fc2
     return out
+
+
+def split_fc(gemms) -> tuple:
+    """(FC1 records, FC2 records) of a step's GEMM records (sorted by start); see the module
+    docstring."""
+    by_stream = {}
+    for rec in gemms:
+        by_stream.setdefault(rec[4] if len(rec) > 4 else None, []).append(rec)
+    if len(by_stream) > 1 and None not in by_stream and all(len(v) % 2 == 0 for v in by_stream.values()):
+        fc1 = [r for v in by_stream.values() for r in v[:len(v) // 2]]
+        fc2 = [r for v in by_stream.values() for r in v[len(v) // 2:]]
+        return sorted(fc1), sorted(fc2)
+    half = len(gemms) // 2 if len(gemms) > 1 else 1
+    return gemms[:half], gemms[half:]
 
 
 def span(recs) -> float:

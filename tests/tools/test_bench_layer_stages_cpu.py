@@ -60,7 +60,8 @@ def _timeline(rng, ranks, replays):
                 for name in NAMES[stage]:
                     clock += rng.uniform(0, 1)
                     dur = rng.uniform(0.5, 20)
-                    events.append(dict(ph="X", cat=_cat(name), name=name, ts=clock, dur=dur, args={"stream": 7}))
+                    events.append(dict(ph="X", cat=_cat(name), name=name, ts=clock, dur=dur,
+                                       args={"stream": 100 + r}))
                     spans[stage][0] = min(spans[stage][0], clock)
                     spans[stage][1] = max(spans[stage][1], clock + dur)
                     clock += dur
@@ -94,9 +95,7 @@ def test_stage_spans_over_concurrent_ranks(ranks, replays):
     events, want = _timeline(rng, ranks, replays + 1)
     got = st.ours_stage_times(events, replays + 1, skip=1)
     assert got["replays"] == replays and got["records_per_replay"] == ranks * sum(len(v) for v in NAMES.values())
-    for stage in st.OURS_STAGES:
-        if stage in ("fc1", "fc2"):
-            continue  # by start order: checked below
+    for stage in st.OURS_STAGES:  # (each rank on a stream of its own: FC1 / FC2 split per stream)
         spans = [w[stage] for w in want[1:]]
         assert got["mean_us"][stage] == pytest.approx(np.mean(spans), rel=1e-9), (seed, stage)
         assert got["median_us"][stage] == pytest.approx(np.median(spans), rel=1e-9), (seed, stage)
@@ -113,17 +112,29 @@ def test_fc1_fc2_split_by_start_order():
     assert st.span(by["fc1"]) == 12.0 and st.span(by["fc2"]) == 17.0
 
 
+def test_fc1_fc2_split_per_stream_when_the_records_carry_rank_streams():
+    """Rank 1's FC2 starts before rank 2's FC1: by stream the split is still right."""
+    g = NAMES["fc2"][0]
+    recs = sorted([(0.0, 5.0, g, "kernel", 11), (6.0, 9.0, g, "kernel", 11),      # rank 1: FC1, FC2
+                   (7.0, 20.0, g, "kernel", 12), (21.0, 30.0, g, "kernel", 12)])  # rank 2: FC1, FC2
+    fc1, fc2 = st.split_fc(recs)
+    assert [r[0] for r in fc1] == [0.0, 7.0] and [r[0] for r in fc2] == [6.0, 21.0]
+    one_stream = [r[:4] + (7,) for r in recs]
+    fc1, fc2 = st.split_fc(one_stream)   # graph kernels on the launch stream: by start order
+    assert [r[0] for r in fc1] == [0.0, 6.0] and [r[0] for r in fc2] == [7.0, 21.0]
+
+
 def test_replays_that_overlap_or_do_not_divide_are_refused():
     rng, _ = fresh_rng()
     events, _ = _timeline(rng, 4, 3)
     recs = st.device_records(events)
     with pytest.raises(ValueError, match="replays"):
         st.split_replays(recs[:-1], 3)   # one record short: the name counts no longer divide
-    one = [(0.0, 10.0, "fence_dispatch", "kernel"), (5.0, 15.0, "fence_combine_bf16", "kernel")]
-    overlapping = one + [(a + 12.0, b + 12.0, n, c) for a, b, n, c in one]   # the second starts before 15
+    one = [(0.0, 10.0, "fence_dispatch", "kernel", 7), (5.0, 15.0, "fence_combine_bf16", "kernel", 7)]
+    overlapping = one + [(a + 12.0, b + 12.0, n, c, x) for a, b, n, c, x in one]   # the second starts before 15
     with pytest.raises(ValueError, match="overlap"):
         st.split_replays(overlapping, 2)
-    stray = recs + [(recs[-1][1] + 1, recs[-1][1] + 2, "Memset (Device)", "gpu_memset")]
+    stray = recs + [(recs[-1][1] + 1, recs[-1][1] + 2, "Memset (Device)", "gpu_memset", 7)]
     assert len(st.split_replays(sorted(stray), 3)) == 3   # a record of no replay is dropped
 
 
