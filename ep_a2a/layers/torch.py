@@ -135,6 +135,22 @@ class TorchMoeLayer(LayerBase):
         torch.cuda.synchronize(self.device)
         self.output = None
 
+    # -- the grouped GEMMs (also what the graphed benchmark's baseline and GEMM floor run) ----------
+    def fc1(self, rows, offs):
+        """FC1 of the local experts: rows bf16 [R, hidden] expert-major, offs int32 [E_local]
+        end row of each expert (on the device) -> bf16 [R, 2*I]; rows past offs[-1] undefined."""
+        return self._gmm(rows, self._w1t, offs=offs)
+
+    def fc2(self, act, offs):
+        """FC2 of the local experts: act bf16 [R, I] -> bf16 [R, hidden] (as fc1)."""
+        return self._gmm(act, self._w2t, offs=offs)
+
+    @property
+    def buffers(self) -> tuple:
+        """(gathered rows [cap, hidden], activations [cap, I], expert end offsets int32
+        [E_local]): what the last step left there (cap = ep_size * max_tokens * top_k)."""
+        return self._xg, self._act, self._offs
+
     # -- phases ------------------------------------------------------------------------------------
     def route(self, logits):
         """(ids int32 [T, top_k], weights fp32 [T, top_k]) of the router on this rank's stream."""
@@ -171,8 +187,9 @@ class TorchMoeLayer(LayerBase):
             if tuple(router.shape) != (T, self.num_experts):
                 raise ValueError(f"router: logits must be [{T}, num_experts={self.num_experts}], got {list(router.shape)}")
             ids, w = self.route(router)
-        with torch.cuda.stream(self.stream):
-            x = x.contiguous()
+        if not x.is_contiguous():  # (a stream switch costs host time: only when there is a copy to make)
+            with torch.cuda.stream(self.stream):
+                x = x.contiguous()
             # No record_stream on this rank's stream: the caching allocator would record an
             # event on it when the tensor is freed, possibly after the group destroyed the
             # stream (a crash). The step keeps x, ids and w alive until its
@@ -203,11 +220,11 @@ class TorchMoeLayer(LayerBase):
             if self.gemm == "grouped":
                 offs = self._offs
                 offs.copy_(self._offsets[1:])  # end row of each local expert, on the device (16-byte aligned copy)
-                h = self._gmm(xg, self._w1t, offs=offs)
+                h = self.fc1(xg, offs)
                 gate, up = h[:, :I], h[:, I:]
                 F.silu(gate, inplace=True)
                 act = torch.mul(gate, up, out=self._act[:cap])
-                y = self._gmm(act, self._w2t, offs=offs)  # (freed on this stream: its reuse waits for finalize)
+                y = self.fc2(act, offs)  # (freed on this stream: its reuse waits for finalize)
             else:
                 bounds = self._offsets.cpu().tolist()  # blocks until build_index ran (all ranks have dispatched)
                 h, total = self._h, bounds[-1]

@@ -2,6 +2,11 @@
 of one GPU, as the paper's Table 4 (layer time and its dispatch / compute / combine stages),
 against the layer a PyTorch user would write without ep_a2a on the same ranks and streams.
 
+With --graph (tools/bench_layer_graphs.py, its docstring says how): the whole step of every
+rank captured in CUDA graphs, per-step times from graph replays, stages from profiler kernel
+records, against an all-gather baseline and the GEMM-only floor also under graphs. What
+follows describes the eager run (no --graph).
+
 Baseline ("all-gather"): every rank routes its tokens, copies every rank's tokens, ids and
 weights into one batch (torch.cat: the all-gather), runs its local experts over the tokens that
 selected them (nonzero + index_select, FC1, SiLU(gate) * up, FC2, weighted index_add_ in fp32),
@@ -32,10 +37,11 @@ import numpy as np
 
 from ..layers.base import phase_gate, run_phases
 from . import exits
-from .argtypes import check_top_k, int_in, int_list, nonnegative_int, positive_int
+from .argtypes import check_top_k, choice_list, int_in, int_list, nonnegative_int, positive_int
 from .bench_report import commit
 from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
+ROUTINGS = ("perfect", "zipf0", "zipf1", "zipf1.25")  # (bench_layer_graphs.ROUTINGS: what each means)
 PROFILES = {
     "small": dict(hidden=2048, intermediate=1024, experts=64, top_k=8),
     "deepseek-v3-like": dict(hidden=7168, intermediate=2048, experts=256, top_k=8),
@@ -227,7 +233,9 @@ def run(args) -> dict:
 
 EPILOG = f"""examples:
   python -m ep_a2a.bench_layer --tokens 1,16,128
-      the small profile, 8 in-process ranks on GPU 0, PyTorch
+      the small profile, 8 in-process ranks on GPU 0, PyTorch, eager
+  python -m ep_a2a.bench_layer --graph --tokens 1,16,128 --routing perfect,zipf1.25
+      the layer captured in CUDA graphs, with stages, against the graphed all-gather baseline
   python -m ep_a2a.bench_layer --framework jax --profile deepseek-v3-like --ranks 4
 
 The JSON goes to bench/results/moe-layer-<gpu>-<N>ranks-<profile>-<framework>[-fp8].json in
@@ -242,8 +250,21 @@ def parser() -> argparse.ArgumentParser:
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=8, help="in-process ranks on --device (default 8)")
     ap.add_argument("--device", type=nonnegative_int, default=0, help="the GPU ordinal (default 0)")
-    ap.add_argument("--tokens", type=int_list(1), default=[1, 16, 128, 1024],
-                    help="tokens per rank, comma-separated (default 1,16,128,1024)")
+    ap.add_argument("--tokens", type=int_list(1), default=None,
+                    help="tokens per rank, comma-separated (default 1,16,128,1024; --graph: 1,4,16,64,128,1024)")
+    ap.add_argument("--graph", action="store_true",
+                    help="capture every rank's whole step in CUDA graphs: step times from replays, stages from "
+                         "profiler kernel records, against the graphed all-gather baseline and the GEMM floor")
+    ap.add_argument("--routing", type=choice_list(tuple(ROUTINGS)), default=["perfect"],
+                    help=f"--graph: routings, comma-separated among {', '.join(ROUTINGS)} (zipf<alpha>: "
+                         "the paper's Table 5; default perfect)")
+    ap.add_argument("--rounds", type=positive_int, default=2,
+                    help="--graph: steps R of the shorter graph (the other has 2R; default 2)")
+    ap.add_argument("--replays", type=positive_int, default=20, help="--graph: timed replays per graph (default 20)")
+    ap.add_argument("--stage-replays", dest="stage_replays", type=nonnegative_int, default=10,
+                    help="--graph: profiled back-to-back replays for the stages (0: no stages; default 10)")
+    ap.add_argument("--host-iters", dest="host_iters", type=positive_int, default=10,
+                    help="--graph: eager steps timed for the host cost (default 10)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="small",
                     help="layer shapes: " + "; ".join(f"{k}: hidden {v['hidden']}, intermediate {v['intermediate']}, "
                                                       f"{v['experts']} experts, top_k {v['top_k']}"
@@ -275,8 +296,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = dict(PROFILES[args.profile], **{k: getattr(args, k) for k in ("experts", "top_k") if getattr(args, k)})
     if args.combine_quant and args.protocol not in (None, "fence"):
         ap.error(f"--combine-quant {args.combine_quant} needs --protocol fence, got {args.protocol}")
-    if args.protocol is None:
-        args.protocol = "fence" if args.combine_quant else "auto"
+    if args.graph and (args.framework != "torch" or args.combine_quant or args.gemm == "loop"):
+        ap.error("--graph runs the PyTorch layer with the bf16 combine and the grouped GEMM "
+                 "(no --framework jax, --combine-quant or --gemm loop)")
+    if args.tokens is None:
+        args.tokens = [1, 4, 16, 64, 128, 1024] if args.graph else [1, 16, 128, 1024]
+    if args.protocol is None:  # (FENCE: the faster protocol on one GPU at every size)
+        args.protocol = "fence" if args.combine_quant or args.graph else "auto"
     check_top_k(ap, p["top_k"], p["experts"])
     check_out(ap, args.out)
     return args
@@ -287,7 +313,7 @@ def result_file(res: dict, args) -> str:
     overrides = [f"{k.replace('_', '')}{getattr(args, k)}" for k in ("hidden", "intermediate", "experts", "top_k")
                  if getattr(args, k) is not None]
     return result_name("moe-layer", device_slug(res["device"]), f"{args.ranks}ranks", args.profile, *overrides,
-                       args.framework, args.combine_quant)
+                       args.framework, args.combine_quant, "graph" if args.graph else None)
 
 
 def main(argv=None) -> int:
@@ -306,9 +332,16 @@ def main(argv=None) -> int:
         import torch
         if not torch.cuda.is_available():
             return exits.missing(prog, f"this PyTorch ({torch.__version__}) has no CUDA device to run on")
-        res = run(args)
+        if args.graph:
+            from .bench_layer_graphs import run as run_graph
+            res = run_graph(args, PROFILES, commit)
+        else:
+            res = run(args)
     path = write_json(output_path(args.out, result_file(res, args)), res)
     print(f"wrote {path}", file=sys.stderr)
+    if args.graph:
+        from .bench_layer_report import table
+        print(table(res["rows"]), flush=True)
     return exits.OK
 
 

@@ -1,0 +1,367 @@
+"""`python -m ep_a2a.bench_layer --graph`: the MoE layer of every in-process rank captured in CUDA
+graphs and replayed, against the all-gather baseline (bench_layer_baseline.py) and the
+GEMM-only floor, all under graphs, in one run (the paper's Table 4 and Table 5, one GPU).
+
+One graph for all ranks per batch size: the capture stream forks to the rank streams, the
+step runs in run_phases' order (every rank's router, a gate, every rank's dispatch, the
+compute of every rank, a gate, every rank's combine) and joins back. The gates are edges of
+the graph, not kernels: no rank's spinning dispatch or combine can hold SMs that a peer's
+router or GEMMs need before its own dispatch or combine, as in the eager step; and every
+rank's dispatch node becomes ready at once, so all of them are resident together (their
+grids are capped for that).
+
+Per-step time: graphs of R and 2R steps, replayed in turn (events outside the graphs),
+(t(2R) - t(R)) / R from the medians (bench_method.per_round): the graph launch and the
+fork / join cancel. spread_us: the interquartile range of the same difference taken replay
+pair by replay pair.
+
+Stages: a one-step graph captured while torch.profiler (CUPTI) runs, replayed back to back;
+the kernel records are cut into replays and classified by name (bench_layer_stages.py). No
+event, barrier or timestamp kernel between the stages. A stage spans from the first rank's
+first kernel of it to the last rank's last kernel of it; stages may overlap, so they add up
+to more than the layer.
+
+Floors in the same run: the GEMM-only time (the same grouped GEMMs on the rows our layer
+gathered, with its expert offsets), and the weight-read floor: the bytes of the experts the
+routing touches over the HBM rate of a device-to-device copy measured here (read + write).
+Host: the eager layer's host time to issue one step, per rank, and its split by phase.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from .bench_layer_baseline import AllGatherBaseline, GemmFloor
+from .bench_method import per_round
+
+ROUTINGS = {"perfect": ("perfect", 0.0), "zipf0": ("zipf", 0.0), "zipf1": ("zipf", 1.0), "zipf1.25": ("zipf", 1.25)}
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+def routing_ids(rng, routing: str, ep: int, T: int, top_k: int, num_experts: int) -> list:
+    """int32 [T, top_k] expert ids per rank: 'perfect' (a token's k selections on consecutive
+    ranks, even over their experts) or 'zipf<alpha>' (k distinct experts per token, popularity
+    ~ i^-alpha over one random order of the experts shared by all ranks)."""
+    from ..testing.formats import routing as draw
+    kind, alpha = ROUTINGS[routing]
+    if kind == "perfect":
+        return [draw("perfect", rng, T, top_k, num_experts, ep, s) for s in range(ep)]
+    ids = draw("zipf", rng, ep * T, top_k, num_experts, ep, alpha=alpha) if alpha > 0 else \
+        draw("uniform", rng, ep * T, top_k, num_experts, ep)
+    return [ids[s * T:(s + 1) * T] for s in range(ep)]
+
+
+def logits_for(rng, ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """float32 router logits whose top-k (descending) is exactly `ids`: noise in [0, 1), the
+    selected experts well above it and apart from each other (the router stays in the step)."""
+    T, k = ids.shape
+    lg = rng.random((T, num_experts), dtype=np.float32)
+    rows = np.arange(T)[:, None]
+    lg[rows, ids] = (4.0 + np.arange(k, 0, -1, dtype=np.float32) * 0.5)[None, :]
+    return lg
+
+
+def load_stats(ids_per_rank, ep: int, T: int, top_k: int, num_experts: int, hidden: int, inter: int) -> dict:
+    """Load imbalance (busiest rank's token-expert pairs over T * top_k, the paper's Table 5),
+    the experts the step touches and their bf16 weight bytes."""
+    from ..moe import local_experts
+    ids = np.concatenate(ids_per_rank).reshape(-1)
+    ids = ids[ids >= 0]
+    pairs = [int(((ids >= f) & (ids < f + n)).sum()) for f, n in (local_experts(num_experts, ep, r) for r in range(ep))]
+    touched = int(np.unique(ids).size)
+    return dict(load_imbalance=max(pairs) / (T * top_k), pairs_per_rank=pairs, experts_touched=touched,
+                weight_bytes_read=touched * 3 * hidden * inter * 2)
+
+
+# -- graphs ----------------------------------------------------------------------------------------
+def capture(torch, step, n: int, pool=None):
+    """n calls of step() captured into one graph (torch.cuda.graph, global capture mode: an
+    allocation outside the graph's pool, a free or a synchronization in any thread fails it)."""
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g, pool=pool, capture_error_mode="global"):
+        for _ in range(n):
+            step()
+    torch.cuda.synchronize()
+    return g
+
+
+def time_pair(torch, g_short, g_long, rounds: int, replays: int) -> dict:
+    """µs per step from graphs of `rounds` and 2 * rounds steps, replayed in turn."""
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for g in (g_short, g_long):  # warm-up (the first replay uploads the graph)
+        g.replay()
+    torch.cuda.synchronize()
+    ts = ([], [])
+    for _ in range(replays):
+        for g, t in zip((g_short, g_long), ts):
+            e0.record()
+            g.replay()
+            e1.record()
+            e1.synchronize()
+            t.append(e0.elapsed_time(e1) * 1e3)
+    step, overhead = per_round(statistics.median(ts[0]), statistics.median(ts[1]), rounds)
+    pairs = sorted((b - a) / rounds for a, b in zip(*ts))
+    q1, q3 = np.percentile(pairs, [25, 75]) if len(pairs) > 1 else (pairs[0], pairs[0])
+    return dict(step_us=step, graph_overhead_us=overhead, spread_us=float(q3 - q1),
+                replay_us=[statistics.median(ts[0]), statistics.median(ts[1])])
+
+
+def profile_stages(torch, step, replays: int, parse) -> dict:
+    """parse(trace events, replays, skip=1) of one warm-up and `replays` back-to-back replays
+    of a one-step graph captured while the profiler runs (so CUPTI is up before the graph
+    exists). A failure (no CUPTI, records that do not split) is reported, not raised: the
+    step times stand without it."""
+    import json
+    import tempfile
+    from torch.profiler import ProfilerActivity, profile
+    g = None
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            g = capture(torch, step, 1)
+            g.replay()              # warm-up: the first replay uploads the graph
+            torch.cuda.synchronize()
+            for _ in range(replays):
+                g.replay()
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "trace.json")
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f)["traceEvents"]
+        return parse(events, replays + 1, skip=1)
+    except Exception as e:  # noqa: BLE001  (reported in the JSON and on stderr)
+        print(f"WARNING: stage profile failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return dict(error=f"{type(e).__name__}: {e}")
+    finally:
+        del g
+        torch.cuda.synchronize()
+
+
+def copy_rate_tbps(torch, dev, nbytes: int = 1 << 30, replays: int = 10) -> float:
+    """HBM rate of a device-to-device copy (bytes read + written per second, TB/s), two graph
+    lengths as the steps."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    gs = [capture(torch, lambda: dst.copy_(src), n) for n in (1, 2)]
+    t = time_pair(torch, gs[0], gs[1], 1, replays)["step_us"]
+    del gs, src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / (t * 1e-6) / 1e12
+
+
+# -- the run ---------------------------------------------------------------------------------------
+def _eager_host_us(torch, run, iters: int) -> float:
+    """Median host µs to issue one eager step (the device drained between steps)."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return float(statistics.median(times))
+
+
+def eager_host_phases_us(torch, layers, xs, logits, T: int, iters: int) -> dict:
+    """Median host µs per rank of each phase of an eager step, issued in run_phases' order
+    (prepare includes the router; the gates are in dispatch and combine): where the eager
+    layer's host time goes."""
+    from ..layers.base import phase_gate
+    names = ("prepare", "dispatch", "compute", "combine")
+    samples = {k: [] for k in names}
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t = [time.perf_counter()]
+        for layer, x, lg in zip(layers, xs, logits):
+            layer.prepare(x, lg, T)
+        t.append(time.perf_counter())
+        phase_gate(layers)
+        for layer in layers:
+            layer.dispatch()
+        t.append(time.perf_counter())
+        for layer in layers:
+            layer.compute()
+        t.append(time.perf_counter())
+        phase_gate(layers)
+        for layer in layers:
+            layer.combine()
+        t.append(time.perf_counter())
+        for layer in layers:
+            torch.cuda.current_stream(layer.device).wait_stream(layer.stream)
+        for k, a, b in zip(names, t, t[1:]):
+            samples[k].append((b - a) * 1e6 / len(layers))
+    torch.cuda.synchronize()
+    return {k: float(statistics.median(v)) for k, v in samples.items()}
+
+
+def run(args, profiles: dict, commit) -> dict:
+    import torch
+    import ep_a2a
+    from ..layers.torch import TorchMoeLayer, moe_forward_all_ranks, payload_specs
+    from ..moe import local_experts
+    from ..testing.layer_oracle import max_relative_error
+    from .bench_layer_stages import baseline_stage_times, floor_stage_times, ours_stage_times
+    p = dict(profiles[args.profile])
+    for k in ("hidden", "intermediate", "experts", "top_k"):
+        if getattr(args, k) is not None:
+            p[k] = getattr(args, k)
+    H, I, E, top_k, ep = p["hidden"], p["intermediate"], p["experts"], p["top_k"], args.ranks
+    dev = torch.device("cuda", args.device)
+    torch.cuda.set_device(dev)
+    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    say(f"seed {seed}; {torch.cuda.get_device_name(dev)}; {ep} ranks; hidden {H}, intermediate {I}, {E} experts, "
+        f"top_k {top_k}; graphs of {args.rounds} and {2 * args.rounds} steps, {args.replays} replays")
+    w1 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).to(torch.bfloat16)
+    rate = copy_rate_tbps(torch, dev)
+    say(f"device-to-device copy: {rate:.2f} TB/s (read + write)")
+    rows = []
+    protocol = args.protocol or "fence"
+    R = args.rounds
+    with ep_a2a.LocalGroup([args.device] * ep) as group:
+        a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(args.tokens), top_k=top_k, num_experts=E,
+                                 payloads=payload_specs(H, top_k), combine_hidden_size=H, protocol=protocol,
+                                 validate_expert_ids=False, on_timeout="abort")
+        layers = []
+        try:
+            for r in a2a.ranks:
+                first, n = local_experts(E, ep, r.rank)
+                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm="grouped"))
+            floor = GemmFloor(layers)
+            for T in args.tokens:
+                rows += _one_size(torch, args, T, layers, floor, rng, (H, I, E, top_k, ep), rate, say,
+                                  moe_forward_all_ranks, max_relative_error,
+                                  (ours_stage_times, baseline_stage_times, floor_stage_times))
+            gemm = f"{layers[0].gemm} ({layers[0].gemm_reason})"
+        finally:
+            torch.cuda.synchronize()
+            for layer in layers:
+                layer.close()
+            a2a.close()
+    props = torch.cuda.get_device_properties(dev)
+    return dict(device=props.name, compute_capability=list(torch.cuda.get_device_capability(dev)),
+                sm_count=props.multi_processor_count, torch=torch.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit(),
+                config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
+                            device=args.device, tokens=args.tokens, routing=args.routing, rounds=R,
+                            replays=args.replays, stage_replays=args.stage_replays, protocol=protocol, seed=seed,
+                            gemm=gemm, dtype="bf16 weights and activations, fp32 accumulation"),
+                copy_tbps=rate, method=__doc__, rows=rows)
+
+
+def _one_size(torch, args, T, layers, floor, rng, shape, rate, say, forward, rel_err, parsers) -> list:
+    """Every routing at T tokens per rank: one set of graphs per size, refilled per routing."""
+    H, I, E, top_k, ep = shape
+    dev = layers[0].device
+    R = args.rounds
+    xs = [torch.empty(T, H, dtype=torch.bfloat16, device=dev) for _ in layers]
+    logits = [torch.empty(T, E, dtype=torch.float32, device=dev) for _ in layers]
+    base = AllGatherBaseline(layers, T)
+    ours_step = lambda: forward(layers, xs, logits, T)  # noqa: E731
+    base_step = lambda: base.step(xs, logits)  # noqa: E731
+    floor_step = lambda: floor.step(T)  # noqa: E731
+    fills = {}
+
+    out_rows = []
+    graphs = {}
+    try:
+        for routing in args.routing:  # eager steps: correctness, host cost, the floor's offsets
+            ids = fills[routing] = routing_ids(rng, routing, ep, T, top_k, E)
+            _refill(torch, rng, xs, logits, ids, E, dev, H)
+            ours = [o.clone() for o in forward(layers, xs, logits, T)]
+            theirs = [o.clone() for o in base_step()]
+            torch.cuda.synchronize()
+            diff = max(rel_err(a.float().cpu().numpy(), b.float().cpu().numpy()) for a, b in zip(ours, theirs))
+            host = _eager_host_us(torch, ours_step, args.host_iters)
+            phases = eager_host_phases_us(torch, layers, xs, logits, T, args.host_iters)
+            out_rows.append(dict(tokens_per_rank=T, routing=routing, max_rel_diff_vs_baseline=diff,
+                                 eager_host_us_per_rank=host / ep, eager_host_phases_us_per_rank=phases,
+                                 **load_stats(ids, ep, T, top_k, E, H, I)))
+        pool = torch.cuda.graph_pool_handle()
+        for name, step in (("ours", ours_step), ("baseline", base_step), ("gemm_floor", floor_step)):
+            graphs[name] = [capture(torch, step, n, pool) for n in (R, 2 * R)]
+        for row in out_rows:
+            _refill(torch, rng, xs, logits, fills[row["routing"]], E, dev, H)
+            # the graph replays the eager step: the same fresh inputs through both, bitwise
+            eager = [o.clone() for o in forward(layers, xs, logits, T)]
+            graphs["ours"][0].replay()
+            torch.cuda.synchronize()
+            row["graph_equals_eager"] = all(torch.equal(a.view(torch.int16), layer.output.view(torch.int16))
+                                            for a, layer in zip(eager, layers))
+            floor.set_offsets()
+            for name, (gs, gl) in graphs.items():
+                row[name] = time_pair(torch, gs, gl, R, args.replays)
+            _summary_line(say, row)
+        graphs.clear()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        if args.stage_replays:
+            ours_p, base_p, floor_p = parsers
+            for row in out_rows:
+                _refill(torch, rng, xs, logits, fills[row["routing"]], E, dev, H)
+                forward(layers, xs, logits, T)
+                torch.cuda.synchronize()
+                floor.set_offsets()
+                row["ours"]["stages"] = profile_stages(torch, ours_step, args.stage_replays, ours_p)
+                row["baseline"]["stages"] = profile_stages(torch, base_step, args.stage_replays, base_p)
+                row["gemm_floor"]["stages"] = profile_stages(torch, floor_step, args.stage_replays, floor_p)
+                _stage_line(say, row)
+        for row in out_rows:
+            derive_figures(row, rate)
+    finally:
+        graphs.clear()
+        torch.cuda.synchronize()
+        del base
+        torch.cuda.empty_cache()
+    return out_rows
+
+
+def _refill(torch, rng, xs, logits, ids, E, dev, H) -> None:
+    """Fresh hidden states, logits routing to `ids`."""
+    for x, lg, i in zip(xs, logits, ids):
+        x.copy_(torch.randn(x.shape[0], H, device=dev).to(torch.bfloat16))
+        lg.copy_(torch.from_numpy(logits_for(rng, i, E)))
+    torch.cuda.synchronize()
+
+
+def derive_figures(row: dict, rate_tbps: float) -> None:
+    """The row's speedup, weight-read floor, glue share and ratios to its floors."""
+    o, b, f = row["ours"], row["baseline"], row["gemm_floor"]
+    row["speedup_vs_baseline"] = b["step_us"] / o["step_us"] if o["step_us"] > 0 else None
+    row["weight_read_floor_us"] = row["weight_bytes_read"] / (rate_tbps * 1e12) * 1e6
+    st = o.get("stages", {}).get("mean_us")
+    if st:
+        compute = st.get("compute", 0.0)
+        row["glue_share"] = (st["index"] + st["gather"] + st["finalize"]) / o["step_us"] if o["step_us"] > 0 else None
+        row["a2a_round_trip_us"] = st["dispatch"] + st["combine"]
+        row["layer_over_a2a_plus_gemm_floor"] = o["step_us"] / (row["a2a_round_trip_us"] + f["step_us"]) \
+            if row["a2a_round_trip_us"] + f["step_us"] > 0 else None
+        row["compute_stage_us"] = compute
+
+
+def _summary_line(say, row) -> None:
+    o, b, f = row["ours"], row["baseline"], row["gemm_floor"]
+    say(f"T={row['tokens_per_rank']:5d} {row['routing']:8s} ours {o['step_us']:9.1f} ±{o['spread_us']:.1f} µs   "
+        f"baseline {b['step_us']:9.1f} ±{b['spread_us']:.1f}   GEMM floor {f['step_us']:8.1f}   "
+        f"x{b['step_us'] / o['step_us']:.2f}   imbalance {row['load_imbalance']:.2f}   "
+        f"eager host {row['eager_host_us_per_rank']:.0f} µs/rank ("
+        + "/".join(f"{v:.0f}" for v in row["eager_host_phases_us_per_rank"].values())
+        + f" prepare/dispatch/compute/combine)   graph==eager {row['graph_equals_eager']}")
+
+
+def _stage_line(say, row) -> None:
+    st = row["ours"]["stages"].get("mean_us")
+    if st:
+        say("    ours stages µs: " + "  ".join(f"{k} {v:.1f}" for k, v in st.items()))
+    bt = row["baseline"]["stages"].get("mean_us")
+    if bt:
+        say("    baseline stages µs: " + "  ".join(f"{k} {v:.1f}" for k, v in bt.items()))
