@@ -36,7 +36,7 @@ def built_for() -> dict:
         return {}
 
 
-def load(path: Path = LIBRARY):
+def library(path: Path = LIBRARY):
     """The library as a ctypes.CDLL with its C entry points typed, or None (then why() says why)."""
     global _lib, _why
     if _lib is not None or _why is not None:
@@ -72,7 +72,7 @@ def why() -> str | None:
     """Why the library is not in use (None where it is)."""
     if os.environ.get("EP_A2A_JAX_NATIVE", "1") == "0":
         return "EP_A2A_JAX_NATIVE=0"
-    load()
+    library()
     return _why
 
 
@@ -86,7 +86,7 @@ def target() -> str:
     name, symbol = TARGETS[captured]
     if name not in _registered:
         import jax
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(load(), symbol)), platform="CUDA")
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library(), symbol)), platform="CUDA")
         _registered.add(name)
     return name
 
@@ -107,7 +107,7 @@ def native_or_warn() -> bool:
 def info_line() -> str:
     """`python -m ep_a2a --info`: whether the library is present and which jaxlib built it."""
     built = built_for()
-    lib = load()
+    lib = library()
     if lib is None:
         return f"JAX native library: absent ({_why})"
     api = lib.ep_a2a_ffi_api_version()
@@ -119,7 +119,7 @@ class Plan:
     """One registered launch plan; release() frees it (after the calls using it completed)."""
 
     def __init__(self, words: np.ndarray):
-        lib = load()
+        lib = library()
         words = np.ascontiguousarray(words, np.uint64)
         msg = ctypes.create_string_buffer(256)
         self.id = lib.ep_a2a_ffi_register(words.ctypes.data, words.size, msg, len(msg))
@@ -128,9 +128,9 @@ class Plan:
 
     def calls(self, ordinal: int) -> int:
         """Calls this plan served on cuda:`ordinal` (tests: the native path ran)."""
-        return int(load().ep_a2a_ffi_calls(self.id, ordinal)) if self.id >= 0 else 0
+        return int(library().ep_a2a_ffi_calls(self.id, ordinal)) if self.id >= 0 else 0
 
     def release(self) -> None:
         if self.id >= 0:
-            load().ep_a2a_ffi_release(self.id)
+            library().ep_a2a_ffi_release(self.id)
             self.id = -1

@@ -106,6 +106,9 @@ def pair_params(plan, d, c) -> tuple:
     for name, value in c.fields:
         setattr(params, name, value)
     params.trigger_early = 0
+    for q in range(len(d.sources)):  # (the dispatch's inputs, which combine never reads, are not its call's
+        if buffer_of(params.payloads[q].src) is not None:  # buffers: a mapped address of ours stands in)
+            params.payloads[q].src = plan.combine_input
     return dispatch, bytes(params)
 
 

@@ -144,10 +144,12 @@ def test_shuffled_sizes_alternate_between_traces(protocol):
         _expect_native(ops)
 
 
-def test_a_recorded_failure_refuses_the_next_jitted_call():
-    """on_timeout="abort": rank 0 dispatches alone (eagerly), its kernel gives up waiting and
-    records the failure; the next jitted step fails with an error naming it (the handler reads
-    every rank's record before launching), never silently, and a2a.error() holds it."""
+def test_a_timeout_inside_a_jitted_step_refuses_the_next_call():
+    """on_timeout="abort": rank 1 runs one dispatch ahead, eagerly, so inside the next jitted
+    step its peers' dispatches pair with that one and its own jitted dispatch waits for a step
+    that never comes: its kernel gives up inside the jitted step, records the failure and tells
+    the peers. The next jitted call fails with an error naming it (the handler reads every
+    rank's record before launching), never silently, and a2a.error() holds it."""
     from ep_a2a.ops.jax import JaxAlltoAll
     dev = _gpu()
     rng, seed = fresh_rng()
@@ -158,15 +160,20 @@ def test_a_recorded_failure_refuses_the_next_jitted_call():
                                on_timeout="abort") as a2a, JaxAlltoAll(a2a) as ops:
         f = _jitted(ops, tmax)
         check_step(ops, a2a, rng, [tmax] * ep, tmax, dev, f, f"{seed} before the failure")
+        assert a2a.error() is None
         ids, xs, ws, jids, jxs, jws = _inputs(rng, [tmax] * ep, 9, dev)
-        a2a.ranks[0].dispatch(jids[0], [jxs[0], jws[0]], tmax)  # (its peers never take part)
-        a2a.ranks[0].device.synchronize()  # (abort mode: the kernel returns after the timeout)
-        assert a2a.error() is not None, f"{seed}: the lone dispatch recorded nothing"
+        args = (jids, [[x, w] for x, w in zip(jxs, jws)])
+        a2a.ranks[1].dispatch(jids[1], [jxs[1], jws[1]], tmax)  # (rank 1 one step ahead)
+        try:
+            jax.block_until_ready(f(*args))  # (native: the step completes, its kernels having given up)
+        except Exception as e:  # noqa: BLE001  (the Python path refuses rank 1's second dispatch at once)
+            assert not ops.native, f"{seed}: the jitted step itself raised {e!r}"
+        a2a.ranks[0].device.synchronize()
+        assert a2a.error() is not None, f"{seed}: the timeout inside the jitted step recorded nothing"
         with pytest.raises(Exception) as e:
-            jax.block_until_ready(f(jids, [[x, w] for x, w in zip(jxs, jws)]))
+            jax.block_until_ready(f(*args))
         if ops.native:
             assert "recorded a failure" in str(e.value), str(e.value)
-        assert a2a.error() is not None
 
 
 def test_shard_map_over_local_devices():

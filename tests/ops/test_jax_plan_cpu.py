@@ -84,7 +84,7 @@ def test_encode_patches_every_buffer_where_the_kernel_reads_it():
 
 
 def _lib():
-    lib = jax_ffi.load()
+    lib = jax_ffi.library()
     if lib is None:
         pytest.skip(f"native JAX library absent: {jax_ffi._why}")
     return lib
@@ -145,3 +145,106 @@ def test_build_script_builds_the_library_for_this_jaxlib(tmp_path):
     loaded = ctypes.CDLL(str(lib))
     for name in jax_ffi.SYMBOLS:
         assert hasattr(loaded, name), name
+
+
+def test_traced_step_plans_what_the_native_handler_runs(monkeypatch):
+    """A jitted dispatch + combine traced and lowered on the CPU with the native path (the
+    driver replaced as in launch_trace): one custom call each, naming a registered plan whose
+    dispatch launch reads every operand where the eager call would, copies the received views
+    into the results, and whose combine stages operand 0 and writes result 0."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    _lib()
+    from ep_a2a.ops import jax as ops_jax
+    events, made = [], []
+    trace.patch_driver(monkeypatch.setattr, events)
+    monkeypatch.setattr(jax_plan, "handle_of", lambda o: o if isinstance(o, int) else 0x1000 + len(str(o)))
+    real_encode = ops_jax.encode
+    monkeypatch.setattr(ops_jax, "encode", lambda groups, *a: made.append(groups) or real_encode(groups, *a))
+    rng = random.Random()
+    with hooks.dry_run():
+        a2a, r = trace.make_rank(events, rng.choice(["fence", "sentinel"]), None, True, 8, local=True)
+    ops = ops_jax.JaxAlltoAll(a2a)
+    assert ops.native
+    tmax = rng.choice([1, 4, 16, 64])
+    T = rng.randint(1, tmax)
+    specs = a2a.payload_specs
+
+    def step(ids, pays):
+        d = ops.dispatch(ids, pays, tmax)
+        return ops.combine(d.payloads[0], d)
+    args = (jax.ShapeDtypeStruct((T, trace.TOP_K), jnp.int32),
+            [jax.ShapeDtypeStruct((T,) + tuple(s.shape), jnp.dtype(s.dtype)) for s in specs])
+    text = jax.jit(step).lower(*args).as_text()
+    assert text.count("custom_call @ep_a2a_run") == 2 and len(ops._plans) == 2
+    (dispatch,), (combine,) = made
+    P = len(specs)
+    d_ops, c_ops = dispatch.ops, combine.ops
+    launch, copies = d_ops[0], d_ops[1:]
+    block = A2AParams.from_buffer_copy(launch.args[0])
+    assert [block.payloads[q].src for q in range(P + 1)] == [jax_plan.fake(q) for q in range(P + 1)]
+    assert (block.local_num_tokens, block.runtime_max_tokens_per_rank) == (T, tmax) and not launch.pdl
+    ids_v, views = r.dispatch_views(tmax)
+    results = P + 1  # (operands: ids, then the payloads; results numbered after them)
+    assert [(c.dst, c.src, c.nbytes) for c in copies] == \
+        [(jax_plan.fake(results + k), v.ptr, v.nbytes) for k, v in enumerate([ids_v, *views])]
+    stage, c_launch = c_ops
+    assert (stage.dst, stage.src) == (r.plan.combine_input, jax_plan.fake(0))
+    assert stage.nbytes == a2a.ep_size * tmax * r.plan.combine_bytes
+    c_block = A2AParams.from_buffer_copy(c_launch.args[0])
+    assert c_block.combine_out == jax_plan.fake(2) and c_block.trigger_early == 0  # (operands: partial, ticket)
+    ops.close()
+    a2a.close()
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_traced_moe_pair_plans_index_gather_and_finalize(monkeypatch, quant):
+    """dispatch_to_experts / combine_from_experts traced and lowered on the CPU with the native
+    path: the index and gather kernels read the received views and write result 1 (the rows),
+    the counts are copied into result 0, finalize reads operand 0 (fc2_out) into the combine
+    input (FP8 with combine_quant="fp8", whose combine then skips its own pass)."""
+    import types
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    _lib()
+    import ep_a2a.moe as moe
+    from ep_a2a.ops import jax as ops_jax
+    events, made = [], []
+    trace.patch_driver(monkeypatch.setattr, events)
+    monkeypatch.setattr(moe, "Device", types.SimpleNamespace)
+    monkeypatch.setattr(jax_plan, "handle_of", lambda o: o if isinstance(o, int) else 0x1000 + len(str(o)))
+    real_encode = ops_jax.encode
+    monkeypatch.setattr(ops_jax, "encode", lambda groups, *a: made.append(groups) or real_encode(groups, *a))
+    rng = random.Random()
+    with hooks.dry_run():
+        a2a, r = trace.make_rank(events, "fence", quant, True, 8, local=True)
+    ops = ops_jax.JaxAlltoAll(a2a)
+    tmax = rng.choice([1, 4, 16])
+    T = rng.randint(1, tmax)
+    specs = a2a.payload_specs
+    cap = a2a.ep_size * tmax * a2a.top_k
+
+    def step(ids, pays, fc2):
+        d = ops.dispatch_to_experts(ids, pays, tmax, gather=0, weights=2)
+        return d.counts, d.rows, ops.combine_from_experts(fc2, d)
+    args = (jax.ShapeDtypeStruct((T, trace.TOP_K), jnp.int32),
+            [jax.ShapeDtypeStruct((T,) + tuple(s.shape), jnp.dtype(s.dtype)) for s in specs],
+            jax.ShapeDtypeStruct((cap, trace.H), jnp.bfloat16))
+    text = jax.jit(step).lower(*args).as_text()
+    assert text.count("custom_call @ep_a2a_run") == 2
+    (dispatch,), (combine,) = made
+    P = len(specs)
+    kinds = [type(op).__name__ for op in dispatch.ops]
+    assert kinds[0] == "LaunchOp" and kinds[-1] == "CopyOp" and len(kinds) >= 4
+    results = P + 1
+    gather = dispatch.ops[-2]
+    assert [(w, b) for w, b, _ in jax_plan.patches(jax_plan._arg_words(gather.args)[1])] == \
+        [(8, results + 1)]  # (moe.gather_rows: src, then out = the rows result)
+    counts = dispatch.ops[-1]
+    assert counts.dst == jax_plan.fake(results) and counts.nbytes == 4 * ops._num_local(r.rank)
+    fin, c_launch = combine.ops
+    assert [b for _, b, _ in jax_plan.patches(jax_plan._arg_words(fin.args)[1])] == [0]
+    c_block = A2AParams.from_buffer_copy(c_launch.args[0])
+    assert c_block.combine_prequantized == int(quant == "fp8") and c_block.combine_out == jax_plan.fake(2)
+    ops.close()
+    a2a.close()
