@@ -85,6 +85,9 @@ struct Driver {
   CUresult (*record)(CUevent, CUstream) = nullptr;
   CUresult (*wait)(CUstream, CUevent, unsigned) = nullptr;
   CUresult (*error_name)(CUresult, const char**) = nullptr;
+  CUresult (*get_ctx)(CUcontext*) = nullptr;
+  CUresult (*set_ctx)(CUcontext) = nullptr;
+  CUresult (*stream_ctx)(CUstream, CUcontext*) = nullptr;
   bool ok = false;
 };
 
@@ -98,7 +101,10 @@ const Driver& driver() {
     x.record = reinterpret_cast<decltype(x.record)>(dlsym(lib, "cuEventRecord"));
     x.wait = reinterpret_cast<decltype(x.wait)>(dlsym(lib, "cuStreamWaitEvent"));
     x.error_name = reinterpret_cast<decltype(x.error_name)>(dlsym(lib, "cuGetErrorName"));
-    x.ok = x.launch && x.copy && x.record && x.wait && x.error_name;
+    x.get_ctx = reinterpret_cast<decltype(x.get_ctx)>(dlsym(lib, "cuCtxGetCurrent"));
+    x.set_ctx = reinterpret_cast<decltype(x.set_ctx)>(dlsym(lib, "cuCtxSetCurrent"));
+    x.stream_ctx = reinterpret_cast<decltype(x.stream_ctx)>(dlsym(lib, "cuStreamGetCtx"));
+    x.ok = x.launch && x.copy && x.record && x.wait && x.error_name && x.get_ctx && x.set_ctx && x.stream_ctx;
     return x;
   }();
   return d;
@@ -301,7 +307,17 @@ ffi::Error Run(CUstream stream, int32_t ordinal, int64_t plan_id, ffi::Remaining
     snprintf(msg, sizeof msg, "ep_a2a: this call runs on device %d, where the all-to-all has no rank", ordinal);
     return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
   }
-  return run_group(*plan, *g, stream, addr);
+  // Our kernels live in the GPU's primary context, XLA's too: make the stream's context
+  // current for the launches if XLA's thread holds another (or none), and put it back after.
+  const Driver& d = driver();
+  CUcontext mine = nullptr, before = nullptr;
+  if (CUresult e = d.stream_ctx(stream, &mine)) return cuda_error(e, "cuStreamGetCtx", g->rank_numbers[0]);
+  d.get_ctx(&before);
+  if (before != mine)
+    if (CUresult e = d.set_ctx(mine)) return cuda_error(e, "cuCtxSetCurrent", g->rank_numbers[0]);
+  ffi::Error result = run_group(*plan, *g, stream, addr);
+  if (before != mine && before) d.set_ctx(before);
+  return result;
 }
 
 }  // namespace
