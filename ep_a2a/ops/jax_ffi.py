@@ -86,7 +86,14 @@ def target() -> str:
     name, symbol = TARGETS[captured]
     if name not in _registered:
         import jax
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library(), symbol)), platform="CUDA")
+        # (XLA takes the traits given here; the handler reports the same ones in its metadata)
+        kw = {}
+        try:
+            from jaxlib.xla_client import CustomCallTargetTraits
+            kw["traits"] = CustomCallTargetTraits.COMMAND_BUFFER_COMPATIBLE if captured else CustomCallTargetTraits.DEFAULT
+        except ImportError:
+            pass
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library(), symbol)), platform="CUDA", **kw)
         _registered.add(name)
     return name
 
