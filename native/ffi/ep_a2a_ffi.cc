@@ -69,14 +69,22 @@ struct Group {                 // the ranks of one GPU
 };
 
 struct Plan {
+  int64_t id = -1;              // never reused: a stale program naming a released plan finds none
   uint64_t buffers;             // operands then results
   uint64_t first_steps;
   std::vector<Group*> groups;
   ~Plan() { for (auto* g : groups) delete g; }
 };
 
-std::atomic<Plan*> plans[kMaxPlans];
+std::atomic<Plan*> plans[kMaxPlans];  // plan id % kMaxPlans
 std::mutex registry;
+int64_t next_id = 0;
+
+Plan* find(int64_t id) {
+  if (id < 0) return nullptr;
+  Plan* p = plans[id % kMaxPlans].load(std::memory_order_acquire);
+  return p && p->id == id ? p : nullptr;
+}
 
 // The driver, opened once (libcuda.so.1 is the driver's own library: nothing to link).
 struct Driver {
@@ -283,7 +291,7 @@ ffi::Error run_group(Plan& plan, Group& g, CUstream xla, uint64_t* addr) {
 
 ffi::Error Run(CUstream stream, int32_t ordinal, int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   if (!driver().ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "ep_a2a: libcuda.so.1 could not be opened");
-  Plan* plan = (plan_id >= 0 && plan_id < kMaxPlans) ? plans[plan_id].load(std::memory_order_acquire) : nullptr;
+  Plan* plan = find(plan_id);
   if (!plan) return ffi::Error(ffi::ErrorCode::kNotFound, "ep_a2a: this call's launch plan was released (its JaxAlltoAll is closed)");
   size_t n_args = args.size(), n = n_args + rets.size();
   if (n != plan->buffers) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ep_a2a: the call's buffers do not match its plan");
@@ -344,9 +352,11 @@ int64_t ep_a2a_ffi_register(const uint64_t* words, uint64_t n, char* why, uint64
   Plan* plan = parse(words, n, why, why_len);
   if (!plan) return -1;
   std::lock_guard<std::mutex> hold(registry);
-  for (int64_t i = 0; i < kMaxPlans; ++i) {
+  for (int64_t tries = 0; tries < kMaxPlans; ++tries) {
+    int64_t id = next_id++;
+    plan->id = id;
     Plan* none = nullptr;
-    if (plans[i].compare_exchange_strong(none, plan)) return i;
+    if (plans[id % kMaxPlans].compare_exchange_strong(none, plan)) return id;
   }
   snprintf(why, why_len, "more than %d plans registered at once", kMaxPlans);
   delete plan;
@@ -355,13 +365,14 @@ int64_t ep_a2a_ffi_register(const uint64_t* words, uint64_t n, char* why, uint64
 
 // Release a plan (its calls must have completed: the owner synchronizes first).
 void ep_a2a_ffi_release(int64_t id) {
-  if (id < 0 || id >= kMaxPlans) return;
-  delete plans[id].exchange(nullptr);
+  std::lock_guard<std::mutex> hold(registry);
+  Plan* p = find(id);
+  if (p && plans[id % kMaxPlans].compare_exchange_strong(p, nullptr)) delete p;
 }
 
 // Calls a plan has served on one GPU (tests: the native path really ran).
 uint64_t ep_a2a_ffi_calls(int64_t id, int64_t ordinal) {
-  Plan* p = (id >= 0 && id < kMaxPlans) ? plans[id].load() : nullptr;
+  Plan* p = find(id);
   if (!p) return 0;
   for (Group* g : p->groups)
     if (g->ordinal == ordinal || (p->groups.size() == 1 && g->ordinal < 0)) return g->calls;

@@ -127,7 +127,7 @@ def test_jitted_layer_is_the_eager_layer_bitwise(protocol, quant):
                         f"{msg} rank {r}: jit differs from eager in {int((g != e).sum())} values"
             ops = layers[0]._jit_ops
             if jax_ffi.LIBRARY.is_file() and os.environ.get("EP_A2A_JAX_NATIVE") != "0":
-                assert ops.native and all(p.calls(0) > 0 for p in ops._plans), f"{seed}: the native path did not run"
+                assert ops.native and any(p.calls(0) > 0 for p in ops._plans), f"{seed}: the native path did not run"
         finally:
             for layer in layers:
                 layer.close()

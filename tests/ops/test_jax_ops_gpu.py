@@ -79,13 +79,13 @@ def check_step(ops, a2a, rng, tokens, tmax, dev, step_fn, msg):
 
 
 def _path(ops) -> str:
-    """Which path ops' calls took: "native" (every plan registered so far served a call on GPU 0)
+    """Which path ops' calls took: "native" (its plans served calls on GPU 0)
     or "python" (the library is absent: jax_ffi.why() says why)."""
     from ep_a2a.ops import jax_ffi
     if not ops.native:
         assert jax_ffi.why() is not None
         return "python"
-    assert ops._plans and all(p.calls(0) > 0 for p in ops._plans), "a native plan never ran"
+    assert any(p.calls(0) > 0 for p in ops._plans), "no native plan ever ran"
     return "native"
 
 

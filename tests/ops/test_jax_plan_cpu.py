@@ -248,3 +248,19 @@ def test_traced_moe_pair_plans_index_gather_and_finalize(monkeypatch, quant):
     assert c_block.combine_prequantized == int(quant == "fp8") and c_block.combine_out == jax_plan.fake(2)
     ops.close()
     a2a.close()
+
+
+def test_a_released_plan_id_is_never_reused():
+    """A compiled program naming a released plan must find none, never a newer plan."""
+    _lib()
+    p = A2AParams()
+    g = jax_plan.Group(0, 0, [(0, 0x60, 0, 0x80)], [jax_plan.LaunchOp(0, 0x1000, 1, 256, 0, 1, False, [bytes(p)])])
+    words = jax_plan.encode([g], 1, 4)
+    first = jax_ffi.Plan(words)
+    old = first.id
+    first.release()
+    again = [jax_ffi.Plan(words) for _ in range(3)]
+    assert old not in [q.id for q in again] and len({q.id for q in again}) == 3
+    assert jax_ffi.library().ep_a2a_ffi_calls(old, 0) == 0
+    for q in again:
+        q.release()
