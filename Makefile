@@ -8,13 +8,18 @@ PYTHON    ?= python3
 ARCHS     ?= 90 100 103
 VENV      := .venv
 VPY       := $(VENV)/bin/python
+FFI_PYTHON ?= $(VPY)
 
-.PHONY: all cubins header test gpu-test bench demo clean setup
+.PHONY: all cubins ffi header test gpu-test bench demo clean setup
 
 all: cubins
 
 cubins:
 	$(PYTHON) kernels/build.py $(if $(NVCC),--nvcc "$(NVCC)") --archs "$(ARCHS)"
+
+# The JAX FFI library (native/ffi) for the jaxlib of the python given (skipped without one).
+ffi:
+	$(FFI_PYTHON) kernels/build.py --ffi-only --optional
 
 header:
 	$(PYTHON) kernels/build.py --header-only
@@ -31,7 +36,7 @@ setup: $(VENV)/.installed
 # The CPU suite (GPU tests skip with a reason where no GPU is present). The frameworks are
 # optional: their tests skip where torch or JAX is missing, and the summary says which (CI
 # installs them from .ci/requirements-frameworks.txt and runs them).
-test: setup cubins
+test: setup cubins ffi
 	$(VPY) -m pytest -q tests
 
 # On a GPU machine whose python already has the dependencies (the H200 image).

@@ -26,6 +26,7 @@ def _reference_demo(ep: int, tokens: int, hidden: int, top_k: int, experts: int,
 EPILOG = """examples:
   python -m ep_a2a                        one rank per GPU (4 ranks on a single GPU), 128 tokens each
   python -m ep_a2a --ranks 8 --tokens 16  8 in-process ranks, 16 tokens each
+  python -m ep_a2a --info                 the build: cubins, toolkit, the native JAX library
 
 Without a CUDA GPU or driver the demo runs the NumPy reference model of dispatch and combine
 instead and exits 0 (the other tools exit 3 there).
@@ -48,7 +49,28 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--top-k", type=int_in(1, MAX_TOP_K), default=8, help="experts per token (default 8)")
     ap.add_argument("--experts", type=positive_int, default=256, help="number of experts (default 256)")
     ap.add_argument("--steps", type=positive_int, default=5, help="dispatch/combine steps on the GPU (default 5)")
+    ap.add_argument("--info", action="store_true",
+                    help="print what this installation holds (cubins, the native JAX library and the jaxlib it was "
+                         "built for) and exit")
     return ap
+
+
+def info() -> None:
+    """--info: the package, its cubins and the native JAX library (ops/jax_ffi.py)."""
+    import json
+    from pathlib import Path
+
+    import ep_a2a
+    from .ops import jax_ffi
+    cubins = Path(ep_a2a.__file__).resolve().parent / "cubins"
+    try:
+        m = json.loads((cubins / "manifest.json").read_text())
+        built = f"nvcc {m.get('nvcc')}, sm_{', sm_'.join(map(str, m.get('archs', [])))}"
+    except (OSError, ValueError):
+        built = "no manifest.json (run `make cubins`)"
+    print(f"ep_a2a {ep_a2a.__version__} at {cubins.parent}")
+    print(f"cubins: {len(list(cubins.glob('*.cubin')))} ({built})")
+    print(jax_ffi.info_line())
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.info:
+        info()
+        return 0
     rng = np.random.default_rng()
 
     from .driver import device

@@ -5,11 +5,19 @@ wheel` (setup.py) alike. Standard library only: it runs on a fresh machine's pyt
 any dependency is installed, and it imports ep_a2a/layout.py by path, not the package.
 
     python3 kernels/build.py [--out DIR] [--nvcc PATH] [--archs "90 100 103"] [--jobs N]
+    python3 kernels/build.py --ffi-only     # only the JAX FFI library (native/ffi), for this python's jaxlib
 
 nvcc is found as: --nvcc, else $NVCC, else $CUDA_HOME/bin/nvcc, else `nvcc` on PATH, else
 /usr/local/cuda/bin/nvcc. A cubin is rebuilt when a kernel source, a header or layout.py is
 newer than it. Beside the cubins, manifest.json records the toolkit that built them, which
 the package checks against the installed driver before loading any of them.
+
+The JAX FFI library (native/ffi/ep_a2a_ffi.cc -> libep_a2a_jax.so beside the cubins) is built
+only where the running python has jaxlib installed: its headers come from the jaxlib wheel
+(jaxlib/include, found without importing jax; $EP_A2A_JAX_INCLUDE overrides), cuda.h from
+nvcc's toolkit, the compiler is $CXX or g++. manifest.json's "jax_ffi" names the jaxlib and
+FFI API version it was built against. Without jaxlib it is skipped (JAX then runs the
+Python fallback, ep_a2a/ops/jax_calls.py).
 """
 from __future__ import annotations
 
@@ -33,6 +41,9 @@ HEADER = KERNELS / "generated" / "params.cuh"
 CUBIN_DIR = ROOT / "ep_a2a" / "cubins"
 MANIFEST = "manifest.json"
 DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"
+FFI_SOURCE = ROOT / "native" / "ffi" / "ep_a2a_ffi.cc"
+FFI_LIBRARY = "libep_a2a_jax.so"
+FFI_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-Wno-return-type", "-static-libstdc++", "-static-libgcc")
 
 
 class BuildError(Exception):
@@ -131,8 +142,92 @@ def build(out: Path = CUBIN_DIR, nvcc: str | None = None, archs=ARCHS, jobs: int
     # Minor-version compatibility: a driver of CUDA major release M loads cubins from any M.x toolkit.
     manifest = {"nvcc": f"{major}.{minor}", "required_driver_cuda": major * 1000,
                 "archs": [int(a) for a in archs], "sources": [s.stem for s in sources()]}
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    return [out / n for n in cubin_names(archs)]
+    old = _read_manifest(out)
+    if "jax_ffi" in old:
+        manifest["jax_ffi"] = old["jax_ffi"]
+    _write_manifest(out, manifest)
+    built = [out / n for n in cubin_names(archs)]
+    lib = build_ffi(out, nvcc, log=log, required=False)
+    return built + ([lib] if lib else [])
+
+
+def _read_manifest(out: Path) -> dict:
+    try:
+        return json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_manifest(out: Path, manifest: dict) -> None:
+    tmp = out / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    tmp.replace(out / MANIFEST)
+
+
+def find_jaxlib() -> tuple:
+    """(jaxlib version, its FFI include folder), or (None, None) where this python has none.
+    Found without importing jax (a build runs before the package's dependencies may load)."""
+    import importlib.metadata
+    given = os.environ.get("EP_A2A_JAX_INCLUDE")
+    try:
+        version = importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if given:
+        return version or "unknown", Path(given)
+    spec = importlib.util.find_spec("jaxlib")
+    if version is None or spec is None or not spec.submodule_search_locations:
+        return None, None
+    include = Path(list(spec.submodule_search_locations)[0]) / "include"
+    return (version, include) if (include / "xla" / "ffi" / "api" / "ffi.h").is_file() else (None, None)
+
+
+def _ffi_api(include: Path) -> str:
+    text = (include / "xla" / "ffi" / "api" / "c_api.h").read_text()
+    major = re.search(r"#define XLA_FFI_API_MAJOR (\d+)", text)
+    minor = re.search(r"#define XLA_FFI_API_MINOR (\d+)", text)
+    return f"{major[1]}.{minor[1]}" if major and minor else "unknown"
+
+
+def build_ffi(out: Path = CUBIN_DIR, nvcc: str | None = None, log=print, required: bool = True):
+    """Build the JAX FFI library for this python's jaxlib into `out` when stale (or built for
+    another jaxlib); returns its path, or None where jaxlib is absent and not `required`."""
+    version, include = find_jaxlib()
+    if version is None:
+        if required:
+            raise BuildError("the JAX FFI library needs jaxlib's headers: install jax/jaxlib in this python "
+                             "(or point EP_A2A_JAX_INCLUDE at a jaxlib/include folder)")
+        log("kernels/build.py: no jaxlib in this python: the JAX FFI library is not built (JAX uses the Python path)")
+        return None
+    tried = [Path(os.environ["CUDA_HOME"]) / "include"] if os.environ.get("CUDA_HOME") else []
+    try:
+        tried.append(Path(find_nvcc(nvcc)).resolve().parent.parent / "include")
+    except BuildError:
+        pass
+    tried.append(Path(DEFAULT_NVCC).parent.parent / "include")
+    cuda_include = next((d for d in tried if (d / "cuda.h").is_file()), None)
+    if cuda_include is None:
+        raise BuildError(f"cuda.h not found (tried {', '.join(map(str, tried))}): the JAX FFI library needs the "
+                         "CUDA toolkit's headers (set CUDA_HOME or NVCC)")
+    out.mkdir(parents=True, exist_ok=True)
+    lib = out / FFI_LIBRARY
+    manifest = _read_manifest(out)
+    info = {"library": FFI_LIBRARY, "jaxlib": version, "ffi_api": _ffi_api(include)}
+    if lib.is_file() and lib.stat().st_mtime >= FFI_SOURCE.stat().st_mtime and manifest.get("jax_ffi") == info:
+        return lib
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if not cxx:
+        raise BuildError("no C++ compiler for the JAX FFI library: install g++ or set CXX")
+    tmp = lib.with_suffix(".tmp")
+    cmd = [cxx, *FFI_FLAGS, f"-I{include}", f"-I{cuda_include}", str(FFI_SOURCE), "-o", str(tmp), "-ldl"]
+    log(" ".join(cmd))
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise BuildError(f"{cxx} failed on {FFI_SOURCE.name}:\n{r.stdout}{r.stderr}")
+    tmp.replace(lib)
+    manifest["jax_ffi"] = info
+    _write_manifest(out, manifest)
+    return lib
 
 
 def main(argv=None) -> int:
@@ -142,10 +237,16 @@ def main(argv=None) -> int:
     ap.add_argument("--archs", default=" ".join(ARCHS), help="space-separated sm numbers")
     ap.add_argument("--jobs", type=int, default=None)
     ap.add_argument("--header-only", action="store_true", help="only (re)generate kernels/generated/params.cuh")
+    ap.add_argument("--ffi-only", action="store_true", help="only (re)build the JAX FFI library for this python's jaxlib")
+    ap.add_argument("--optional", action="store_true", help="with --ffi-only: skip quietly where this python has no jaxlib")
     args = ap.parse_args(argv)
     try:
         if args.header_only:
             write_header()
+        elif args.ffi_only:
+            lib = build_ffi(args.out, args.nvcc, required=not args.optional)
+            if lib:
+                print(lib)
         else:
             build(args.out, args.nvcc, tuple(args.archs.split()), args.jobs)
     except BuildError as e:

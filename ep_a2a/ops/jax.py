@@ -1,4 +1,8 @@
-"""dispatch and combine inside jax.jit, on XLA's stream (ep_a2a/ops/jax_calls.py says how and why).
+"""dispatch and combine inside jax.jit, on XLA's stream.
+
+How a call runs: natively where libep_a2a_jax.so is built (jax_ffi.py): the launches are
+planned while tracing (jax_plan.py) and an XLA FFI handler issues them, no Python per call;
+otherwise through Python callbacks (jax_calls.py), with one warning saying why.
 
     ops = JaxAlltoAll(a2a)                 # once; a2a's ranks of this process, grouped by GPU
     @jax.jit
@@ -16,7 +20,9 @@ this process's ranks.
 
 Checks: shapes and dtypes are static under jit, so the rules eager dispatch and combine apply
 (ep_a2a/validate.py) are checked while tracing, with the same exception types and messages;
-values (expert ids with validate_expert_ids) are checked by the call itself, at run time.
+values (expert ids with validate_expert_ids) are checked by the Python callbacks at run time;
+the native path drops out-of-range ids in the kernels, as a captured graph does (a host check
+would synchronize). A failure a kernel recorded refuses the next call on either path.
 
 Order: every call is pure to XLA (jax_calls.py: the fast dispatch path); dispatch returns a
 ticket that combine takes, so combine runs after its dispatch and both run once per step.
@@ -49,7 +55,9 @@ from ..interop.dlpack import DLDeviceType
 from ..interop.tensor import CUDA, Tensor, as_dtype
 from ..moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
 from ..validate import check_dispatch_inputs, check_expert_ids_on_host, check_partial_shape, check_runtime_max, require, token_tensor
+from . import jax_ffi
 from .jax_calls import RanksByDevice, buffer_ptr
+from .jax_plan import CopyOp, Group, encode, fake, pair_params, recorded, steady_pair, step_launch
 
 _PROBE_PTR = 256  # the address of the trace-time stand-ins (aligned for every dtype; never read)
 
@@ -76,9 +84,9 @@ class Dispatched:
     [ep_size, T^, ...] (dispatch_to_experts: the expert-major rows and the counts instead) per
     rank, the ticket combine takes, and the static step facts (T^, tokens per rank)."""
 
-    def __init__(self, expert_ids, payloads, ticket, *, ops, kind: str, tmax: int, num_tokens: tuple):
+    def __init__(self, expert_ids, payloads, ticket, *, ops, kind: str, tmax: int, num_tokens: tuple, site: int = 0):
         self.expert_ids, self.payloads, self.ticket = expert_ids, payloads, ticket
-        self.ops, self.kind, self.tmax, self.num_tokens = ops, kind, tmax, num_tokens
+        self.ops, self.kind, self.tmax, self.num_tokens, self.site = ops, kind, tmax, num_tokens, site
 
     @property
     def rows(self):
@@ -91,12 +99,12 @@ class Dispatched:
         return self.expert_ids
 
     def tree_flatten(self):
-        return (self.expert_ids, self.payloads, self.ticket), (self.ops, self.kind, self.tmax, self.num_tokens)
+        return (self.expert_ids, self.payloads, self.ticket), (self.ops, self.kind, self.tmax, self.num_tokens, self.site)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        ops, kind, tmax, num_tokens = aux
-        return cls(*children, ops=ops, kind=kind, tmax=tmax, num_tokens=num_tokens)
+        ops, kind, tmax, num_tokens, site = aux
+        return cls(*children, ops=ops, kind=kind, tmax=tmax, num_tokens=num_tokens, site=site)
 
 
 def _jdtype(name: str):
@@ -122,6 +130,9 @@ class JaxAlltoAll:
         self.rank_numbers = tuple(r.rank for r in next(iter(self.by_device.devices.values())).ranks)
         self._indexes, self._own_indexes = dict(indexes or {}), []
         self._sites = 0  # each traced call site keeps its own Tensor slots
+        # the native path (jax_ffi.py): launch plans made while tracing, run by an FFI handler
+        self.native = jax_ffi.native_or_warn()
+        self._plans, self._combines = [], {}  # registered plans; dispatch site -> its combine's planned steps
 
     @classmethod
     def traced_only(cls, options, rank_numbers=(0,)) -> "JaxAlltoAll":
@@ -133,10 +144,19 @@ class JaxAlltoAll:
         self.rank_numbers = tuple(int(r) for r in rank_numbers)
         self.per_device = len(self.rank_numbers)
         self._indexes, self._own_indexes, self._sites = {}, [], 0
+        self.native, self._plans, self._combines = False, [], {}
         return self
 
     def close(self) -> None:
         """Free the all-to-all and the per-device launch state."""
+        if self._plans:
+            try:
+                for dev in self.by_device.devices.values():
+                    dev.device.synchronize()  # (XLA's stream may still run a plan's launches)
+            finally:
+                for plan in self._plans:
+                    plan.release()
+                self._plans = []
         if self.by_device is not None:
             self.by_device.close()
         for idx in self._own_indexes:
@@ -224,10 +244,14 @@ class JaxAlltoAll:
         n = len(ids_l)
         outs = ([jax.ShapeDtypeStruct((a.ep_size, tmax, a.top_k), np.int32)] * n, [shapes] * n,
                 jax.ShapeDtypeStruct((1,), np.uint32))
-        body = functools.partial(self._dispatch_body, self._site(), tmax, tokens, None)
-        ids_o, pays_o, ticket = self._call(body, outs, ids_l, pays_l)
+        site = self._site()
+        if self.native:
+            ids_o, pays_o, ticket = self._native(self._dispatch_ops(site, tmax, tokens, None), outs, ids_l, pays_l)
+        else:
+            body = functools.partial(self._dispatch_body, site, tmax, tokens, None)
+            ids_o, pays_o, ticket = self._call(body, outs, ids_l, pays_l)
         return Dispatched(ids_o[0] if single else ids_o, pays_o[0] if single else pays_o, ticket,
-                          ops=self, kind="dispatch", tmax=tmax, num_tokens=tokens)
+                          ops=self, kind="dispatch", tmax=tmax, num_tokens=tokens, site=site)
 
     def _launch_dispatch(self, dev, site, tmax, tokens, ids_l, pays_l, streams) -> list:
         a, args = self.o, []
@@ -279,9 +303,12 @@ class JaxAlltoAll:
             t = _probe(p, name, (H,), dt, None, a.max_tokens_per_rank, leading_dims=(1, 2))
             check_partial_shape(t.shape, a.ep_size, tmax, H, name)
         outs = [jax.ShapeDtypeStruct((T, H), _jdtype(dt)) for T in dispatched.num_tokens]
-        body = functools.partial(self._combine_body, self._site(), tmax, dispatched.num_tokens,
-                                 [tuple(p.shape) for p in parts])
-        res = self._call(body, outs, parts, dispatched.ticket)
+        if self.native:
+            res = self._native(self._combine_ops(dispatched, None), outs, parts, dispatched.ticket)
+        else:
+            body = functools.partial(self._combine_body, self._site(), tmax, dispatched.num_tokens,
+                                     [tuple(p.shape) for p in parts])
+            res = self._call(body, outs, parts, dispatched.ticket)
         return res[0] if single else res
 
     def _check_ticket(self, dispatched, kind: str) -> tuple:
@@ -327,10 +354,15 @@ class JaxAlltoAll:
         rows = jax.ShapeDtypeStruct((a.ep_size * tmax * a.top_k,) + tuple(g.shape), _jdtype(g.dtype))
         counts = [jax.ShapeDtypeStruct((self._num_local(r),), np.int32) for r in self.rank_numbers]
         outs = (counts, [rows] * n, jax.ShapeDtypeStruct((1,), np.uint32))
-        body = functools.partial(self._dispatch_body, self._site(), tmax, tokens, (gather, weights))
-        counts_o, rows_o, ticket = self._call(body, outs, ids_l, pays_l)
+        site = self._site()
+        if self.native:
+            counts_o, rows_o, ticket = self._native(self._dispatch_ops(site, tmax, tokens, (gather, weights)), outs,
+                                                    ids_l, pays_l)
+        else:
+            body = functools.partial(self._dispatch_body, site, tmax, tokens, (gather, weights))
+            counts_o, rows_o, ticket = self._call(body, outs, ids_l, pays_l)
         return Dispatched(counts_o[0] if single else counts_o, rows_o[0] if single else rows_o, ticket,
-                          ops=self, kind="dispatch_to_experts", tmax=tmax, num_tokens=tokens)
+                          ops=self, kind="dispatch_to_experts", tmax=tmax, num_tokens=tokens, site=site)
 
     def _index_and_gather(self, dev, site, roles, i, ids_v, pays_v, out, s) -> None:
         gather, weights = roles
@@ -364,9 +396,12 @@ class JaxAlltoAll:
             require(len(x.shape) == 2 and x.shape[1] == H and x.shape[0] >= cap, name,
                     f"shape must be [rows >= capacity={cap}, hidden={H}], got {list(x.shape)}")
         outs = [jax.ShapeDtypeStruct((T, H), _jdtype(a.combine_dtype.name)) for T in dispatched.num_tokens]
-        body = functools.partial(self._finalize_combine_body, self._site(), tmax, dispatched.num_tokens,
-                                 [(tuple(x.shape), str(np.dtype(x.dtype))) for x in fc2])
-        res = self._call(body, outs, fc2, dispatched.ticket)
+        geo = [(tuple(x.shape), str(np.dtype(x.dtype))) for x in fc2]
+        if self.native:
+            res = self._native(self._combine_ops(dispatched, geo), outs, fc2, dispatched.ticket)
+        else:
+            body = functools.partial(self._finalize_combine_body, self._site(), tmax, dispatched.num_tokens, geo)
+            res = self._call(body, outs, fc2, dispatched.ticket)
         return res[0] if single else res
 
     def _finalize_combine_body(self, site, tmax, tokens, fc2_geo, ctx, out, fc2, ticket) -> None:
@@ -382,3 +417,105 @@ class JaxAlltoAll:
                 y = dev.slot((site, i, 1), (tokens[i], a.combine_hidden_size), a.combine_dtype, i).at(out[i])
                 r.combine(r.combine_input(tmax, fp8=fp8), tmax, stream=s, out=y)
         dev.run(ctx.stream, launch)
+
+    # -- the native path: launch plans made while tracing (jax_plan.py, jax_ffi.py) ---------------
+    def _native(self, ops_for, outs, *args):
+        """One FFI call whose handler runs, on every GPU, the launches ops_for(dev, n_in) plans
+        (dev: a jax_calls.DeviceRanks; n_in: the number of operands, after which the results
+        are numbered)."""
+        flat_in = jax.tree_util.tree_leaves(args)
+        flat_out, tree = jax.tree_util.tree_flatten(outs)
+        groups = []
+        for dev in self.by_device.devices.values():
+            ranks = dev.ranks
+            joins = dev._joins or [None] * len(ranks)
+            fork = dev._fork._e if dev._fork is not None else None  # (the CUevent: the handler records it)
+            members = [(r.rank, r.default_stream, j._e if j is not None else None, r.record_page.host_ptr)
+                       for r, j in zip(ranks, joins)]
+            groups.append(Group(dev.device.ordinal, fork, members, ops_for(dev, len(flat_in))))
+        first_steps = self.a2a.ranks[0].plan.first_steps
+        plan = jax_ffi.Plan(encode(groups, len(flat_in) + len(flat_out), first_steps))
+        self._plans.append(plan)
+        res = jax.ffi.ffi_call(jax_ffi.target(), flat_out, has_side_effect=False)(*flat_in, plan=np.int64(plan.id))
+        return jax.tree_util.tree_unflatten(tree, res)
+
+    def _dispatch_ops(self, site, tmax, tokens, roles):
+        """ops_for of a dispatch: operands ids[n] then payloads[n][P]; results ids or counts [n],
+        payloads [n][P] or rows [n], ticket. Plans the paired combine too (its call's layout:
+        operands partial[n] then the ticket, results out[n]) from the same steady state."""
+        a, P = self.o, len(self.o.payloads)
+        fp8 = a.combine_quant == "fp8"
+        prequantized = roles is not None and fp8  # (combine_from_experts' finalize writes the FP8 input)
+        per_device = {}
+        self._combines[site] = (roles, per_device)
+
+        def ops_for(dev, n_in):
+            n, ops, combines = len(dev.ranks), [], []
+            for i, r in enumerate(dev.ranks):
+                # (a rank without tokens: XLA's empty buffers may have no address; an aligned one
+                # of ours that nothing reads stands in, as in jax_calls.Slot)
+                sources = [fake(i)] + [fake(n + i * P + q) for q in range(P)] if tokens[i] else [r.base] * (P + 1)
+                d, c = steady_pair(r.plan, r.state.tag_hi, r.a2a.protocol, tokens[i], tmax, sources,
+                                   fake(n + 1 + i) if tokens[i] else r.base, prequantized)
+                d_bytes, c_bytes = pair_params(r.plan, d, c)
+                combines.append((c, c_bytes))
+                ops.append(step_launch(r.plan, i, d, d_bytes, first=True))
+                ids_v, pays_v = r.dispatch_views(tmax)
+                if roles is None:
+                    ops.append(CopyOp(i, fake(n_in + i), ids_v.ptr, ids_v.nbytes))
+                    ops += [CopyOp(i, fake(n_in + n + i * P + q), v.ptr, v.nbytes) for q, v in enumerate(pays_v)]
+                else:
+                    ops += self._index_ops(dev, i, roles, tmax, ids_v, pays_v, fake(n_in + i), fake(n_in + n + i))
+            per_device[dev.device.ordinal] = combines
+            return ops
+        return ops_for
+
+    def _index_ops(self, dev, i, roles, tmax, ids_v, pays_v, counts_at, rows_at) -> list:
+        """The MoE index and gather of rank i, as moe.build_index and moe.gather_rows launch them."""
+        gather, weights = roles
+        r, a = dev.ranks[i], self.o
+        idx = self._rank_indexes()[self.a2a.ranks.index(r)]
+        counts = self._num_local(self.rank_numbers[i])
+        if counts != idx.num_local_experts:
+            raise RuntimeError(f"rank {r.rank} owns {idx.num_local_experts} local experts, but the traced call "
+                               f"expected {counts}: under shard_map every GPU's ranks must own as many")
+        g = a.payloads[gather]
+        rows = Tensor(rows_at, (a.ep_size * tmax * a.top_k,) + tuple(g.shape), g.dtype, device=(CUDA, dev.device.ordinal))
+
+        def run():
+            build_index(ids_v, pays_v[weights], num_experts=a.num_experts, ep_size=a.ep_size, rank=r.rank,
+                        stream=r.default_stream, out=idx)
+            gather_rows(idx, pays_v[gather], rows, stream=r.default_stream)
+        return recorded(i, run) + [CopyOp(i, counts_at, idx.counts.ptr, idx.counts.nbytes)]
+
+    def _combine_ops(self, dispatched, fc2_geo):
+        """ops_for of a combine (fc2_geo None: stage the partial results into the workspace) or of
+        combine_from_experts (fc2_geo: each rank's fc2_out (shape, dtype), finalized into it)."""
+        a, tmax = self.o, dispatched.tmax
+        if dispatched.site not in self._combines:
+            raise RuntimeError("combine: its dispatch was traced by another JaxAlltoAll or not at all")
+        roles, planned = self._combines[dispatched.site]
+        fp8 = a.combine_quant == "fp8"
+
+        def ops_for(dev, n_in):
+            ops = []
+            for i, r in enumerate(dev.ranks):
+                c, c_bytes = planned[dev.device.ordinal][i]
+                if fc2_geo is None:
+                    ops.append(CopyOp(i, r.plan.combine_input, fake(i), a.ep_size * tmax * r.plan.combine_bytes))
+                else:
+                    ops += self._finalize_ops(dev, i, tmax, fc2_geo[i], fp8, roles[1])
+                ops.append(step_launch(r.plan, i, c, c_bytes))
+            return ops
+        return ops_for
+
+    def _finalize_ops(self, dev, i, tmax, geo, fp8, weights) -> list:
+        """moe.finalize of rank i's fc2_out (operand i) into its combine input, as it launches it."""
+        r = dev.ranks[i]
+        idx = self._rank_indexes()[self.a2a.ranks.index(r)]
+        ids_v, pays_v = r.dispatch_views(tmax)
+        x = Tensor(fake(i), geo[0], geo[1], device=(CUDA, dev.device.ordinal))
+        # (the index is rebuilt, unlaunched, so that its sizes are this T^'s whatever was traced since)
+        recorded(i, lambda: build_index(ids_v, pays_v[weights], num_experts=self.o.num_experts, ep_size=self.o.ep_size,
+                                        rank=r.rank, stream=r.default_stream, out=idx))
+        return recorded(i, lambda: finalize(idx, x, r.combine_input(tmax, fp8=fp8), stream=r.default_stream))

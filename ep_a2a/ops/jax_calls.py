@@ -1,4 +1,5 @@
-"""How ep_a2a work runs inside an XLA program: jax.experimental.buffer_callback on XLA's stream.
+"""The Python path of the jit calls (the fallback where the native library, jax_ffi.py, is
+absent): jax.experimental.buffer_callback on XLA's stream.
 
 XLA calls the callback on the host when its thunk comes up, with XLA's CUDA stream and the
 operands and results as device buffers (no host copy). The callback launches our kernels on
@@ -6,20 +7,19 @@ that stream, or, when several in-process ranks share the GPU, forks to the ranks
 streams with events and joins them back, so that the ranks' kernels (which spin on each
 other) run concurrently and everything XLA queues afterwards waits for all of them.
 
-Why buffer_callback and not an XLA FFI handler: a handler is C/C++ against XLA's FFI headers,
-so it must be compiled for every jaxlib at install (the cubins only need nvcc once, for the
-GPU), and it would repeat in C++ the host logic dispatch and combine keep in Python (protocol
-choice, PDL triggers, grids, checks). buffer_callback is the same FFI custom call with
-jaxlib's own handler calling back into Python, so nothing is compiled by us. Its cost is the
-Python of the callback and, for a program with has_side_effect=True calls, the loss of
-JAX's C++ dispatch fast path (a far larger cost): our calls are therefore declared pure, and their
-order comes from data dependencies (dispatch hands combine a ticket array).
+This path needs nothing compiled for the installed jaxlib: buffer_callback is an FFI custom
+call whose handler, jaxlib's own, calls back into Python, which runs the eager dispatch and
+combine (their checks, planning and launches) per call. Its cost is that Python on XLA's host
+thread per call; the native path (jax_plan.py, jax_ffi.py) plans while tracing instead and
+leaves the call to C++. Both declare the calls pure (has_side_effect=True would lose JAX's C++
+dispatch fast path), their order coming from data dependencies (dispatch hands combine a
+ticket array).
 
-Command buffers (XLA's CUDA graphs): our calls are registered command_buffer_compatible=False,
-so XLA runs them as ordinary thunks between its command buffers, with command buffers
-enabled or disabled. (Compatible calls would be captured once and replayed; our dispatch
-and combine keep host state per step, the phase check, the PDL trigger history and the
-repeat fast path, which a replay would leave behind.)
+Command buffers (XLA's CUDA graphs): these callbacks are registered
+command_buffer_compatible=False, so XLA runs them as ordinary thunks between its command
+buffers: the eager calls they make keep host state per step (the phase check, the PDL trigger
+history, the repeat fast path) that a replay would leave behind. (The native handler keeps
+none and is captured.)
 """
 from __future__ import annotations
 

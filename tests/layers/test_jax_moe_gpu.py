@@ -1,5 +1,7 @@
 """The JAX MoE layer (ep_a2a/layers/jax.py) on in-process ranks of one GPU, against the same dense
-float64 NumPy reference and bf16 tolerances as the PyTorch layer (ep_a2a/layers/torch.py)."""
+float64 NumPy reference and bf16 tolerances as the PyTorch layer (ep_a2a/layers/torch.py); the
+jitted layer (the MoE pair: dispatch_to_experts / combine_from_experts, on the native path where
+its library is built) bitwise equal to the eager layer, bf16 and FP8 combine, both protocols."""
 import os
 
 # JAX takes 75% of the GPU at its first use unless told otherwise; ep_a2a's workspaces and the
@@ -85,3 +87,47 @@ def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, g
             layer.close()
         a2a.close()
         group.close()
+
+
+@pytest.mark.parametrize("protocol,quant", [("fence", None), ("sentinel", None), ("fence", "fp8")])
+def test_jitted_layer_is_the_eager_layer_bitwise(protocol, quant):
+    import ep_a2a
+    from ep_a2a.layers.base import payload_specs
+    from ep_a2a.layers.jax import JaxMoeLayer, jit_forward_all_ranks, moe_forward_all_ranks
+    from ep_a2a.moe import local_experts
+    from ep_a2a.ops import jax_ffi
+    from ep_a2a.testing.layer_oracle import distinct_logits, random_weights
+    from ep_a2a.testing.reference import from_float32
+    dev = _gpu()
+    if not hasattr(jax.lax, "ragged_dot"):
+        pytest.skip(f"jax {jax.__version__} has no lax.ragged_dot")
+    rng, seed = fresh_rng()
+    ep, E, top_k, H, I, tmax = 8, 16, 4, 256, 128, 16
+    w1_bits, w2_bits = random_weights(rng, E, H, I)
+    w1, w2 = _bf16(w1_bits, dev), _bf16(w2_bits, dev)
+    with ep_a2a.LocalGroup([0] * ep) as group, \
+            ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E, payloads=payload_specs(H, top_k),
+                               combine_hidden_size=H, protocol=protocol, combine_quant=quant, timeout_s=20.0) as a2a:
+        layers = []
+        try:
+            for r in a2a.ranks:
+                first, n = local_experts(E, ep, r.rank)
+                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm="ragged"))
+            f = jit_forward_all_ranks(layers, tmax)
+            for step in range(4):
+                tokens = [int(t) for t in rng.integers(0, tmax + 1, ep)] if step % 2 else [tmax] * ep
+                msg = f"{seed} {protocol} {quant} step {step} tokens={tokens}"
+                xs = [_bf16(from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16"), dev) for T in tokens]
+                lg = [jax.device_put(jnp.asarray(distinct_logits(rng, T, E)), dev) for T in tokens]
+                got = jax.block_until_ready(f(xs, lg))
+                eager = moe_forward_all_ranks(layers, xs, lg, tmax)
+                for r, (g, e) in enumerate(zip(got, eager)):
+                    g, e = np.asarray(g).view(np.uint16), np.asarray(e).view(np.uint16)
+                    assert g.shape == (tokens[r], H) and np.array_equal(g, e), \
+                        f"{msg} rank {r}: jit differs from eager in {int((g != e).sum())} values"
+            ops = layers[0]._jit_ops
+            if jax_ffi.LIBRARY.is_file() and os.environ.get("EP_A2A_JAX_NATIVE") != "0":
+                assert ops.native and any(p.calls(0) > 0 for p in ops._plans), f"{seed}: the native path did not run"
+        finally:
+            for layer in layers:
+                layer.close()

@@ -1,8 +1,11 @@
 """ep_a2a/ops/jax.py on the GPU: dispatch and combine inside jax.jit against the NumPy reference
 (bitwise), one JAX process driving 1, 4 and 8 in-process ranks of one GPU (the single controller;
 the call forks XLA's stream to the ranks' streams and joins back), routing changing from call to
-call, shard_map over the local devices, XLA command buffers on and off (subprocesses), eager
-and jit errors alike, and the MoE layer under jit bitwise equal to the eager layer."""
+call, T^ shuffled between traces, shard_map over the local devices, XLA command buffers on and
+off and the Python fallback (subprocesses), eager and jit errors alike, a failure recorded by a
+kernel refusing the next jitted call, and the MoE layer under jit bitwise equal to the eager
+layer. The calls take the native path (ops/jax_ffi.py) where its library is built: each test
+checks which path ran (_path)."""
 import os
 import subprocess
 import sys
@@ -75,6 +78,23 @@ def check_step(ops, a2a, rng, tokens, tmax, dev, step_fn, msg):
             f"at {np.argwhere(got != want_y[s])[:3].tolist()}"
 
 
+def _path(ops) -> str:
+    """Which path ops' calls took: "native" (its plans served calls on GPU 0)
+    or "python" (the library is absent: jax_ffi.why() says why)."""
+    from ep_a2a.ops import jax_ffi
+    if not ops.native:
+        assert jax_ffi.why() is not None
+        return "python"
+    assert any(p.calls(0) > 0 for p in ops._plans), "no native plan ever ran"
+    return "native"
+
+
+def _expect_native(ops):
+    from ep_a2a.ops import jax_ffi
+    if os.environ.get("EP_A2A_JAX_NATIVE") != "0" and jax_ffi.LIBRARY.is_file():
+        assert _path(ops) == "native", f"the native library is present but unused: {jax_ffi.why()}"
+
+
 def _jitted(ops, tmax):
     def step(ids, pays):
         d = ops.dispatch(ids, pays, tmax)
@@ -101,6 +121,59 @@ def test_jit_dispatch_combine_match_reference(ep, protocol):
         for step in range(4):  # the same shapes with new routing, then new token counts (a new trace)
             tokens = [tmax] * ep if step < 2 else layer_token_counts(rng, ep, tmax, step - 2)
             check_step(ops, a2a, rng, tokens, tmax, dev, f, f"{seed} ep={ep} {protocol} step {step} tokens={tokens}")
+        _expect_native(ops)
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_shuffled_sizes_alternate_between_traces(protocol):
+    """T^ and the token counts shuffled from call to call: each size's trace keeps its own plan,
+    and a step of one size after a step of another is still bitwise the reference."""
+    from ep_a2a.ops.jax import JaxAlltoAll
+    dev = _gpu()
+    rng, seed = fresh_rng()
+    ep, E = 8, 17
+    with ep_a2a.LocalGroup([0] * ep) as group, \
+            ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=32, top_k=K, num_experts=E, payloads=_specs(),
+                               combine_hidden_size=H, protocol=protocol, timeout_s=20.0) as a2a, \
+            JaxAlltoAll(a2a) as ops:
+        fs = {tmax: _jitted(ops, tmax) for tmax in (1, 3, 8, 32)}
+        sizes = [int(t) for t in rng.permutation(list(fs) * 3)]
+        for step, tmax in enumerate(sizes):
+            tokens = [int(t) for t in rng.integers(0, tmax + 1, ep)]
+            check_step(ops, a2a, rng, tokens, tmax, dev, fs[tmax], f"{seed} {protocol} step {step} T^={tmax} {tokens}")
+        _expect_native(ops)
+
+
+def test_a_timeout_inside_a_jitted_step_refuses_the_next_call():
+    """on_timeout="abort": rank 1 runs one dispatch ahead, eagerly, so inside the next jitted
+    step its peers' dispatches pair with that one and its own jitted dispatch waits for a step
+    that never comes: its kernel gives up inside the jitted step, records the failure and tells
+    the peers. The next jitted call fails with an error naming it (the handler reads every
+    rank's record before launching), never silently, and a2a.error() holds it."""
+    from ep_a2a.ops.jax import JaxAlltoAll
+    dev = _gpu()
+    rng, seed = fresh_rng()
+    ep, tmax = 4, 8
+    with ep_a2a.LocalGroup([0] * ep) as group, \
+            ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=K, num_experts=9, payloads=_specs(),
+                               combine_hidden_size=H, timeout_s=0.5, first_timeout_s=0.5,
+                               on_timeout="abort") as a2a, JaxAlltoAll(a2a) as ops:
+        f = _jitted(ops, tmax)
+        check_step(ops, a2a, rng, [tmax] * ep, tmax, dev, f, f"{seed} before the failure")
+        assert a2a.error() is None
+        ids, xs, ws, jids, jxs, jws = _inputs(rng, [tmax] * ep, 9, dev)
+        args = (jids, [[x, w] for x, w in zip(jxs, jws)])
+        a2a.ranks[1].dispatch(jids[1], [jxs[1], jws[1]], tmax)  # (rank 1 one step ahead)
+        try:
+            jax.block_until_ready(f(*args))  # (native: the step completes, its kernels having given up)
+        except Exception as e:  # noqa: BLE001  (the Python path refuses rank 1's second dispatch at once)
+            assert not ops.native, f"{seed}: the jitted step itself raised {e!r}"
+        a2a.ranks[0].device.synchronize()
+        assert a2a.error() is not None, f"{seed}: the timeout inside the jitted step recorded nothing"
+        with pytest.raises(Exception) as e:
+            jax.block_until_ready(f(*args))
+        if ops.native:
+            assert "recorded a failure" in str(e.value), str(e.value)
 
 
 def test_shard_map_over_local_devices():
@@ -124,6 +197,7 @@ def test_shard_map_over_local_devices():
         f = jax.jit(shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))
         for step in range(2):
             check_step(ops, a2a, rng, [tmax, 3, 0, 5], tmax, dev, f, f"{seed} shard_map step {step}")
+        _expect_native(ops)
 
 
 def test_errors_under_jit_are_eagers():
@@ -166,29 +240,43 @@ dev = jax.devices("gpu")[0]
 with ep_a2a.LocalGroup([0] * 4) as group, ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=8, top_k=t.K, num_experts=9,
         payloads=t._specs(), combine_hidden_size=t.H, timeout_s=20.0) as a2a, JaxAlltoAll(a2a) as ops:
     f = t._jitted(ops, 8)
-    for step in range(5):
-        t.check_step(ops, a2a, rng, [8, 5, 0, 8], 8, dev, f, f"{{seed}} XLA_FLAGS={{os.environ.get('XLA_FLAGS')}} step {{step}}")
-print("CHILD OK", os.environ.get("XLA_FLAGS"))
+    for step in range(6):
+        tokens = [8, 5, 0, 8] if step % 2 == 0 else [int(x) for x in rng.integers(0, 9, 4)]
+        t.check_step(ops, a2a, rng, tokens, 8, dev, f, f"{{seed}} XLA_FLAGS={{os.environ.get('XLA_FLAGS')}} step {{step}}")
+    path = t._path(ops)
+print("CHILD OK", path, os.environ.get("XLA_FLAGS"))
 """
 
+CAPTURE = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
-@pytest.mark.parametrize("flags", [None, "--xla_gpu_enable_command_buffer=",
-                                   "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL "
-                                   "--xla_gpu_graph_min_graph_size=1"])
-def test_command_buffers_on_and_off(flags):
-    """XLA's command buffers (CUDA graphs) enabled, disabled and by default: our calls stay
-    ordinary thunks between them (command_buffer_compatible=False), results unchanged."""
+
+@pytest.mark.parametrize("flags,native", [(None, None), ("--xla_gpu_enable_command_buffer=", None), (CAPTURE, None),
+                                          (CAPTURE, "uncaptured"), (None, "python")])
+def test_command_buffers_on_and_off(flags, native):
+    """XLA's command buffers (CUDA graphs) enabled, disabled and by default, results unchanged:
+    the native handler is declared command-buffer compatible (captured and replayed, CAPTURE);
+    EP_A2A_JAX_COMMAND_BUFFERS=0 picks the handler XLA never captures; EP_A2A_JAX_NATIVE=0 the
+    Python callbacks (never captured either)."""
     _gpu()
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
     if flags is not None:
         env["XLA_FLAGS"] = flags
+    if native == "uncaptured":
+        env["EP_A2A_JAX_COMMAND_BUFFERS"] = "0"
+    if native == "python":
+        env["EP_A2A_JAX_NATIVE"] = "0"
     code = CHILD.format(root=os.path.dirname(os.path.dirname(here)), tests=os.path.dirname(here))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                        cwd=here)
-    assert p.returncode == 0 and "CHILD OK" in p.stdout, f"XLA_FLAGS={flags!r}: rc={p.returncode}\n" \
+    assert p.returncode == 0 and "CHILD OK" in p.stdout, f"XLA_FLAGS={flags!r} {native}: rc={p.returncode}\n" \
         f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    from ep_a2a.ops import jax_ffi
+    if native == "python":
+        assert "CHILD OK python" in p.stdout
+    elif jax_ffi.LIBRARY.is_file():
+        assert "CHILD OK native" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
 
 
 @pytest.mark.parametrize("ep,E,I,tmax", [(1, 8, 128, 16), (4, 9, 128, 24), (8, 16, 64, 8)])
@@ -234,6 +322,7 @@ def test_layer_under_jit_is_the_eager_layer_bitwise(ep, E, I, tmax):
                         f"{msg} rank {r}: jit differs from eager in {int((g != e).sum())} values"
                     check_layer_output(g.astype(np.float32), want[start:start + tokens[r]], f"{msg} rank {r}")
                     start += tokens[r]
+            _expect_native(layers[0]._jit_ops)
             if ep == 1:  # a rank alone on its GPU: the layer itself under jit
                 y = jax.block_until_ready(jax.jit(layers[0].forward)(xs[0], lg[0]))
                 assert np.array_equal(np.asarray(y).view(np.uint16), np.asarray(got[0]).view(np.uint16)), \

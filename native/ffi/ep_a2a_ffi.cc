@@ -1,0 +1,382 @@
+// XLA FFI handler that replays a launch plan prepared in Python at trace time
+// (ep_a2a/ops/jax_plan.py writes it, docs/jax.md explains it).
+//
+// Everything a step decides (T^, protocol, grids, each rank's kernel argument bytes) is
+// fixed when JAX traces the call; a plan is registered once through the plain C entry
+// points below (loaded with ctypes: no Python ABI here) and named by the call's "plan"
+// attribute. A call then only writes the buffer addresses XLA hands it into copies of the
+// argument bytes and issues the launches and copies, forked from XLA's stream to every
+// in-process rank's stream and joined back: no Python, no GIL, no allocation.
+//
+// The kernels keep their per-step state (epochs, flags) on the device, so a replay of a
+// captured call is a valid next step: the handler is declared command-buffer compatible.
+#include <cuda.h>
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Plan words (uint64, little-endian), the format ep_a2a/ops/jax_plan.py writes.
+constexpr uint64_t kMagic = 0x6570613261666669ull;  // "epa2affi"
+constexpr uint64_t kVersion = 1;
+enum OpKind : uint64_t { kLaunch = 1, kCopy = 2 };
+constexpr uint64_t kAbsolute = ~0ull;  // a copy end that is a fixed address, not an XLA buffer
+constexpr int kMaxBuffers = 512;
+constexpr int kMaxPlans = 1 << 14;
+
+struct Patch { uint32_t offset; uint32_t buffer; uint64_t add; };
+
+struct Launch {
+  CUfunction function;
+  unsigned grid, block, shared, cluster;
+  bool pdl;
+  std::vector<uint64_t> arg_words;   // every argument, each starting on an 8-byte boundary
+  std::vector<uint64_t> arg_offsets; // byte offset of each argument in arg_words
+  std::vector<Patch> patches;        // 8-byte fields that take an XLA buffer's address
+  int64_t timeout_offset;            // -1, or where the wait timeout lives (first steps wait longer)
+  uint64_t first_timeout, timeout;
+  // per-call scratch: the patched bytes and the kernelParams array pointing into them
+  std::vector<uint64_t> scratch;
+  std::vector<void*> params;
+  CUlaunchAttribute attrs[2];
+  unsigned num_attrs;
+};
+
+struct Copy { uint64_t dst_buffer, dst, src_buffer, src, bytes; };
+
+struct Op { uint64_t kind; uint32_t rank; Launch launch; Copy copy; };
+
+struct Group {                 // the ranks of one GPU
+  int64_t ordinal;
+  CUevent fork;
+  std::vector<CUstream> streams;
+  std::vector<CUevent> joins;
+  std::vector<const volatile uint32_t*> records;  // host-mapped ErrorRecord.kind per rank
+  std::vector<int64_t> rank_numbers;
+  std::vector<Op> ops;
+  std::mutex lock;              // one call at a time per GPU (the scratch is per plan)
+  uint64_t calls = 0;
+};
+
+struct Plan {
+  int64_t id = -1;              // never reused: a stale program naming a released plan finds none
+  uint64_t buffers;             // operands then results
+  uint64_t first_steps;
+  std::vector<Group*> groups;
+  ~Plan() { for (auto* g : groups) delete g; }
+};
+
+std::atomic<Plan*> plans[kMaxPlans];  // plan id % kMaxPlans
+std::mutex registry;
+int64_t next_id = 0;
+
+Plan* find(int64_t id) {
+  if (id < 0) return nullptr;
+  Plan* p = plans[id % kMaxPlans].load(std::memory_order_acquire);
+  return p && p->id == id ? p : nullptr;
+}
+
+// The driver, opened once (libcuda.so.1 is the driver's own library: nothing to link).
+struct Driver {
+  CUresult (*launch)(const CUlaunchConfig*, CUfunction, void**, void**) = nullptr;
+  CUresult (*copy)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
+  CUresult (*record)(CUevent, CUstream) = nullptr;
+  CUresult (*wait)(CUstream, CUevent, unsigned) = nullptr;
+  CUresult (*error_name)(CUresult, const char**) = nullptr;
+  CUresult (*get_ctx)(CUcontext*) = nullptr;
+  CUresult (*set_ctx)(CUcontext) = nullptr;
+  CUresult (*stream_ctx)(CUstream, CUcontext*) = nullptr;
+  bool ok = false;
+};
+
+const Driver& driver() {
+  static Driver d = [] {
+    Driver x;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return x;
+    x.launch = reinterpret_cast<decltype(x.launch)>(dlsym(lib, "cuLaunchKernelEx"));
+    x.copy = reinterpret_cast<decltype(x.copy)>(dlsym(lib, "cuMemcpyDtoDAsync_v2"));
+    x.record = reinterpret_cast<decltype(x.record)>(dlsym(lib, "cuEventRecord"));
+    x.wait = reinterpret_cast<decltype(x.wait)>(dlsym(lib, "cuStreamWaitEvent"));
+    x.error_name = reinterpret_cast<decltype(x.error_name)>(dlsym(lib, "cuGetErrorName"));
+    x.get_ctx = reinterpret_cast<decltype(x.get_ctx)>(dlsym(lib, "cuCtxGetCurrent"));
+    x.set_ctx = reinterpret_cast<decltype(x.set_ctx)>(dlsym(lib, "cuCtxSetCurrent"));
+    x.stream_ctx = reinterpret_cast<decltype(x.stream_ctx)>(dlsym(lib, "cuStreamGetCtx"));
+    x.ok = x.launch && x.copy && x.record && x.wait && x.error_name && x.get_ctx && x.set_ctx && x.stream_ctx;
+    return x;
+  }();
+  return d;
+}
+
+struct Reader {
+  const uint64_t* w;
+  size_t n, i = 0;
+  bool bad = false;
+  uint64_t next() {
+    if (i >= n) { bad = true; return 0; }
+    return w[i++];
+  }
+};
+
+Plan* parse(const uint64_t* words, size_t n, char* why, size_t why_len) {
+  Reader r{words, n};
+  if (r.next() != kMagic || r.next() != kVersion) {
+    snprintf(why, why_len, "not an ep_a2a FFI plan of version %llu", (unsigned long long)kVersion);
+    return nullptr;
+  }
+  auto* plan = new Plan();
+  plan->buffers = r.next();
+  plan->first_steps = r.next();
+  uint64_t groups = r.next();
+  if (groups > 1024) r.bad = true;
+  for (uint64_t g = 0; g < groups && !r.bad; ++g) {
+    auto* grp = new Group();
+    plan->groups.push_back(grp);
+    grp->ordinal = (int64_t)r.next();
+    grp->fork = reinterpret_cast<CUevent>(r.next());
+    uint64_t ranks = r.next();
+    if (ranks == 0 || ranks > 1024) r.bad = true;
+    for (uint64_t k = 0; k < ranks && !r.bad; ++k) {
+      grp->rank_numbers.push_back((int64_t)r.next());
+      grp->streams.push_back(reinterpret_cast<CUstream>(r.next()));
+      grp->joins.push_back(reinterpret_cast<CUevent>(r.next()));
+      grp->records.push_back(reinterpret_cast<const volatile uint32_t*>(r.next()));
+    }
+    uint64_t ops = r.next();
+    if (ops > n) r.bad = true;  // (every op takes several words: a count beyond them is garbage)
+    grp->ops.resize(r.bad ? 0 : ops);
+    for (uint64_t k = 0; k < ops && !r.bad; ++k) {
+      Op& op = grp->ops[k];
+      op.kind = r.next();
+      op.rank = (uint32_t)r.next();
+      if (op.rank >= ranks) r.bad = true;
+      if (op.kind == kLaunch) {
+        Launch& l = op.launch;
+        l.function = reinterpret_cast<CUfunction>(r.next());
+        l.grid = (unsigned)r.next(); l.block = (unsigned)r.next(); l.shared = (unsigned)r.next();
+        l.cluster = (unsigned)r.next(); l.pdl = r.next() != 0;
+        uint64_t nargs = r.next(), words_n = r.next();
+        if (nargs > 64 || words_n > 8192) { r.bad = true; break; }
+        for (uint64_t a = 0; a < nargs; ++a) l.arg_offsets.push_back(r.next());
+        for (uint64_t a = 0; a < words_n; ++a) l.arg_words.push_back(r.next());
+        uint64_t patches = r.next();
+        if (patches > 256) { r.bad = true; break; }
+        for (uint64_t p = 0; p < patches; ++p) {
+          Patch pt;
+          pt.offset = (uint32_t)r.next(); pt.buffer = (uint32_t)r.next(); pt.add = r.next();
+          if (pt.offset + 8 > words_n * 8 || pt.offset % 8 || pt.buffer >= plan->buffers) r.bad = true;
+          l.patches.push_back(pt);
+        }
+        l.timeout_offset = (int64_t)r.next();
+        l.first_timeout = r.next(); l.timeout = r.next();
+        if (l.timeout_offset >= 0 && ((uint64_t)l.timeout_offset + 8 > words_n * 8 || l.timeout_offset % 8)) r.bad = true;
+        for (uint64_t off : l.arg_offsets) if (off >= words_n * 8) r.bad = true;
+        l.scratch = l.arg_words;
+        for (uint64_t off : l.arg_offsets) l.params.push_back(reinterpret_cast<char*>(l.scratch.data()) + off);
+        l.num_attrs = 0;
+        if (l.pdl) {
+          CUlaunchAttribute& a = l.attrs[l.num_attrs++];
+          memset(&a, 0, sizeof a);
+          a.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+          a.value.programmaticStreamSerializationAllowed = 1;
+        }
+        if (l.cluster > 1) {
+          CUlaunchAttribute& a = l.attrs[l.num_attrs++];
+          memset(&a, 0, sizeof a);
+          a.id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+          a.value.clusterDim.x = l.cluster; a.value.clusterDim.y = 1; a.value.clusterDim.z = 1;
+        }
+      } else if (op.kind == kCopy) {
+        Copy& c = op.copy;
+        c.dst_buffer = r.next(); c.dst = r.next(); c.src_buffer = r.next(); c.src = r.next(); c.bytes = r.next();
+        if ((c.dst_buffer != kAbsolute && c.dst_buffer >= plan->buffers) ||
+            (c.src_buffer != kAbsolute && c.src_buffer >= plan->buffers)) r.bad = true;
+      } else {
+        r.bad = true;
+      }
+    }
+  }
+  if (r.bad || r.i != n || plan->buffers > kMaxBuffers) {
+    snprintf(why, why_len, "malformed plan (word %zu of %zu)", r.i, n);
+    delete plan;
+    return nullptr;
+  }
+  return plan;
+}
+
+ffi::Error cuda_error(CUresult err, const char* what, int64_t rank) {
+  const char* name = "?";
+  driver().error_name(err, &name);
+  char msg[256];
+  snprintf(msg, sizeof msg, "ep_a2a: %s failed for rank %lld: %s", what, (long long)rank, name);
+  return ffi::Error(ffi::ErrorCode::kInternal, msg);
+}
+
+ffi::Error run_group(Plan& plan, Group& g, CUstream xla, uint64_t* addr) {
+  const Driver& d = driver();
+  // A failure a kernel recorded in an earlier step (a peer timed out, a step aborted): the
+  // next call refuses to run, naming it; MoeAlltoAll.error() holds the details.
+  for (size_t k = 0; k < g.records.size(); ++k) {
+    if (*g.records[k] != 0) {
+      char msg[256];
+      snprintf(msg, sizeof msg, "ep_a2a: rank %lld recorded a failure (error kind %u) in an earlier step; "
+               "a2a.error() says which peer and phase", (long long)g.rank_numbers[k], *g.records[k]);
+      return ffi::Error(ffi::ErrorCode::kAborted, msg);
+    }
+  }
+  std::lock_guard<std::mutex> hold(g.lock);
+  bool first = g.calls < plan.first_steps;
+  ++g.calls;
+  const bool fork = g.streams.size() > 1;
+  if (fork) {
+    // every rank's stream first waits for what XLA queued, so no spinning kernel of ours
+    // holds SMs that XLA's earlier work needs; XLA's stream then waits for every rank
+    if (CUresult e = d.record(g.fork, xla)) return cuda_error(e, "cuEventRecord (fork)", g.rank_numbers[0]);
+    for (size_t k = 0; k < g.streams.size(); ++k)
+      if (CUresult e = d.wait(g.streams[k], g.fork, 0)) return cuda_error(e, "cuStreamWaitEvent (fork)", g.rank_numbers[k]);
+  }
+  ffi::Error failed = ffi::Error::Success();
+  for (Op& op : g.ops) {
+    CUstream s = fork ? g.streams[op.rank] : xla;
+    int64_t who = g.rank_numbers[op.rank];
+    if (op.kind == kLaunch) {
+      Launch& l = op.launch;
+      for (const Patch& p : l.patches) {
+        uint64_t a = addr[p.buffer];
+        if (a % 16) {  // the plan chose vector widths for 16-byte aligned buffers
+          char msg[200];
+          snprintf(msg, sizeof msg, "ep_a2a: XLA buffer %u at 0x%llx is not 16-byte aligned (rank %lld)",
+                   p.buffer, (unsigned long long)a, (long long)who);
+          failed = ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
+          break;
+        }
+        l.scratch[p.offset / 8] = a + p.add;
+      }
+      if (!failed.success()) break;
+      if (l.timeout_offset >= 0) l.scratch[l.timeout_offset / 8] = first ? l.first_timeout : l.timeout;
+      CUlaunchConfig cfg;
+      memset(&cfg, 0, sizeof cfg);
+      cfg.gridDimX = l.grid; cfg.gridDimY = cfg.gridDimZ = 1;
+      cfg.blockDimX = l.block; cfg.blockDimY = cfg.blockDimZ = 1;
+      cfg.sharedMemBytes = l.shared;
+      cfg.hStream = s;
+      cfg.attrs = l.num_attrs ? l.attrs : nullptr;
+      cfg.numAttrs = l.num_attrs;
+      if (CUresult e = d.launch(&cfg, l.function, l.params.data(), nullptr)) { failed = cuda_error(e, "cuLaunchKernelEx", who); break; }
+    } else {
+      const Copy& c = op.copy;
+      uint64_t dst = (c.dst_buffer == kAbsolute ? 0 : addr[c.dst_buffer]) + c.dst;
+      uint64_t src = (c.src_buffer == kAbsolute ? 0 : addr[c.src_buffer]) + c.src;
+      if (c.bytes)
+        if (CUresult e = d.copy(dst, src, c.bytes, s)) { failed = cuda_error(e, "cuMemcpyDtoDAsync", who); break; }
+    }
+  }
+  if (fork)  // (also after a failure: XLA frees its buffers after whatever was launched)
+    for (size_t k = 0; k < g.streams.size(); ++k) {
+      if (CUresult e = d.record(g.joins[k], g.streams[k])) return cuda_error(e, "cuEventRecord (join)", g.rank_numbers[k]);
+      if (CUresult e = d.wait(xla, g.joins[k], 0)) return cuda_error(e, "cuStreamWaitEvent (join)", g.rank_numbers[k]);
+    }
+  return failed;
+}
+
+ffi::Error Run(CUstream stream, int32_t ordinal, int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  if (!driver().ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "ep_a2a: libcuda.so.1 could not be opened");
+  Plan* plan = find(plan_id);
+  if (!plan) return ffi::Error(ffi::ErrorCode::kNotFound, "ep_a2a: this call's launch plan was released (its JaxAlltoAll is closed)");
+  size_t n_args = args.size(), n = n_args + rets.size();
+  if (n != plan->buffers) return ffi::Error(ffi::ErrorCode::kInvalidArgument, "ep_a2a: the call's buffers do not match its plan");
+  uint64_t addr[kMaxBuffers];
+  for (size_t i = 0; i < n_args; ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return b.error();
+    addr[i] = reinterpret_cast<uint64_t>(b->untyped_data());
+  }
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto b = rets.get<ffi::AnyBuffer>(i);
+    if (!b.has_value()) return b.error();
+    addr[n_args + i] = reinterpret_cast<uint64_t>((*b)->untyped_data());
+  }
+  Group* g = nullptr;
+  for (Group* c : plan->groups)
+    if (c->ordinal == ordinal) { g = c; break; }
+  if (!g && plan->groups.size() == 1 && plan->groups[0]->ordinal < 0) g = plan->groups[0];
+  if (!g) {
+    char msg[160];
+    snprintf(msg, sizeof msg, "ep_a2a: this call runs on device %d, where the all-to-all has no rank", ordinal);
+    return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
+  }
+  // Our kernels live in the GPU's primary context, XLA's too: make the stream's context
+  // current for the launches if XLA's thread holds another (or none), and put it back after.
+  const Driver& d = driver();
+  CUcontext mine = nullptr, before = nullptr;
+  if (CUresult e = d.stream_ctx(stream, &mine)) return cuda_error(e, "cuStreamGetCtx", g->rank_numbers[0]);
+  d.get_ctx(&before);
+  if (before != mine)
+    if (CUresult e = d.set_ctx(mine)) return cuda_error(e, "cuCtxSetCurrent", g->rank_numbers[0]);
+  ffi::Error result = run_group(*plan, *g, stream, addr);
+  if (before != mine && before) d.set_ctx(before);
+  return result;
+}
+
+}  // namespace
+
+#define EP_A2A_BINDING                                                                         \
+  ffi::Ffi::Bind().Ctx<ffi::PlatformStream<CUstream>>().Ctx<ffi::DeviceOrdinal>().Attr<int64_t>("plan") \
+      .RemainingArgs().RemainingRets()
+
+// Captured into XLA's command buffers: what a replay needs lives on the device.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_a2a_ffi_run, Run, EP_A2A_BINDING, {ffi::Traits::kCmdBufferCompatible});
+// The same, never captured (EP_A2A_JAX_COMMAND_BUFFERS=0 picks it).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ep_a2a_ffi_run_uncaptured, Run, EP_A2A_BINDING);
+
+extern "C" {
+
+// Version of the plan format this library reads.
+uint64_t ep_a2a_ffi_plan_version() { return kVersion; }
+
+// XLA FFI API version of the headers this library was built with (major * 1000 + minor).
+int ep_a2a_ffi_api_version() { return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR; }
+
+// Register a plan (words: `n` uint64): its id (>= 0), or -1 with `why` filled.
+int64_t ep_a2a_ffi_register(const uint64_t* words, uint64_t n, char* why, uint64_t why_len) {
+  Plan* plan = parse(words, n, why, why_len);
+  if (!plan) return -1;
+  std::lock_guard<std::mutex> hold(registry);
+  for (int64_t tries = 0; tries < kMaxPlans; ++tries) {
+    int64_t id = next_id++;
+    plan->id = id;
+    Plan* none = nullptr;
+    if (plans[id % kMaxPlans].compare_exchange_strong(none, plan)) return id;
+  }
+  snprintf(why, why_len, "more than %d plans registered at once", kMaxPlans);
+  delete plan;
+  return -1;
+}
+
+// Release a plan (its calls must have completed: the owner synchronizes first).
+void ep_a2a_ffi_release(int64_t id) {
+  std::lock_guard<std::mutex> hold(registry);
+  Plan* p = find(id);
+  if (p && plans[id % kMaxPlans].compare_exchange_strong(p, nullptr)) delete p;
+}
+
+// Calls a plan has served on one GPU (tests: the native path really ran).
+uint64_t ep_a2a_ffi_calls(int64_t id, int64_t ordinal) {
+  Plan* p = find(id);
+  if (!p) return 0;
+  for (Group* g : p->groups)
+    if (g->ordinal == ordinal || (p->groups.size() == 1 && g->ordinal < 0)) return g->calls;
+  return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,266 @@
+"""The native JAX path without a GPU: the launch plans made at trace time (ep_a2a/ops/jax_plan.py)
+hold the parameter blocks eager dispatch and combine launch for the same call, byte for byte
+(tests/protocol/launch_trace.py's rank, driver replaced, launches recorded by
+testing.hooks.dry_run); their encoding names every XLA buffer where the kernels read it; and
+the native library (native/ffi/ep_a2a_ffi.cc) loads with ctypes, exports its handlers and
+reads the plans (parse only: no GPU)."""
+import ctypes
+import importlib.util
+import pathlib
+import random
+
+import numpy as np
+import pytest
+
+from ep_a2a.layout import A2AParams, PayloadDesc
+from ep_a2a.ops import jax_ffi, jax_plan
+from ep_a2a.testing import hooks
+
+_spec = importlib.util.spec_from_file_location(
+    "launch_trace_for_plan", pathlib.Path(__file__).resolve().parents[1] / "protocol" / "launch_trace.py")
+trace = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(trace)
+
+CONFIGS = [(proto, q, pdl, rod) for proto in ("fence", "sentinel", "auto") for q in (None, "fp8")
+           for pdl in (True, False) for rod in (8, 1) if not (q and proto != "fence")]
+
+
+def _eager_step(r, ids, pays, tmax, out):
+    """Blocks of one eager dispatch + combine of a fresh rank, as launched."""
+    seen = []
+    with hooks.dry_run(lambda launch, stream: seen.append((launch.function, launch.grid, bytes(launch.args[0])))):
+        r.dispatch(ids, pays, tmax)
+        r.combine(r.combine_input(tmax), tmax, out=out)
+    return seen
+
+
+def _block(data: bytes, **fields) -> bytes:
+    p = A2AParams.from_buffer_copy(data)
+    for k, v in fields.items():
+        setattr(p, k, v)
+    return bytes(p)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(map(str, c)))
+def test_planned_blocks_equal_eager_launches(monkeypatch, cfg):
+    rng = random.Random()
+    events = []
+    trace.patch_driver(monkeypatch.setattr, events)
+    for _ in range(4):
+        tmax = rng.choice([1, 2, 4, 16, 64, 128, 1024])
+        T = rng.randint(0, tmax)
+        with hooks.dry_run():
+            a2a, r = trace.make_rank(events, *cfg, local=True)
+        ids, pays = trace._tensors(rng.randrange(4), T, rng.choice([0, 0, 4]))
+        out = trace.Tensor((1 << 39) + rng.choice([0, 2, 16]), (T, trace.H), "bfloat16", device=(2, 0))
+        eager = _eager_step(r, ids, pays, tmax, out)
+        d, c = jax_plan.steady_pair(r.plan, r.state.tag_hi, a2a.protocol, T, tmax, [ids.ptr] + [p.ptr for p in pays], out.ptr, False)
+        d_bytes, c_bytes = jax_plan.pair_params(r.plan, d, c)
+        first = r.plan.first_timeout_ns  # (the eager step is a first step: the handler patches this in)
+        (fd, gd, bd), (fc, gc, bc) = eager
+        assert (d.launch.function, d.grid) == (fd, gd) and (c.launch.function, c.grid) == (fc, gc)
+        # (the dispatch's block holds the previous combine's fields: this step's, in a jitted loop)
+        assert _block(d_bytes, timeout_ns=first) == _block(bd, **dict(c.fields))
+        assert _block(c_bytes, timeout_ns=first) == _block(bc, trigger_early=0)
+        a2a.close()
+
+
+def test_encode_patches_every_buffer_where_the_kernel_reads_it():
+    p = A2AParams()
+    p.num_payloads = 3
+    for q in range(3):
+        p.payloads[q].src = jax_plan.fake(q)
+    p.combine_out = jax_plan.fake(7, 64)
+    op = jax_plan.LaunchOp(0, 0x1234, 5, 256, 0, 1, True, [bytes(p)], (A2AParams.timeout_ns.offset, 9, 3))
+    copy = jax_plan.CopyOp(0, jax_plan.fake(8), 1 << 40, 4096)
+    g = jax_plan.Group(0, 0x55, [(3, 0x66, 0x77, 0x88)], [op, copy])
+    words = jax_plan.encode([g], 9, 4)
+    found = jax_plan.patches(np.frombuffer(bytes(p), np.uint64))
+    desc0 = A2AParams.payloads.offset
+    want = [(desc0 + q * ctypes.sizeof(PayloadDesc) + PayloadDesc.src.offset, q, 0) for q in range(3)]
+    assert sorted(found) == sorted(want + [(A2AParams.combine_out.offset, 7, 64)])
+    assert words[0] == jax_plan.MAGIC and words[2] == 9
+    assert jax_plan.buffer_of(1 << 40) is None and jax_plan.buffer_of(jax_plan.fake(511, 5)) == (511, 5)
+
+
+def _lib():
+    lib = jax_ffi.library()
+    if lib is None:
+        pytest.skip(f"native JAX library absent: {jax_ffi._why}")
+    return lib
+
+
+def test_library_exports_the_handlers_and_has_no_python_abi():
+    lib = _lib()
+    for name in jax_ffi.SYMBOLS:
+        assert hasattr(lib, name), name
+    assert lib.ep_a2a_ffi_plan_version() == jax_plan.VERSION
+    assert lib.ep_a2a_ffi_api_version() >= 3  # XLA FFI API 0.3 or newer
+    data = jax_ffi.LIBRARY.read_bytes()
+    assert b"libpython" not in data and b"PyObject_" not in data and b"Py_Initialize" not in data
+    assert jax_ffi.info_line().startswith("JAX native library: present")
+
+
+def test_library_reads_plans_and_refuses_malformed_ones():
+    _lib()
+    rng = np.random.default_rng()
+    p = A2AParams()
+    p.payloads[0].src = jax_plan.fake(0)
+    p.combine_out = jax_plan.fake(int(rng.integers(1, 4)))
+    ops = [jax_plan.LaunchOp(i, 0x1000 + i, int(rng.integers(1, 64)), 256, 0, 1, bool(i % 2), [bytes(p)],
+                             (A2AParams.timeout_ns.offset, 9, 3)) for i in range(2)]
+    ops += [jax_plan.CopyOp(1, jax_plan.fake(4), 1 << 40, 16)]
+    g = jax_plan.Group(0, 0x55, [(r, 0x60 + r, 0x70 + r, 0x80 + r) for r in range(2)], ops)
+    words = jax_plan.encode([g], 5, 4)
+    plan = jax_ffi.Plan(words)
+    assert plan.id >= 0 and plan.calls(0) == 0
+    plan.release()
+    for cut in (words[:-1], np.concatenate([words, words[-1:]]), np.concatenate([words[:1], np.array([7], np.uint64), words[2:]])):
+        with pytest.raises(RuntimeError, match="refused a launch plan"):
+            jax_ffi.Plan(cut)
+    bad = jax_plan.encode([g], 3, 4)  # a copy naming buffer 4 of a call with 3
+    with pytest.raises(RuntimeError, match="malformed"):
+        jax_ffi.Plan(bad)
+
+
+def test_build_script_builds_the_library_for_this_jaxlib(tmp_path):
+    """kernels/build.py --ffi-only into a fresh folder: the library, its manifest entry naming
+    this python's jaxlib, and its handler symbols (a plain C ABI: ctypes finds them)."""
+    import json
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location("ep_a2a_build_for_test", root / "kernels" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    version, include = build.find_jaxlib()
+    if version is None:
+        pytest.skip("no jaxlib in this python")
+    p = subprocess.run([sys.executable, str(root / "kernels" / "build.py"), "--ffi-only", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    lib = tmp_path / jax_ffi.LIBRARY.name
+    info = json.loads((tmp_path / "manifest.json").read_text())["jax_ffi"]
+    assert info["jaxlib"] == version and info["library"] == lib.name
+    loaded = ctypes.CDLL(str(lib))
+    for name in jax_ffi.SYMBOLS:
+        assert hasattr(loaded, name), name
+
+
+def test_traced_step_plans_what_the_native_handler_runs(monkeypatch):
+    """A jitted dispatch + combine traced and lowered on the CPU with the native path (the
+    driver replaced as in launch_trace): one custom call each, naming a registered plan whose
+    dispatch launch reads every operand where the eager call would, copies the received views
+    into the results, and whose combine stages operand 0 and writes result 0."""
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    _lib()
+    from ep_a2a.ops import jax as ops_jax
+    events, made = [], []
+    trace.patch_driver(monkeypatch.setattr, events)
+    monkeypatch.setattr(jax_plan, "handle_of", lambda o: o if isinstance(o, int) else 0x1000 + len(str(o)))
+    real_encode = ops_jax.encode
+    monkeypatch.setattr(ops_jax, "encode", lambda groups, *a: made.append(groups) or real_encode(groups, *a))
+    rng = random.Random()
+    with hooks.dry_run():
+        a2a, r = trace.make_rank(events, rng.choice(["fence", "sentinel"]), None, True, 8, local=True)
+    ops = ops_jax.JaxAlltoAll(a2a)
+    assert ops.native
+    tmax = rng.choice([1, 4, 16, 64])
+    T = rng.randint(1, tmax)
+    specs = a2a.payload_specs
+
+    def step(ids, pays):
+        d = ops.dispatch(ids, pays, tmax)
+        return ops.combine(d.payloads[0], d)
+    args = (jax.ShapeDtypeStruct((T, trace.TOP_K), jnp.int32),
+            [jax.ShapeDtypeStruct((T,) + tuple(s.shape), jnp.dtype(s.dtype)) for s in specs])
+    text = jax.jit(step).lower(*args).as_text()
+    assert text.count("custom_call @ep_a2a_run") == 2 and len(ops._plans) == 2
+    (dispatch,), (combine,) = made
+    P = len(specs)
+    d_ops, c_ops = dispatch.ops, combine.ops
+    launch, copies = d_ops[0], d_ops[1:]
+    block = A2AParams.from_buffer_copy(launch.args[0])
+    assert [block.payloads[q].src for q in range(P + 1)] == [jax_plan.fake(q) for q in range(P + 1)]
+    assert (block.local_num_tokens, block.runtime_max_tokens_per_rank) == (T, tmax) and not launch.pdl
+    ids_v, views = r.dispatch_views(tmax)
+    results = P + 1  # (operands: ids, then the payloads; results numbered after them)
+    assert [(c.dst, c.src, c.nbytes) for c in copies] == \
+        [(jax_plan.fake(results + k), v.ptr, v.nbytes) for k, v in enumerate([ids_v, *views])]
+    stage, c_launch = c_ops
+    assert (stage.dst, stage.src) == (r.plan.combine_input, jax_plan.fake(0))
+    assert stage.nbytes == a2a.ep_size * tmax * r.plan.combine_bytes
+    c_block = A2AParams.from_buffer_copy(c_launch.args[0])
+    assert c_block.combine_out == jax_plan.fake(2) and c_block.trigger_early == 0  # (operands: partial, ticket)
+    ops.close()
+    a2a.close()
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_traced_moe_pair_plans_index_gather_and_finalize(monkeypatch, quant):
+    """dispatch_to_experts / combine_from_experts traced and lowered on the CPU with the native
+    path: the index and gather kernels read the received views and write result 1 (the rows),
+    the counts are copied into result 0, finalize reads operand 0 (fc2_out) into the combine
+    input (FP8 with combine_quant="fp8", whose combine then skips its own pass)."""
+    import types
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    _lib()
+    import ep_a2a.moe as moe
+    from ep_a2a.ops import jax as ops_jax
+    events, made = [], []
+    trace.patch_driver(monkeypatch.setattr, events)
+    monkeypatch.setattr(moe, "Device", types.SimpleNamespace)
+    monkeypatch.setattr(jax_plan, "handle_of", lambda o: o if isinstance(o, int) else 0x1000 + len(str(o)))
+    real_encode = ops_jax.encode
+    monkeypatch.setattr(ops_jax, "encode", lambda groups, *a: made.append(groups) or real_encode(groups, *a))
+    rng = random.Random()
+    with hooks.dry_run():
+        a2a, r = trace.make_rank(events, "fence", quant, True, 8, local=True)
+    ops = ops_jax.JaxAlltoAll(a2a)
+    tmax = rng.choice([1, 4, 16])
+    T = rng.randint(1, tmax)
+    specs = a2a.payload_specs
+    cap = a2a.ep_size * tmax * a2a.top_k
+
+    def step(ids, pays, fc2):
+        d = ops.dispatch_to_experts(ids, pays, tmax, gather=0, weights=2)
+        return d.counts, d.rows, ops.combine_from_experts(fc2, d)
+    args = (jax.ShapeDtypeStruct((T, trace.TOP_K), jnp.int32),
+            [jax.ShapeDtypeStruct((T,) + tuple(s.shape), jnp.dtype(s.dtype)) for s in specs],
+            jax.ShapeDtypeStruct((cap, trace.H), jnp.bfloat16))
+    text = jax.jit(step).lower(*args).as_text()
+    assert text.count("custom_call @ep_a2a_run") == 2
+    (dispatch,), (combine,) = made
+    P = len(specs)
+    kinds = [type(op).__name__ for op in dispatch.ops]
+    assert kinds[0] == "LaunchOp" and kinds[-1] == "CopyOp" and len(kinds) >= 4
+    results = P + 1
+    gather = dispatch.ops[-2]
+    assert [(w, b) for w, b, _ in jax_plan.patches(jax_plan._arg_words(gather.args)[1])] == \
+        [(8, results + 1)]  # (moe.gather_rows: src, then out = the rows result)
+    counts = dispatch.ops[-1]
+    assert counts.dst == jax_plan.fake(results) and counts.nbytes == 4 * ops._num_local(r.rank)
+    fin, c_launch = combine.ops
+    assert [b for _, b, _ in jax_plan.patches(jax_plan._arg_words(fin.args)[1])] == [0]
+    c_block = A2AParams.from_buffer_copy(c_launch.args[0])
+    assert c_block.combine_prequantized == int(quant == "fp8") and c_block.combine_out == jax_plan.fake(2)
+    ops.close()
+    a2a.close()
+
+
+def test_a_released_plan_id_is_never_reused():
+    """A compiled program naming a released plan must find none, never a newer plan."""
+    _lib()
+    p = A2AParams()
+    g = jax_plan.Group(0, 0, [(0, 0x60, 0, 0x80)], [jax_plan.LaunchOp(0, 0x1000, 1, 256, 0, 1, False, [bytes(p)])])
+    words = jax_plan.encode([g], 1, 4)
+    first = jax_ffi.Plan(words)
+    old = first.id
+    first.release()
+    again = [jax_ffi.Plan(words) for _ in range(3)]
+    assert old not in [q.id for q in again] and len({q.id for q in again}) == 3
+    assert jax_ffi.library().ep_a2a_ffi_calls(old, 0) == 0
+    for q in again:
+        q.release()
