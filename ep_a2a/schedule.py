@@ -186,8 +186,8 @@ class Schedule:
         own kernels between the halves, on this rank's stream and on the peers'. Each rank's
         spinning blocks then hold at most half of its share of the GPU's block slots, so a
         peer's send half, and the compute an engine runs before it, always find slots that
-        no spinning block holds. Halves never trigger their successor early (plan_half), so
-        no second kernel of the rank is placed beside a spinning one."""
+        no spinning block holds. Receive halves never trigger their successor early
+        (plan_half), so no second kernel of the rank is placed beside a spinning one."""
         return max(1, min(want, self.max_grid // 2))
 
 
@@ -317,9 +317,12 @@ def plan_step(plan: RankPlan, state: StepState, call: Call) -> Step:
 
 
 def plan_half(plan: RankPlan, state: StepState, call: Call) -> Step:
-    """A send or receive half: the whole phase's fields and rules, the half's kernel, its
-    grid (a receive half's by Schedule.receive_grid) and no early trigger. The receive half
-    writes the very fields its send half wrote (kept in StepState.sent)."""
+    """A send or receive half: the whole phase's fields and rules, the half's kernel and its
+    grid (a receive half's by Schedule.receive_grid). A send half within half the share lets
+    its successor start early (PDL: a send half waits on no peer, and the successor, its
+    receive half, is held to half); a receive half never does, so no kernel is placed
+    beside a spinning one. The receive half writes the very fields its send half wrote
+    (kept in StepState.sent)."""
     check_order(plan, state, call.phase)
     sch, op = plan.schedule, call.phase.op
     if call.phase.part == "send":
@@ -332,11 +335,13 @@ def plan_half(plan: RankPlan, state: StepState, call: Call) -> Step:
             want = sch.ep_size * call.runtime_max if quantize else 1
         else:  # SENTINEL: a block per received slot pushes, one more publishes
             want = sch.ep_size * call.runtime_max + 1
-        grid = max(1, min(want, max(1, sch.max_grid // 2) if state.triggered_early else sch.max_grid))
-        after = dataclasses.replace(whole.state, triggered_early=False, pending=pending,
+        half = max(1, sch.max_grid // 2)
+        grid = max(1, min(want, half if state.triggered_early else sch.max_grid))
+        early = sch.pdl and grid <= half  # (its receive half, held to half, may then be placed beside it)
+        after = dataclasses.replace(whole.state, triggered_early=early, pending=pending,
                                     sent=(op, whole.fields, whole.sources))
         launch = plan.halves[whole.protocol][op][0]
-        return Step(launch, whole.protocol, grid, False, whole.fields, whole.sources, after)
+        return Step(launch, whole.protocol, grid, early, whole.fields, whole.sources, after)
     pending, (_, fields, sources) = state.pending, state.sent
     values = dict(fields)
     if op == "dispatch":

@@ -598,6 +598,7 @@ __device__ void sentinel_combine(const A2AParams& p) {
 // the others (line 13); the receive half polls and reduces (lines 15-19) in every block.
 EP_DEVICE void combine_send(const A2AParams& p) {
   griddep_wait();
+  if (p.trigger_early) griddep_launch_dependents();  // (the receive half only waits for us to end)
   const unsigned f = read_epoch(p);
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
   const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
@@ -606,7 +607,7 @@ EP_DEVICE void combine_send(const A2AParams& p) {
   const int C = max(1, min(pushers / slots, cap));
   if (gridDim.x == 1 || static_cast<int>(blockIdx.x) < pushers)
     for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
-  griddep_launch_dependents();
+  if (!p.trigger_early) griddep_launch_dependents();
 }
 template <typename T>
 EP_DEVICE void combine_receive(const A2AParams& p) {

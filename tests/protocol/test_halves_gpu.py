@@ -1,6 +1,6 @@
 """The send and receive halves on one GPU with in-process ranks (ep_a2a/halves.py): two
 micro-batches (two all-to-alls) with random sizes in random legal interleavings of their
-halves, different on every rank, eagerly and as shuffled graph replays, checked bitwise
+halves (one order on every rank, the ranks issued in random order), eagerly and as shuffled graph replays, checked bitwise
 against the NumPy reference; compute kernels that fill the GPU between the halves; a peer
 that never sends while the others wait in a receive half."""
 import random
@@ -98,8 +98,11 @@ def _interleaving(rnd):
     return out
 
 
-TBO = [("A", "dispatch_send"), ("B", "dispatch_send"), ("A", "dispatch_recv"), ("B", "dispatch_recv"),
-       ("A", "combine_send"), ("B", "combine_send"), ("A", "combine_recv"), ("B", "combine_recv")]
+BOTH_SENDS_FIRST = [("A", "dispatch_send"), ("B", "dispatch_send"), ("A", "dispatch_recv"), ("B", "dispatch_recv"),
+                    ("A", "combine_send"), ("B", "combine_send"), ("A", "combine_recv"), ("B", "combine_recv")]
+# two-batch overlap: B's attention runs while A's dispatch is in flight, A's experts while B's is
+TBO = [("A", "dispatch_send"), ("A", "dispatch_recv"), ("B", "dispatch_send"), ("A", "combine_send"),
+       ("B", "dispatch_recv"), ("A", "combine_recv"), ("B", "combine_send"), ("B", "combine_recv")]
 
 
 def _busy(group, iters, blocks_per_sm=4):
@@ -130,17 +133,18 @@ def test_two_micro_batches_in_random_interleavings_match_the_reference(protocol,
     with group, a, b:
         for it in range(12):
             m = {"A": Micro(a, rng, int(rng.choice([1, 4, 8, TMAX]))), "B": Micro(b, rng, int(rng.choice([1, 4, 16])))}
-            orders = [TBO if it == 0 else _interleaving(rnd) for _ in range(EP)]
-            compute = it % 3 == 2  # compute that fills the GPU after every half
-            for s in rnd.sample(range(EP), EP):  # ranks issued in a random order, each its own interleaving
-                for name, op in orders[s]:
+            fixed = {0: BOTH_SENDS_FIRST, 1: TBO}.get(it)
+            order = fixed or _interleaving(rnd)  # one order on every rank (different ones can deadlock: docs/overlap.md)
+            compute = it % 3 != 0  # compute that fills the GPU after every half
+            for s in rnd.sample(range(EP), EP):  # ranks issued in a random order
+                for name, op in order:
                     m[name].half(op, s)
                     if compute:
                         busy(s)
             a.synchronize()
             for name in "AB":
-                m[name].check(f"{seed} iteration {it} ({protocol}, fp8={bool(quant)}) micro-batch {name}, rank 0 "
-                              f"order {orders[0]}")
+                m[name].check(f"{seed} iteration {it} ({protocol}, fp8={bool(quant)}) micro-batch {name}, "
+                              f"order {order}")
         sink.close()
 
 
@@ -172,8 +176,9 @@ def test_graphs_of_each_half_replay_in_shuffled_legal_orders(protocol):
             for k in (ka, kb):
                 for o in plans[k].outs:
                     copy_from_numpy(o, np.full(o.nbytes, 0xFF, np.uint8))
+            order = _interleaving(rnd)
             for s in rnd.sample(range(EP), EP):
-                for name, op in _interleaving(rnd):
+                for name, op in order:
                     graphs[ka if name == "A" else kb, op, s].launch(group.ranks[s].stream.handle)
             a.synchronize()
             plans[ka].check(f"{seed} replay {rep} {ka}")
@@ -223,3 +228,29 @@ def test_misuse_raises_before_any_launch_on_the_gpu_too():
             r.combine_recv()
         a.synchronize()
         m.check("after refused calls")
+        # refused while capturing too, before anything enters the graph
+        from ep_a2a.driver.stream import Graph
+        st = group.ranks[0].stream.handle
+        Graph.begin(st)
+        try:
+            with pytest.raises(HalvesOrderError):
+                r.dispatch_recv()
+        finally:
+            Graph.end(st).close()
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_a_runtime_max_mismatch_is_detected_by_the_receive_halves(protocol):
+    """Rank 0 sends with T^ = 4 while its peers send with 8: the receive halves record the
+    mismatch (abort mode: they go on, outputs poisoned) and error() says so."""
+    import ep_a2a
+    rng, seed = fresh_rng()
+    group, a = _make(protocol, timeout_s=2.0, first_timeout_s=2.0, on_timeout="abort")
+    with group, a:
+        small, large = Micro(a, rng, 4), Micro(a, rng, 8)
+        for op in ("dispatch_send", "dispatch_recv"):
+            for s in range(EP):
+                (small if s == 0 else large).half(op, s)
+        group.ranks[0].device.synchronize()  # (a.synchronize() would raise the record)
+        errors = [r.recorded_error() for r in a.ranks]
+        assert any(isinstance(e, ep_a2a.RuntimeMaxMismatchError) for e in errors), (seed, errors)
