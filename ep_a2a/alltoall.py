@@ -18,10 +18,10 @@ import zlib
 import numpy as np
 
 from . import rejection, schedule
-from .config import PROTOCOLS, REDUCE_DTYPES, Fp8Partial, Options, PayloadSpec, peers_on_device  # noqa: F401 (PayloadSpec: re-exported)
+from .config import PROTOCOLS, Fp8Partial, Options, PayloadSpec  # noqa: F401 (PayloadSpec: re-exported)
 from .driver.errors import CudaError
 from .driver.lifetime import Owned
-from .driver.launch import Launch, cluster_launch, launch_once, occupancy, prefer_max_shared
+from .driver.launch import launch_once
 from .driver.memory import DeviceAllocation, copy_dtod_async, copy_dtoh, memset_d8_async, release_held
 from .driver.module import load
 from .driver.stream import is_capturing, stream_handle
@@ -29,9 +29,11 @@ from .driver.vmm import HostMapped
 from .errors import StateError, error_from_record, error_from_records, recorded_on_lost_context
 from .fastpath import Repeat
 from .group import hold_frees_for, release_frees_if_safe
+from .halves import Halves
 from .interop.tensor import CUDA, Tensor, as_dtype as lookup_dtype
-from .layout import A2AParams, ErrorRecord, Q8_BLOCK, TAG_TMAX_BITS, WorkspaceLayout, landing_bytes, sentinel_kind
-from .schedule import COMBINE, DISPATCH, Call, RankPlan, StepState, plan_step
+from .layout import ErrorRecord, Q8_BLOCK, TAG_TMAX_BITS, WorkspaceLayout, landing_bytes
+from .rank_plan import build_plan
+from .schedule import COMBINE, DISPATCH, Call, StepState, check_order, plan_step
 from .symmetric import SymmetricWorkspace
 from .validate import (CheckedInputs, check_combine_runtime_max, check_dispatch_inputs, check_expert_ids_on_host,
                        check_fp8_partial, check_partial_shape, check_runtime_max, require)
@@ -113,6 +115,12 @@ class MoeAlltoAll(Owned):
     def combine_input(self, *args, **kw):
         return self._only().combine_input(*args, **kw)
 
+    def dispatch_send(self, *args, **kw):
+        return self._only().dispatch_send(*args, **kw)
+
+    def combine_send(self, *args, **kw):
+        return self._only().combine_send(*args, **kw)
+
     def protocol_for(self, runtime_max_tokens_per_rank: int) -> str:
         """The protocol a step with this T^ uses (the same on every rank: T^ is shared)."""
         return schedule.protocol_for(self.protocol, runtime_max_tokens_per_rank, self.crossover_tokens)
@@ -187,53 +195,6 @@ class MoeAlltoAll(Owned):
             raise first
 
 
-def build_plan(a2a, index: int, rank, record_address: int) -> RankPlan:
-    """The plan of `rank` (a group.Rank) of `a2a`, its failures recorded at `record_address`."""
-    options, layout, dev = a2a.options, a2a.layout, rank.device
-    base = a2a.workspace.base(index)
-    params = A2AParams()
-    for peer, address in enumerate(a2a.workspace.peers(index)):
-        params.peer_base[peer] = address
-    params.error_record = record_address
-    layout.fill_params(params, options.payload_kinds)
-    params.rank, params.ep_size = rank.rank, options.ep_size
-    params.top_k, params.num_experts = options.top_k, options.num_experts
-    params.experts_per_rank, params.experts_remainder = divmod(options.num_experts, options.ep_size)
-    params.combine_vec = schedule.vector_bytes(layout.combine_bytes, base + layout.off_combine)
-    params.combine_kind = sentinel_kind(options.combine_dtype.name)
-    params.abort_on_timeout = int(options.on_timeout == "abort")
-    params.peers_on_device = peers_on_device(rank.ranks_on_device, options.ep_size)
-
-    reduce_dtype = REDUCE_DTYPES[options.combine_dtype.name]
-    protocols = ("fence", "sentinel") if options.protocol == "auto" else (options.protocol,)
-    q8 = "q8_" if options.combine_quant else ""
-    kernels = {protocol: (prefer_max_shared(load(protocol, dev).function(f"{protocol}_dispatch")),
-                          prefer_max_shared(load(protocol, dev).function(f"{protocol}_combine_{q8}{reduce_dtype}")))
-               for protocol in protocols}
-    blocks_per_sm = min(occupancy(kernel, options.threads_per_block) for pair in kernels.values() for kernel in pair)
-    # kernels of every rank sharing this GPU spin on each other: all must be resident
-    max_grid = max(1, blocks_per_sm * dev.sm_count // rank.ranks_on_device)
-    descs = tuple(params.payloads[index] for index in range(params.num_payloads))  # (indexing makes a new wrapper)
-    payload_bytes = tuple(desc.bytes_per_token for desc in descs)
-    rules = schedule.Schedule(options.ep_size, options.top_k, options.threads_per_block, options.combine_hidden_size,
-                              layout.combine_bytes, bool(options.combine_quant), bool(options.pdl), max_grid,
-                              schedule.push_groups(payload_bytes, options.threads_per_block))
-    cluster = "fence" in kernels and rules.clusters_fit(blocks_per_sm, dev.sm_count, rank.ranks_on_device) and \
-        cluster_launch(dev, kernels["fence"][0], [params], schedule.CLUSTER_BLOCKS, options.threads_per_block,
-                       options.pdl, rank.ranks_on_device)
-    if cluster:
-        rules = dataclasses.replace(rules, clusters=True)
-
-    def launch(fn):
-        return Launch(dev, fn, [params], 1, options.threads_per_block, pdl=options.pdl)
-    return RankPlan(rank=rank.rank, params=params, descs=descs, payload_bytes=payload_bytes,
-                    launches={protocol: (launch(pair[0]), launch(pair[1])) for protocol, pair in kernels.items()},
-                    cluster=cluster or None, empty=launch(load("util", dev).function("ep_empty")), schedule=rules,
-                    crossover_tokens=options.crossover_tokens, combine_bytes=layout.combine_bytes,
-                    combine_input=base + layout.off_combine, fp8_combine=options.combine_quant == "fp8",
-                    timeout_ns=int(1e9 * options.timeout_s), first_timeout_ns=int(1e9 * options.first_timeout_s))
-
-
 class RankAlltoAll:
     """Dispatch and combine of one rank: a fixed plan (schedule.RankPlan), the planner's state
     (schedule.StepState) and the objects handed back to the caller."""
@@ -263,6 +224,7 @@ class RankAlltoAll:
         self._payload_names = [f"payloads[{q}] ({spec.name})" for q, spec in enumerate(a2a.payload_specs)]
         self._payload_shapes = [tuple(spec.shape) for spec in a2a.payload_specs]
         self._tells_peers, self.rejected = not a2a.group.is_local and a2a.ep_size > 1, None  # (rejection.py)
+        self.halves = Halves(self)
 
     def _set_active(self, ranks) -> None:
         words = [0] * len(self.params.active)
@@ -361,6 +323,14 @@ class RankAlltoAll:
             raise
 
     def _dispatch_checked(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
+        call, handle, views = self.dispatch_call(token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
+        views = self._dispatched(call, handle, views)
+        self._repeat_dispatch = Repeat.of(stream, int(runtime_max_tokens_per_rank), [token_selected_experts, *payloads], handle, call, views)
+        return views
+
+    def dispatch_call(self, token_selected_experts, payloads, runtime_max_tokens_per_rank, stream):
+        """(the planner's Call, the stream handle, the views) of a dispatch with these
+        arguments, checked; nothing is launched (dispatch and halves.dispatch_send launch it)."""
         a2a = self.a2a
         check_runtime_max(runtime_max_tokens_per_rank, a2a.max_tokens_per_rank)
         runtime_max = int(runtime_max_tokens_per_rank)  # (a NumPy integer would keep its width in the arithmetic below)
@@ -377,9 +347,7 @@ class RankAlltoAll:
         views = self._views.get(runtime_max)
         if views is None:
             views = self._views[runtime_max] = self.dispatch_views(runtime_max)
-        views = self._dispatched(call, handle, views)
-        self._repeat_dispatch = Repeat.of(stream, runtime_max, [token_selected_experts, *payloads], handle, call, views)
-        return views
+        return call, handle, views
 
     def _dispatched(self, call, handle, views):
         """Launch a planned dispatch; hand its views to the consumers of `handle`'s stream."""
@@ -408,6 +376,28 @@ class RankAlltoAll:
         self.device.make_current()
         step.launch(handle)
         self.state, self.last_protocol = step.state, step.protocol
+
+    # -- the halves (halves.py) -------------------------------------------------------------
+    def dispatch_send(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None, stream=None):
+        """dispatch()'s send half (halves.py); returns a Handle whose receive() returns the views."""
+        return self.halves.dispatch_send(token_selected_experts, payloads, runtime_max_tokens_per_rank, stream)
+
+    def dispatch_recv(self, handle=None):
+        """The receive half of the dispatch send half due (or of `handle`): dispatch()'s views."""
+        return self.halves.receive("dispatch", handle)
+
+    def combine_send(self, partial, runtime_max_tokens_per_rank: int = None, stream=None, out=None):
+        """combine()'s send half (halves.py); returns a Handle whose receive() returns the output."""
+        return self.halves.combine_send(partial, runtime_max_tokens_per_rank, stream, out)
+
+    def combine_recv(self, handle=None):
+        """The receive half of the combine send half due (or of `handle`): combine()'s output."""
+        return self.halves.receive("combine", handle)
+
+    def run_half(self, call, handle) -> None:
+        """Plan and launch a half (halves.py has checked its arguments and order)."""
+        self._run(call, handle)
+        self.steps += call.phase == schedule.DISPATCH_SEND
 
     @property
     def mid_step(self) -> bool:
@@ -445,6 +435,15 @@ class RankAlltoAll:
         if rep is not None and rep.call.tokens == self.state.pending.tokens and \
                 rep.matches(partial, (out,), runtime_max_tokens_per_rank, stream):
             return self._combined(rep.call, rep.handle, *rep.extra)
+        call, handle, out_t, stage = self.combine_call(partial, runtime_max_tokens_per_rank, stream, out)
+        out_t = self._combined(call, handle, out_t, stage)
+        self._repeat_combine = Repeat.of(stream, int(runtime_max_tokens_per_rank), [partial, out], handle, call, (out_t, stage))
+        return out_t
+
+    def combine_call(self, partial, runtime_max_tokens_per_rank, stream, out):
+        """(the planner's Call, the stream handle, the output, the staging copy or None) of a
+        combine with these arguments, checked; nothing is issued (combine and
+        halves.combine_send issue it)."""
         a2a, pending = self.a2a, self.state.pending
         check_runtime_max(runtime_max_tokens_per_rank, a2a.max_tokens_per_rank)
         runtime_max = int(runtime_max_tokens_per_rank)  # (a NumPy integer would keep its width in the byte counts below)
@@ -468,17 +467,18 @@ class RankAlltoAll:
         if not prequantized and part.ptr != self.plan.combine_input:
             stage = (self.plan.combine_input, part.ptr, a2a.ep_size * runtime_max * a2a.layout.combine_bytes)
         call = Call(COMBINE, tokens, runtime_max, None, (out_t.ptr,), prequantized)  # (its dispatch chose the protocol)
-        out_t = self._combined(call, handle, out_t, stage)
-        self._repeat_combine = Repeat.of(stream, runtime_max, [partial, out], handle, call, (out_t, stage))
-        return out_t
+        return call, handle, out_t, stage
 
     def _combined(self, call, handle, out_t, stage) -> Tensor:
         """Stage the partial results if they live elsewhere, launch a planned combine."""
+        if self.state.sent is not None or call.phase.part != "whole":  # (before the copy: peers may still read the input)
+            check_order(self.plan, self.state, call.phase)
         if stage:
             self.device.make_current()
             copy_dtod_async(*stage, handle)
         self._run(call, handle)
-        release_frees_if_safe(handle)
+        if call.phase.part != "send":
+            release_frees_if_safe(handle)
         out_t.stream = handle
         return out_t
 

@@ -14,6 +14,10 @@ class StateError(EpA2AError):
     """dispatch/combine called out of order, or on a closed all-to-all."""
 
 
+class HalvesOrderError(StateError):
+    """A send or receive half called out of its order (halves.py): raised before any launch."""
+
+
 class BootstrapError(EpA2AError):
     """The group could not be formed or a collective failed; the bootstrap is closed afterwards."""
 

@@ -8,12 +8,14 @@ grid, trigger, splits and the parameter-block fields it writes) and the state af
 Dispatch, combine and a rejected step all plan here; the repeat fast path is a memo over
 plan_step's inputs (RankAlltoAll._run). A phase is an (operation, part) pair: a whole
 dispatch or combine today; a send or receive half of one is another part of the same
-operation, planned by the same rules.
+operation, planned by the same rules (plan_half; the SM rule of halves is Schedule.receive_grid).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+from .errors import HalvesOrderError
 from .layout import PRELOAD_GROUPS, TAG_REJECT
 
 # protocol="auto" uses SENTINEL while runtime_max_tokens_per_rank is at most this, FENCE
@@ -178,6 +180,17 @@ class Schedule:
         return grid, bool(early)
 
 
+    def receive_grid(self, want: int) -> int:
+        """Blocks of a receive half: at most half this rank's share (docs/design.md, the SM
+        rule of halves). A receive half spins on its peers' send halves, and engines put their
+        own kernels between the halves, on this rank's stream and on the peers'. Each rank's
+        spinning blocks then hold at most half of its share of the GPU's block slots, so a
+        peer's send half, and the compute an engine runs before it, always find slots that
+        no spinning block holds. Receive halves never trigger their successor early
+        (plan_half), so no second kernel of the rank is placed beside a spinning one."""
+        return max(1, min(want, self.max_grid // 2))
+
+
 # -- one rank's plan and the step planner ---------------------------------------------------
 FIRST_STEPS = 4  # steps that wait for peers with first_timeout_s (peers may still be loading)
 
@@ -202,6 +215,7 @@ class RankPlan:
     timeout_ns: int
     first_timeout_ns: int
     first_steps: int = FIRST_STEPS
+    halves: dict = None    # protocol -> {operation: (send Launch, receive Launch)} (halves.py)
 
     @property
     def max_grid(self) -> int:
@@ -222,10 +236,12 @@ class RankPlan:
 @dataclass(frozen=True)
 class Phase:
     op: str                # "dispatch" or "combine"
-    part: str = "whole"    # the whole operation; "send" / "receive" halves are not built yet
+    part: str = "whole"    # the whole operation, or its "send" or "receive" half (halves.py)
 
 
 DISPATCH, COMBINE = Phase("dispatch"), Phase("combine")
+DISPATCH_SEND, DISPATCH_RECEIVE = Phase("dispatch", "send"), Phase("dispatch", "receive")
+COMBINE_SEND, COMBINE_RECEIVE = Phase("combine", "send"), Phase("combine", "receive")
 
 
 @dataclass(frozen=True)
@@ -245,6 +261,7 @@ class StepState:
     tag_hi: int = 0               # the active-rank hash bits of the step tag
     quantizing_combine: bool = False  # the last combine ran its own FP8 pass (the next one is predicted alike)
     pending: Pending | None = None
+    sent: tuple | None = None     # a send half whose receive is due: (operation, the fields it wrote, its grid)
 
 
 @dataclass(frozen=True)
@@ -271,13 +288,75 @@ class Step:
     state: StepState
 
 
+def check_order(plan: RankPlan, state: StepState, phase: Phase) -> None:
+    """Raise HalvesOrderError unless `phase` may follow `state` (before anything is issued:
+    eagerly and at capture alike). A step is dispatch then combine, each whole or as its send
+    half then its receive half; nothing of the rank's all-to-all runs between a send half and
+    its receive half."""
+    op, part, sent = phase.op, phase.part, state.sent
+    due = sent[0] if sent else None
+    if part == "receive":
+        if due != op:
+            what = f"the {due} receive half is due" if due else f"no {op} send half is open"
+            raise HalvesOrderError(f"rank {plan.rank}: {op} receive half out of order: {what}")
+    elif due:
+        raise HalvesOrderError(f"rank {plan.rank}: {op} {part} called while the {due} send half "
+                               f"awaits its receive half ({due}_recv / handle.receive())")
+    elif (op == "combine") != (state.pending is not None):
+        raise HalvesOrderError(f"rank {plan.rank}: {op} {part} out of order: "
+                               + ("a combine is due" if state.pending else "no dispatch before it"))
+
+
 def plan_step(plan: RankPlan, state: StepState, call: Call) -> Step:
     """The launch `call` makes on a rank with this plan and state."""
-    if call.phase.part != "whole":
-        raise NotImplementedError(f"phase {call.phase}: only whole dispatches and combines are planned")
+    if call.phase.part != "whole" or state.sent:
+        return plan_half(plan, state, call)
     if call.phase.op == "dispatch":
         return _dispatch(plan, state, call)
     return _combine(plan, state, call)
+
+
+def plan_half(plan: RankPlan, state: StepState, call: Call) -> Step:
+    """A send or receive half: the whole phase's fields and rules, the half's kernel and its
+    grid (a receive half's by Schedule.receive_grid). A send half within half the share lets
+    its successor start early (PDL: a send half waits on no peer, and the successor, its
+    receive half, is held to half); a receive half never does, so no kernel is placed
+    beside a spinning one. The receive half writes the very fields its send half wrote
+    (kept in StepState.sent)."""
+    check_order(plan, state, call.phase)
+    sch, op = plan.schedule, call.phase.op
+    if call.phase.part == "send":
+        whole = (_dispatch if op == "dispatch" else _combine)(plan, dataclasses.replace(state, triggered_early=False), call)
+        pending = whole.state.pending or state.pending
+        if op == "dispatch":
+            want = whole.grid
+        elif whole.protocol == "fence":  # one block publishes; the FP8 pass wants the slots
+            quantize = plan.fp8_combine and not call.prequantized
+            want = sch.ep_size * call.runtime_max if quantize else 1
+        else:  # SENTINEL: a block per received slot pushes, one more publishes
+            want = sch.ep_size * call.runtime_max + 1
+        half = max(1, sch.max_grid // 2)
+        grid = max(1, min(want, half if state.triggered_early else sch.max_grid))
+        early = sch.pdl and grid <= half  # (its receive half, held to half, may then be placed beside it)
+        after = dataclasses.replace(whole.state, triggered_early=early, pending=pending,
+                                    sent=(op, whole.fields, whole.sources))
+        launch = plan.halves[whole.protocol][op][0]
+        return Step(launch, whole.protocol, grid, early, whole.fields, whole.sources, after)
+    pending, (_, fields, sources) = state.pending, state.sent
+    values = dict(fields)
+    if op == "dispatch":
+        proto, T, runtime_max = pending.protocol, pending.tokens, pending.runtime_max
+        if proto == "fence":
+            want = -(-sch.ep_size * runtime_max * sch.top_k // (sch.threads * 8))
+        else:
+            want = sch.ep_size * runtime_max
+        after = dataclasses.replace(state, triggered_early=False, sent=None)
+    else:
+        proto = pending.protocol
+        want = pending.tokens * values["combine_splits"]
+        after = dataclasses.replace(state, triggered_early=False, sent=None, pending=None)
+    grid = sch.receive_grid(want)
+    return Step(plan.halves[proto][op][1], proto, grid, False, fields, sources, after)
 
 
 def _grid(plan, state, want, successor_want, successor_fills=False):

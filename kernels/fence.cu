@@ -230,8 +230,40 @@ EP_DEVICE void sanitize_expert_ids(const A2AParams& p, const unsigned* s_count) 
     if (x - r * region >= static_cast<size_t>(s_count[r]) * p.top_k) ids[x] = -1;
   }
 }
+
+
+#ifdef EP_HALVES
+// The halves of lines 1-15 (EP_SEND, EP_RECEIVE: protocol.cuh), each fence_dispatch's code
+// up to or from the wait. Between them the epoch word carries the step: the send half's
+// publishing block moved it on (publish_counts), and the receive half, a later kernel of
+// this stream, reads it back after griddep_wait.
+EP_DEVICE void dispatch_send(const A2AParams& p) {
+  __shared__ unsigned s_cnt[EP_MAX_RANKS];
+  const SlotCounters cnt(p, s_cnt);
+  int* const records = section<int>(p, p.rank, p.off_records);
+  cnt.zero_local(p);
+  warm_params(p);
+  griddep_wait();
+  unsigned f;
+  push_tokens(p, cnt, records, [&] {
+    f = read_epoch(p) + 1;
+    wait_sentinel_step_done(p, f);  // (waits only on the combine of a SENTINEL step before)
+  });  // lines 2-6
+  if (p.trigger_early) griddep_launch_dependents();
+  publish_counts(p, cnt, f);  // lines 7-10
+}
+EP_DEVICE void dispatch_receive(const A2AParams& p) {
+  __shared__ unsigned s_count[EP_MAX_RANKS];
+  griddep_wait();
+  const unsigned f = read_epoch(p);
+  wait_counts(p, f, s_count);  // line 11
+  griddep_launch_dependents();
+  sanitize_expert_ids(p, s_count);  // lines 13-15
+}
+#endif
 }  // namespace
 
+#ifndef EP_HALVES
 // Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
 // host sizes grids by the occupancy of every protocol kernel). Without a minimum, ptxas
 // squeezed some kernels to 40 registers with spills to fit 3 blocks of 512.
@@ -264,6 +296,11 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid
   if (!p.trigger_early) griddep_launch_dependents();
   sanitize_expert_ids(p, s_count);  // lines 13-15
 }
+
+#else
+extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch_send(const __grid_constant__ A2AParams p) { dispatch_send(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch_recv(const __grid_constant__ A2AParams p) { dispatch_receive(p); }
+#endif
 
 namespace {
 // Lines 17-19: F[r][s] <- f. Block 0 publishes at once (our partial results were written by
@@ -360,7 +397,10 @@ EP_DEVICE void poison_rows(const A2AParams& p) {
 
 // Lines 16-23. T: the element type of the partial results (bf16, fp16, fp32); Q8: pull
 // FP8 copies of them (combine_quant; its own kernels, so the plain path keeps its registers).
-template <typename T, bool Q8>
+// PART: the send half publishes that our partial results are ready (lines 17-19: quantized
+// first, with Q8) and that we read no dispatch data of this step any more; the receive half
+// waits for every rank's (line 20) and pulls and reduces.
+template <typename T, bool Q8, int PART = EP_WHOLE>
 __device__ void fence_combine(const A2AParams& p) {
   const int* const records = section<const int>(p, p.rank, p.off_records);  // (before the wait, as in dispatch)
   if constexpr (!Q8) warm_params(p);  // (not in the FP8 kernels: it cost them spills on sm_100/103)
@@ -368,8 +408,11 @@ __device__ void fence_combine(const A2AParams& p) {
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);
 
-  record_fence_combine(p);                                 // (for the next dispatch: protocol.cuh)
-  publish_partials<T, Q8>(p, f);                           // lines 17-19
+  if constexpr (PART != EP_RECEIVE) {
+    record_fence_combine(p);                               // (for the next dispatch: protocol.cuh)
+    publish_partials<T, Q8>(p, f);                         // lines 17-19
+    if constexpr (PART == EP_SEND) return;
+  }
   __shared__ Sources sh;
   if (static_cast<int>(blockIdx.x) < p.local_num_tokens * p.combine_splits && threadIdx.x < 32)
     collect_item<T, Q8>(p, load_record(records, p.top_k, blockIdx.x / p.combine_splits), sh);
@@ -389,6 +432,7 @@ __device__ void fence_combine(const A2AParams& p) {
   if (poison) poison_rows<T, Q8>(p);
 }
 
+#ifndef EP_HALVES
 // 512, 2: as fence_dispatch (the FP8 ones too: their reduction holds 8-byte loads for that).
 extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, false>(p); }
 extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, false>(p); }
@@ -396,3 +440,18 @@ extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_f32(const __g
 extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, true>(p); }
 extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, true>(p); }
 extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_f32(const __grid_constant__ A2AParams p) { fence_combine<float, true>(p); }
+#else
+// The halves (the name says which; kernels/protocol.cuh: EP_PART).
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, false, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, false, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, false, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, false, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_f32(const __grid_constant__ A2AParams p) { fence_combine<float, false, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_f32(const __grid_constant__ A2AParams p) { fence_combine<float, false, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_q8_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, true, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_q8_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, true, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_q8_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, true, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_q8_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, true, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_q8_f32(const __grid_constant__ A2AParams p) { fence_combine<float, true, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_q8_f32(const __grid_constant__ A2AParams p) { fence_combine<float, true, EP_RECEIVE>(p); }
+#endif

@@ -8,6 +8,13 @@
 #include "ptx.cuh"
 #include "generated/params.cuh"
 
+// ---- parts of a phase
+// A kernel runs a whole dispatch or combine, or one half of it (the overlap API,
+// ep_a2a/halves.py): the send half issues every store and flag and returns without waiting on
+// a peer; the receive half, a later kernel of the same stream, waits and delivers. One
+// template parameter, so the whole kernels compile as before.
+enum : int { EP_WHOLE = 0, EP_SEND = 1, EP_RECEIVE = 2 };
+
 // ---- parameters
 // The parameters live in constant bank 0, which a kernel finds cold: the address
 // computations after griddep_wait would chain several line misses. One load per 64-byte line,

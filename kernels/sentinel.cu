@@ -511,11 +511,13 @@ EP_DEVICE void reduce_part(const A2AParams& p, unsigned f, const int* records, i
   }
   __syncthreads();  // (the shared sources of the next token)
 }
-}  // namespace
 
-// Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
-// host sizes grids by the occupancy of every protocol kernel); as in fence.cu.
-extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __grid_constant__ A2AParams p) {
+
+// Lines 1-11, or one half of them (EP_PART, protocol.cuh): the send half pushes (lines 2-4)
+// and its last block moves the epoch on; the receive half, a later kernel of this stream,
+// reads the step back from it and polls (lines 5-11).
+template <int PART>
+EP_DEVICE void sentinel_dispatch_part(const A2AParams& p) {
   __shared__ Send sh;
   __shared__ unsigned s_state;  // receive_slot's verdict
   // Addresses from the parameters are taken before griddep_wait: they overlap the tail of
@@ -526,28 +528,34 @@ extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __g
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const int tmax = p.runtime_max_tokens_per_rank;
-  // C blocks share each token slot's push: the grid, but at least a warp's worth of groups each.
-  const int C = max(1, min(static_cast<int>(gridDim.x) / tmax, static_cast<int>((slot_groups(p) + 31) / 32)));
+  unsigned f, arrival = 0;
+  if constexpr (PART != EP_RECEIVE) {
+    // C blocks share each token slot's push: the grid, but at least a warp's worth of groups each.
+    const int C = max(1, min(static_cast<int>(gridDim.x) / tmax, static_cast<int>((slot_groups(p) + 31) / 32)));
 
-  // Lines 2-4: token i lands in slot i of our region on each target; every rank gets the
-  // expert ids of every one of our T^ slots (-1 where nothing goes), plus our step tag.
-  unsigned arrival = 0;
-  bool first = true;
-  for (int w = blockIdx.x; w < tmax * C; w += gridDim.x, first = false) send_part(p, sh, w / C, w % C, C, records, first, arrival);
-  if (first) {  // no part to send: the step counter as in send_part
-    if (threadIdx.x == counter_thread()) arrival = arrive(p, sh.f);
-    __syncthreads();
+    // Lines 2-4: token i lands in slot i of our region on each target; every rank gets the
+    // expert ids of every one of our T^ slots (-1 where nothing goes), plus our step tag.
+    bool first = true;
+    for (int w = blockIdx.x; w < tmax * C; w += gridDim.x, first = false) send_part(p, sh, w / C, w % C, C, records, first, arrival);
+    if (first) {  // no part to send: the step counter as in send_part
+      if (threadIdx.x == counter_thread()) arrival = arrive(p, sh.f);
+      __syncthreads();
+    }
+    f = sh.f;
+  } else {
+    f = read_epoch(p);  // (the send half's last block moved it on)
+    __syncthreads();    // (s_state)
   }
-  const unsigned f = sh.f;
-  // Lines 5-11: for every source r and slot i (of region r of Wd[s]).
-  for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) receive_slot(p, &s_state, w / tmax, w % tmax, f, w);
+  if constexpr (PART != EP_SEND)  // Lines 5-11: for every source r and slot i (of region r of Wd[s]).
+    for (int w = blockIdx.x; w < p.ep_size * tmax; w += gridDim.x) receive_slot(p, &s_state, w / tmax, w % tmax, f, w);
 
   if (!p.trigger_early) griddep_launch_dependents();
-  if (threadIdx.x == counter_thread() && arrival == gridDim.x - 1) {  // the last block to arrive (arrive())
-    fence_acq_rel_gpu();  // acquire: every block's read of the counter comes first
-    advance_epoch(p, f);
-    *section<unsigned>(p, p.rank, p.off_done) = 0;  // every block has arrived: 0 for the next kernel
-  }
+  if constexpr (PART != EP_RECEIVE)
+    if (threadIdx.x == counter_thread() && arrival == gridDim.x - 1) {  // the last block to arrive (arrive())
+      fence_acq_rel_gpu();  // acquire: every block's read of the counter comes first
+      advance_epoch(p, f);
+      *section<unsigned>(p, p.rank, p.off_done) = 0;  // every block has arrived: 0 for the next kernel
+    }
 }
 
 // Lines 12-19. T: element type of the partial results.
@@ -583,6 +591,54 @@ __device__ void sentinel_combine(const A2AParams& p) {
   if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
 }
 
+#ifdef EP_HALVES
+
+// The halves of lines 12-19 (EP_SEND, EP_RECEIVE: protocol.cuh). The send half publishes the
+// combine flag from its last block (as the whole kernel) and pushes our partial results from
+// the others (line 13); the receive half polls and reduces (lines 15-19) in every block.
+EP_DEVICE void combine_send(const A2AParams& p) {
+  griddep_wait();
+  if (p.trigger_early) griddep_launch_dependents();  // (the receive half only waits for us to end)
+  const unsigned f = read_epoch(p);
+  if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
+  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
+  const int pushers = max(1, static_cast<int>(gridDim.x) - 1);
+  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
+  const int C = max(1, min(pushers / slots, cap));
+  if (gridDim.x == 1 || static_cast<int>(blockIdx.x) < pushers)
+    for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
+  if (!p.trigger_early) griddep_launch_dependents();
+}
+template <typename T>
+EP_DEVICE void combine_receive(const A2AParams& p) {
+  __shared__ const char* s_src[EP_MAX_TOP_K];
+  __shared__ int s_tgt[EP_MAX_TOP_K];
+  __shared__ int s_n;
+  const int* const records = section<const int>(p, p.rank, p.off_records);
+  griddep_wait();
+  const unsigned f = read_epoch(p);
+  const int splits = p.combine_splits, reduces = p.local_num_tokens * splits;
+  for (int w = blockIdx.x; w < reduces; w += gridDim.x)  // lines 15-19
+    reduce_part<T>(p, f, records, w / splits, w % splits, s_src, s_tgt, &s_n);
+  griddep_launch_dependents();
+}
+#endif
+}  // namespace
+
+// Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
+// host sizes grids by the occupancy of every protocol kernel); as in fence.cu.
+#ifndef EP_HALVES
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch(const __grid_constant__ A2AParams p) { sentinel_dispatch_part<EP_WHOLE>(p); }
 extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_bf16(const __grid_constant__ A2AParams p) { sentinel_combine<__nv_bfloat16>(p); }
 extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_f16(const __grid_constant__ A2AParams p) { sentinel_combine<__half>(p); }
 extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_f32(const __grid_constant__ A2AParams p) { sentinel_combine<float>(p); }
+#else  // the halves (the name says which; kernels/protocol.cuh: EP_WHOLE)
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch_send(const __grid_constant__ A2AParams p) { sentinel_dispatch_part<EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_dispatch_recv(const __grid_constant__ A2AParams p) { sentinel_dispatch_part<EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_send_bf16(const __grid_constant__ A2AParams p) { combine_send(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_recv_bf16(const __grid_constant__ A2AParams p) { combine_receive<__nv_bfloat16>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_send_f16(const __grid_constant__ A2AParams p) { combine_send(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_recv_f16(const __grid_constant__ A2AParams p) { combine_receive<__half>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_send_f32(const __grid_constant__ A2AParams p) { combine_send(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) sentinel_combine_recv_f32(const __grid_constant__ A2AParams p) { combine_receive<float>(p); }
+#endif

@@ -45,3 +45,13 @@ extern "C" __global__ void ep_flag_round(unsigned* flags, unsigned* state, int e
   __syncwarp();
   if (threadIdx.x == 0) state[rank] = step;
 }
+
+// Compute of a controllable duration, the work an engine runs between the send and receive
+// halves (the overlap tests and benchmark): every thread runs `iters` dependent FMAs. The
+// store happens only for an impossible value, so the loop stays and no memory is touched.
+extern "C" __global__ void ep_busy(float* sink, unsigned iters) {
+  float y = 1.0f;
+  const float x = threadIdx.x * 1e-3f;
+  for (unsigned i = 0; i < iters; ++i) y = fmaf(y, 0.999999f, x);
+  if (y == -1.0f) sink[0] = y;
+}

@@ -348,3 +348,7 @@ def finalize(index: TorchIndex, fc2_out, out, stream=None) -> None:
     else:
         op = finalize_impl if direct and type(out) is _Tensor else OPS["finalize"]
         op(index.handle, index.row_of, index.row_weight, fc2_out, out, _stream_arg(stream))
+
+
+# the send and receive halves (ops/torch_halves.py: they register beside the whole ops)
+from .torch_halves import combine_recv, combine_send, dispatch_recv, dispatch_send  # noqa: E402,F401

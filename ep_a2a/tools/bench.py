@@ -98,7 +98,7 @@ PROFILES = {
     "deepseek-v4.1-flash": dict(hidden=5120, top_k=6, num_experts=384),
     "kimi-k3": dict(hidden=3584, top_k=16, num_experts=896),
 }
-MODES = ("inproc", "procs")
+MODES = ("inproc", "procs", "halves")  # halves: in-process ranks, the overlap halves (bench_halves.py)
 ONE_GPU = "every rank is on one GPU: no NVLink path between ranks to measure"
 PER_ROUND = ("(t(2R) - t(R)) / R: the median replay times of graphs of R and 2R rounds (R = config.rounds), "
              "so the graph launch, the stream fork/join and a host barrier's skew (procs mode) cancel")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench, exits
+from . import bench, bench_halves, exits, result_paths
 from .argtypes import check_top_k, int_in, int_list, nonnegative_int, positive_float, positive_int
 from .bench_report import report
 from .result_paths import OUT_HELP, check_out
@@ -15,6 +15,8 @@ EPILOG = f"""examples:
       8 in-process ranks on GPU 0, deepseek-v3 shapes, FENCE only, three batch sizes
   python -m ep_a2a.bench --mode procs --profile kimi-k3
       one rank process per visible GPU
+  python -m ep_a2a.bench --mode halves --tokens 1,16,64,128 --protocol fence,sentinel
+      the send/receive halves against the whole calls, and with compute between them
 
 The JSON goes to bench/results/alltoall-<gpu>-<N>ranks-<profile>[-<format>]-<protocols>.json
 (<N>procs and <n>x<gpu> in procs mode) in the checkout, or to --out.
@@ -68,6 +70,11 @@ def parser() -> argparse.ArgumentParser:
                          "stream (SENTINEL's dispatch / combine split, and FENCE's as a check)")
     ap.add_argument("--threads", type=int_in(96, 512), default=256,
                     help="threads per block of the protocol kernels, a multiple of 32 in 96..512 (default 256)")
+    ap.add_argument("--halves-ratios", type=lambda v: [float(x) for x in v.split(",")],
+                    default=[0.0, 0.25, 0.5, 1.0, 1.5, 2.0],
+                    help="--mode halves: compute between the halves, as multiples of the fused round trip")
+    ap.add_argument("--busy-blocks", type=positive_int, default=None,
+                    help="--mode halves: blocks of 256 threads of each rank's compute kernel (default 2 x SMs / ranks)")
     ap.add_argument("--out", default=None, help=OUT_HELP)
     ap.add_argument("--plot", default=None, help="also draw the round trips against the floors into this PNG "
                                                   "(needs matplotlib; default: no plot)")
@@ -119,10 +126,22 @@ def main(argv=None) -> int:
     with ep_a2a.LocalGroup([args.device] * args.ranks) as group:
         b = bench.Bench(args, group, secrets.randbits(63))
         try:
-            report(bench.sweep(b), args)
+            if args.mode == "halves":
+                halves_report(bench_halves.sweep(b), args)
+            else:
+                report(bench.sweep(b), args)
         finally:
             b.close()
     return exits.OK
+
+
+def halves_report(doc: dict, args) -> None:
+    """Write the halves sweep's JSON (bench/results/alltoall-halves-... or --out), print its table."""
+    name = result_paths.result_name("alltoall-halves", result_paths.device_slug(doc["device"]), f"{doc['ep_size']}ranks",
+                                    args.profile, args.protocol.replace(",", "-"), args.combine_quant)
+    out = result_paths.write_json(result_paths.output_path(args.out, name), doc)
+    print(bench_halves.summary(doc))
+    print(f"wrote {out}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import ep_a2a.alltoall as A
-import ep_a2a.alltoall as P
+import ep_a2a.rank_plan as P  # (build_plan and the driver calls it makes)
 import ep_a2a.interop.tensor as tensor_module
 from ep_a2a import fastpath, schedule, validate
 from ep_a2a.config import Options

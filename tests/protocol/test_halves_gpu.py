@@ -1,0 +1,256 @@
+"""The send and receive halves on one GPU with in-process ranks (ep_a2a/halves.py): two
+micro-batches (two all-to-alls) with random sizes in random legal interleavings of their
+halves (one order on every rank, the ranks issued in random order), eagerly and as shuffled graph replays, checked bitwise
+against the NumPy reference; compute kernels that fill the GPU between the halves; a peer
+that never sends while the others wait in a receive half."""
+import random
+
+import numpy as np
+import pytest
+
+from common import fresh_rng
+
+pytestmark = pytest.mark.gpu
+
+EP, H, K, E, TMAX = 8, 256, 4, 32, 16
+OPS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
+
+
+def _make(protocol, combine_quant=None, group=None, **kw):
+    import ep_a2a
+    from ep_a2a.testing.formats import payload_formats
+    kw.setdefault("timeout_s", 10.0)
+    kw.setdefault("first_timeout_s", 10.0)
+    group = group or ep_a2a.LocalGroup([0] * EP)
+    a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=TMAX, top_k=K, num_experts=E,
+                             payloads=payload_formats(H, K)["bf16"], combine_hidden_size=H, protocol=protocol,
+                             combine_quant=combine_quant, validate_expert_ids=False, **kw)
+    return group, a2a
+
+
+class Micro:
+    """One micro-batch's step on every rank: inputs, exact partial results staged on the
+    device, poisoned outputs (all uploaded before any launch: a host copy between in-process
+    ranks' launches may wait for a kernel that spins), the halves, and the reference check."""
+
+    def __init__(self, a2a, rng, tmax):
+        from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy
+        from ep_a2a.testing import reference as ref
+        from ep_a2a.testing.formats import random_payload, routing
+        self.a2a, self.tmax = a2a, tmax
+        self.tokens = [int(rng.integers(0, tmax + 1)) for _ in range(EP)]
+        self.ids_h = [routing("uniform", rng, t, K, E, EP, s, 1.2, 0.0) for s, t in enumerate(self.tokens)]
+        self.pay_h = [[random_payload(rng, sp, t) for sp in a2a.payload_specs] for t in self.tokens]
+        self.partial_h = [ref.from_float32(rng.integers(-64, 65, (EP, tmax, H)).astype(np.float32), "bfloat16")
+                          for _ in range(EP)]
+        self.ins = [(from_numpy(self.ids_h[s], r.device, "int32"),
+                     [from_numpy(x, r.device, sp.dtype) for x, sp in zip(self.pay_h[s], a2a.payload_specs)])
+                    for s, r in enumerate(a2a.ranks)]
+        self.staged = [from_numpy(self.partial_h[s], r.device, "bfloat16") for s, r in enumerate(a2a.ranks)]
+        self.outs = [empty((t, H), "bfloat16", r.device) for t, r in zip(self.tokens, a2a.ranks)]
+        for o in self.outs:
+            copy_from_numpy(o, np.full(o.nbytes, 0xFF, np.uint8))  # poison: NaN
+        self.views = {}
+
+    def half(self, op, s):
+        r = self.a2a.ranks[s]
+        if op == "dispatch_send":
+            r.dispatch_send(self.ins[s][0], self.ins[s][1], self.tmax)
+        elif op == "dispatch_recv":
+            self.views[s] = r.dispatch_recv()
+        elif op == "combine_send":
+            r.combine_send(self.staged[s], self.tmax, out=self.outs[s])
+        else:
+            r.combine_recv()
+
+    def check(self, what):
+        from ep_a2a.interop.arrays import to_numpy
+        from ep_a2a.testing import reference as ref
+        from ep_a2a.testing.harness import StepReport, check_dispatch, read_records
+        a2a = self.a2a
+        sentinel = a2a.protocol_for(self.tmax) == "sentinel"
+        rep = StepReport(list(self.tokens), self.tmax)
+        records = {s: read_records(r, self.tokens[s]) for s, r in enumerate(a2a.ranks)}
+        want_pay = [[ref.sentinel_escape(x, k) for x, k in zip(p, a2a.kinds[1:])] for p in self.pay_h] \
+            if sentinel else self.pay_h
+        want_ids = [ref.sentinel_ids(x) for x in self.ids_h] if sentinel else self.ids_h
+        check_dispatch(a2a, rep, want_ids, want_pay, records, self.views, sentinel)
+        from ep_a2a.layout import sentinel_kind
+        arrived = [ref.sentinel_escape(p.reshape(-1, H), sentinel_kind("bfloat16")).reshape(p.shape)
+                   for p in self.partial_h] if sentinel else self.partial_h
+        in_dtype = None
+        if a2a.combine_quant == "fp8":
+            arrived, in_dtype = [ref.q8_roundtrip(ref.to_float32(p, "bfloat16")) for p in arrived], "float32"
+        want = ref.combine(arrived, [records[s] for s in range(EP)], "bfloat16", in_dtype)
+        for s in range(EP):
+            got = to_numpy(self.outs[s])
+            if not np.array_equal(got.view(np.uint8), want[s].view(np.uint8)):
+                rep.mismatches.append(f"combine rank {s}: rows differ")
+        assert not rep.mismatches, f"{what}: {rep.mismatches[:4]}"
+
+
+def _interleaving(rnd):
+    """A random merge of A's four halves and B's, each in its own order."""
+    a, b, out = list(OPS), list(OPS), []
+    while a or b:
+        src = rnd.choice([x for x in (a, b) if x])
+        out.append(("A" if src is a else "B", src.pop(0)))
+    return out
+
+
+BOTH_SENDS_FIRST = [("A", "dispatch_send"), ("B", "dispatch_send"), ("A", "dispatch_recv"), ("B", "dispatch_recv"),
+                    ("A", "combine_send"), ("B", "combine_send"), ("A", "combine_recv"), ("B", "combine_recv")]
+# two-batch overlap: B's attention runs while A's dispatch is in flight, A's experts while B's is
+TBO = [("A", "dispatch_send"), ("A", "dispatch_recv"), ("B", "dispatch_send"), ("A", "combine_send"),
+       ("B", "dispatch_recv"), ("A", "combine_recv"), ("B", "combine_send"), ("B", "combine_recv")]
+
+
+def _busy(group, iters, blocks_per_sm=4):
+    """Per rank: issue a compute kernel that fills the GPU (every SM, 4 blocks of 256) on its stream."""
+    from ep_a2a.driver.memory import DeviceAllocation
+    from ep_a2a.driver.module import load
+    from ep_a2a.driver.launch import launch_once
+    import ctypes
+    dev = group.ranks[0].device
+    sink = DeviceAllocation(dev, 4)
+    fn = load("util", dev).function("ep_busy")
+
+    def issue(s):
+        r = group.ranks[s]
+        launch_once(r.device, fn, [ctypes.c_uint64(sink.ptr), ctypes.c_uint32(iters)],
+                    blocks_per_sm * r.device.sm_count, 256, r.stream.handle)
+    return sink, issue
+
+
+@pytest.mark.parametrize("protocol,quant", [("fence", None), ("sentinel", None), ("fence", "fp8"), ("auto", None)])
+def test_two_micro_batches_in_random_interleavings_match_the_reference(protocol, quant):
+    rng, seed = fresh_rng()
+    rnd = random.Random(int(rng.integers(1 << 30)))
+    kw = {"crossover_tokens": 4} if protocol == "auto" else {}
+    group, a = _make(protocol, quant, **kw)
+    _, b = _make(protocol, quant, group=group, **kw)
+    sink, busy = _busy(group, 2000)
+    with group, a, b:
+        for it in range(12):
+            m = {"A": Micro(a, rng, int(rng.choice([1, 4, 8, TMAX]))), "B": Micro(b, rng, int(rng.choice([1, 4, 16])))}
+            fixed = {0: BOTH_SENDS_FIRST, 1: TBO}.get(it)
+            order = fixed or _interleaving(rnd)  # one order on every rank (different ones can deadlock: docs/overlap.md)
+            compute = it % 3 != 0  # compute that fills the GPU after every half
+            for s in rnd.sample(range(EP), EP):  # ranks issued in a random order
+                for name, op in order:
+                    m[name].half(op, s)
+                    if compute:
+                        busy(s)
+            a.synchronize()
+            for name in "AB":
+                m[name].check(f"{seed} iteration {it} ({protocol}, fp8={bool(quant)}) micro-batch {name}, "
+                              f"order {order}")
+        sink.close()
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_graphs_of_each_half_replay_in_shuffled_legal_orders(protocol):
+    from ep_a2a.driver.stream import Graph
+    from ep_a2a.interop.arrays import copy_from_numpy
+    rng, seed = fresh_rng()
+    rnd = random.Random(int(rng.integers(1 << 30)))
+    group, a = _make(protocol)
+    _, b = _make(protocol, group=group)
+    with group, a, b:
+        plans = {(name, tmax): Micro(x, rng, tmax) for name, x in (("A", a), ("B", b)) for tmax in (2, 16)}
+        for m in plans.values():  # one eager step each first (views, plans)
+            for op in OPS:
+                for s in range(EP):
+                    m.half(op, s)
+        a.synchronize()
+        graphs = {}
+        for key, m in plans.items():
+            for op in OPS:
+                for s in range(EP):
+                    st = group.ranks[s].stream.handle
+                    Graph.begin(st)
+                    m.half(op, s)
+                    graphs[key, op, s] = Graph.end(st)
+        for rep in range(6):
+            ka, kb = ("A", int(rnd.choice([2, 16]))), ("B", int(rnd.choice([2, 16])))
+            for k in (ka, kb):
+                for o in plans[k].outs:
+                    copy_from_numpy(o, np.full(o.nbytes, 0xFF, np.uint8))
+            order = _interleaving(rnd)
+            for s in rnd.sample(range(EP), EP):
+                for name, op in order:
+                    graphs[ka if name == "A" else kb, op, s].launch(group.ranks[s].stream.handle)
+            a.synchronize()
+            plans[ka].check(f"{seed} replay {rep} {ka}")
+            plans[kb].check(f"{seed} replay {rep} {kb}")
+        for g in graphs.values():
+            g.close()
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_a_peer_that_never_sends_ends_the_receive_halves_with_a_timeout(protocol):
+    """Rank 3 never issues its send half: every other rank's receive half gives up after the
+    timeout (abort mode), its outputs poisoned, and error() names the timeout."""
+    import ep_a2a
+    from ep_a2a.interop.arrays import to_numpy
+    rng, seed = fresh_rng()
+    group, a = _make(protocol, timeout_s=0.5, first_timeout_s=0.5, on_timeout="abort")
+    with group, a:
+        m = Micro(a, rng, 4)
+        for s in range(EP):
+            if s != 3:
+                m.half("dispatch_send", s)
+                m.half("dispatch_recv", s)
+        group.ranks[0].device.synchronize()
+        err = a.error()
+        assert isinstance(err, (ep_a2a.PeerTimeoutError, ep_a2a.PeerAbortedError)), (seed, err)
+        ids = to_numpy(m.views[0][0])
+        assert (ids == -1).all(), f"{seed}: a receive half that gave up delivered expert ids"
+        with pytest.raises((ep_a2a.PeerError, ep_a2a.StateError)):
+            a.ranks[0].combine_send(m.staged[0], 4)  # (the all-to-all is refused after an abort)
+
+
+def test_misuse_raises_before_any_launch_on_the_gpu_too():
+    from ep_a2a.errors import HalvesOrderError
+    rng, _ = fresh_rng()
+    group, a = _make("fence")
+    with group, a:
+        m = Micro(a, rng, 4)
+        r = a.ranks[0]
+        with pytest.raises(HalvesOrderError):
+            r.dispatch_recv()
+        with pytest.raises(HalvesOrderError):
+            r.combine_send(m.staged[0], 4)
+        for op in OPS:
+            for s in range(EP):
+                m.half(op, s)
+        with pytest.raises(HalvesOrderError):
+            r.combine_recv()
+        a.synchronize()
+        m.check("after refused calls")
+        # refused while capturing too, before anything enters the graph
+        from ep_a2a.driver.stream import Graph
+        st = group.ranks[0].stream.handle
+        Graph.begin(st)
+        try:
+            with pytest.raises(HalvesOrderError):
+                r.dispatch_recv()
+        finally:
+            Graph.end(st).close()
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_a_runtime_max_mismatch_is_detected_by_the_receive_halves(protocol):
+    """Rank 0 sends with T^ = 4 while its peers send with 8: the receive halves record the
+    mismatch (abort mode: they go on, outputs poisoned) and error() says so."""
+    import ep_a2a
+    rng, seed = fresh_rng()
+    group, a = _make(protocol, timeout_s=2.0, first_timeout_s=2.0, on_timeout="abort")
+    with group, a:
+        small, large = Micro(a, rng, 4), Micro(a, rng, 8)
+        for op in ("dispatch_send", "dispatch_recv"):
+            for s in range(EP):
+                (small if s == 0 else large).half(op, s)
+        group.ranks[0].device.synchronize()  # (a.synchronize() would raise the record)
+        errors = [r.recorded_error() for r in a.ranks]
+        assert any(isinstance(e, ep_a2a.RuntimeMaxMismatchError) for e in errors), (seed, errors)
