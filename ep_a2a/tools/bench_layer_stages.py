@@ -69,13 +69,13 @@ def kernel_class(name: str, cat: str = "kernel") -> str:
 
 
 def device_records(trace_events) -> list:
-    """The device records of a chrome trace's events, as (start µs, end µs, name, cat, stream),
-    sorted by start."""
+    """The device records of a chrome trace's events, as (start µs, end µs, name, cat, stream,
+    correlation id), sorted by start."""
     out = []
     for e in trace_events:
         if e.get("ph", "X") == "X" and e.get("cat") in DEVICE_CATS and "ts" in e:
-            ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
-            out.append((ts, ts + dur, str(e.get("name", "")), e["cat"], (e.get("args") or {}).get("stream")))
+            ts, dur, args = float(e["ts"]), float(e.get("dur", 0.0)), e.get("args") or {}
+            out.append((ts, ts + dur, str(e.get("name", "")), e["cat"], args.get("stream"), args.get("correlation")))
     out.sort(key=lambda r: (r[0], r[1]))
     return out
 
@@ -87,6 +87,9 @@ def split_replays(records, replays: int) -> list:
     times (a stray memset of the profiler or of the replay) are dropped first."""
     if not (isinstance(replays, int) and replays >= 1):
         raise ValueError(f"replays: must be an int >= 1, got {replays!r}")
+    by_launch = _by_graph_launch(records, replays)
+    if by_launch is not None:
+        return by_launch
     if len(records) % replays:
         counts = {}
         for r in records:
@@ -100,6 +103,23 @@ def split_replays(records, replays: int) -> list:
         if max(r[1] for r in a) > min(r[0] for r in b) + 1e-3:
             raise ValueError("replays overlap in time: the records are not of back-to-back replays of one graph")
     return chunks
+
+
+def _by_graph_launch(records, replays: int):
+    """The last `replays` graph launches' records, where CUPTI tagged them: every kernel and
+    copy of one graph launch carries that launch's correlation id, so strays of the profiler
+    or of work outside the replays (their own ids, fewer records) fall away. None where the
+    records carry no ids or too few launches hold the full graph."""
+    if not records or any(len(r) < 6 or r[5] is None for r in records):
+        return None
+    groups = {}
+    for r in records:
+        groups.setdefault(r[5], []).append(r)
+    full = max(len(g) for g in groups.values())
+    launches = sorted((g for g in groups.values() if len(g) == full), key=lambda g: g[0][0])
+    if len(launches) < replays:
+        return None
+    return launches[-replays:]
 
 
 def classify_replay(chunk, mapping: dict, stages: tuple, default: str = None) -> dict:

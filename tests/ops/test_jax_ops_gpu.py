@@ -112,7 +112,7 @@ def test_jit_dispatch_combine_match_reference(ep, protocol):
     from ep_a2a.ops.jax import JaxAlltoAll
     dev = _gpu()
     rng, seed = fresh_rng()
-    E, tmax = 2 * ep + 1, 12
+    E, tmax = max(2 * ep + 1, K + 1), 12  # (top_k <= num_experts, at ep=1 too)
     with ep_a2a.LocalGroup([0] * ep) as group, \
             ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=16, top_k=K, num_experts=E, payloads=_specs(),
                                combine_hidden_size=H, protocol=protocol, timeout_s=20.0) as a2a, \

@@ -179,3 +179,17 @@ def test_graph_options():
     for bad in (["--graph", "--gemm", "loop"], ["--graph", "--combine-quant", "fp8"], ["--routing", "zipf2"]):
         with pytest.raises(SystemExit):
             bench_layer.parse_args(bad + ["--out", "/tmp/x.json"])
+
+
+def test_replays_are_cut_by_the_graph_launch_that_tagged_them():
+    """Records with CUPTI correlation ids: each replay is its launch's records, even where a
+    stray kernel shares a name with a replay's (the name counts then no longer divide)."""
+    rng, _ = fresh_rng()
+    events, _ = _timeline(rng, 4, 3)
+    recs = st.device_records(events)
+    k = len(recs) // 3
+    tagged = [r[:5] + (100 + i // k,) for i, r in enumerate(recs)]
+    stray = (tagged[-1][1] + 1, tagged[-1][1] + 2, tagged[0][2], tagged[0][3], 7, 999)
+    got = st.split_replays(sorted(tagged + [stray]), 3)
+    assert got == [tagged[i * k:(i + 1) * k] for i in range(3)]
+    assert st.split_replays(sorted(tagged), 2) == [tagged[k:2 * k], tagged[2 * k:]]   # the last launches
