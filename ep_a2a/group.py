@@ -139,7 +139,16 @@ def hold_frees_for(a2a) -> weakref.finalize:
 
 
 def release_frees_if_safe(stream: int) -> None:
-    """Free what is queued once every rank of every holder has launched both phases of its
-    step (no kernel then waits on the host), unless `stream` is being captured."""
-    if has_held() and all(not r.mid_step for a in list(_HOLDING) for r in a.ranks) and not is_capturing(stream):
+    """Free what is queued once every active rank of every holder has launched every kernel
+    of the same step: a free synchronizes the device, so no kernel may then wait on the
+    host, nor on a rank (or a half) the host has still to issue. Never while `stream` is
+    being captured."""
+    if has_held() and not is_capturing(stream) and all(_settled(a) for a in list(_HOLDING)):
         release_held()
+
+
+def _settled(a2a) -> bool:
+    """Every active rank of `a2a` is between steps, the same step (ranks only leave the
+    active set, so theirs count alike), with no receive half due."""
+    active = [r for r in a2a.ranks if r.is_active]
+    return len({r.steps for r in active}) <= 1 and all(not r.mid_step and r.halves.due is None for r in active)
