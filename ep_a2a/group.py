@@ -143,11 +143,11 @@ def release_frees_if_safe(stream: int) -> None:
     of the same step: a free synchronizes the device, so no kernel may then wait on the
     host, nor on a rank (or a half) the host has still to issue. Never while `stream` is
     being captured."""
-    if has_held() and not is_capturing(stream) and all(_settled(a) for a in list(_HOLDING)):
+    if has_held() and not is_capturing(stream) and all(settled(a) for a in list(_HOLDING)):
         release_held()
 
 
-def _settled(a2a) -> bool:
+def settled(a2a) -> bool:
     """Every active rank of `a2a` is between steps, the same step (ranks only leave the
     active set, so theirs count alike), with no receive half due."""
     active = [r for r in a2a.ranks if r.is_active]

@@ -153,15 +153,15 @@ def test_queued_frees_wait_until_every_active_rank_has_issued_the_same_step():
     """A free synchronizes the device: it must not run while a rank's kernels wait for a rank
     (or a half) the host has still to issue, as when one rank's whole step is issued first."""
     import types
-    from ep_a2a.group import _settled
+    from ep_a2a.group import settled
 
     def ranks(*states):  # (steps, mid_step, receive due, active) per rank
         return types.SimpleNamespace(ranks=[types.SimpleNamespace(steps=s, mid_step=m, is_active=a,
                                                                   halves=types.SimpleNamespace(due=d))
                                             for s, m, d, a in states])
     idle = (4, False, None, True)
-    assert _settled(ranks(idle, idle, idle))
-    assert not _settled(ranks((5, False, None, True), idle, idle))   # rank 0 issued its next step alone
-    assert not _settled(ranks(idle, (4, True, None, True), idle))     # mid-step
-    assert not _settled(ranks(idle, (4, False, object(), True), idle))  # a receive half due
-    assert _settled(ranks(idle, (1, False, None, False), idle))        # an inactive rank no longer steps
+    assert settled(ranks(idle, idle, idle))
+    assert not settled(ranks((5, False, None, True), idle, idle))   # rank 0 issued its next step alone
+    assert not settled(ranks(idle, (4, True, None, True), idle))     # mid-step
+    assert not settled(ranks(idle, (4, False, object(), True), idle))  # a receive half due
+    assert settled(ranks(idle, (1, False, None, False), idle))        # an inactive rank no longer steps
