@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from common import fresh_rng
+from ep_a2a.testing.halves_step import BOTH_SENDS_FIRST, OPS, TBO, interleaving as _interleaving
+from ep_a2a.testing.halves_step import Micro as _Micro
 
 pytestmark = pytest.mark.gpu
 
 EP, H, K, E, TMAX = 8, 256, 4, 32, 16
-OPS = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
 
 
 def _make(protocol, combine_quant=None, group=None, **kw):
@@ -28,81 +29,10 @@ def _make(protocol, combine_quant=None, group=None, **kw):
     return group, a2a
 
 
-class Micro:
-    """One micro-batch's step on every rank: inputs, exact partial results staged on the
-    device, poisoned outputs (all uploaded before any launch: a host copy between in-process
-    ranks' launches may wait for a kernel that spins), the halves, and the reference check."""
-
-    def __init__(self, a2a, rng, tmax):
-        from ep_a2a.interop.arrays import copy_from_numpy, empty, from_numpy
-        from ep_a2a.testing import reference as ref
-        from ep_a2a.testing.formats import random_payload, routing
-        self.a2a, self.tmax = a2a, tmax
-        self.tokens = [int(rng.integers(0, tmax + 1)) for _ in range(EP)]
-        self.ids_h = [routing("uniform", rng, t, K, E, EP, s, 1.2, 0.0) for s, t in enumerate(self.tokens)]
-        self.pay_h = [[random_payload(rng, sp, t) for sp in a2a.payload_specs] for t in self.tokens]
-        self.partial_h = [ref.from_float32(rng.integers(-64, 65, (EP, tmax, H)).astype(np.float32), "bfloat16")
-                          for _ in range(EP)]
-        self.ins = [(from_numpy(self.ids_h[s], r.device, "int32"),
-                     [from_numpy(x, r.device, sp.dtype) for x, sp in zip(self.pay_h[s], a2a.payload_specs)])
-                    for s, r in enumerate(a2a.ranks)]
-        self.staged = [from_numpy(self.partial_h[s], r.device, "bfloat16") for s, r in enumerate(a2a.ranks)]
-        self.outs = [empty((t, H), "bfloat16", r.device) for t, r in zip(self.tokens, a2a.ranks)]
-        for o in self.outs:
-            copy_from_numpy(o, np.full(o.nbytes, 0xFF, np.uint8))  # poison: NaN
-        self.views = {}
-
-    def half(self, op, s):
-        r = self.a2a.ranks[s]
-        if op == "dispatch_send":
-            r.dispatch_send(self.ins[s][0], self.ins[s][1], self.tmax)
-        elif op == "dispatch_recv":
-            self.views[s] = r.dispatch_recv()
-        elif op == "combine_send":
-            r.combine_send(self.staged[s], self.tmax, out=self.outs[s])
-        else:
-            r.combine_recv()
-
+class Micro(_Micro):
     def check(self, what):
-        from ep_a2a.interop.arrays import to_numpy
-        from ep_a2a.testing import reference as ref
-        from ep_a2a.testing.harness import StepReport, check_dispatch, read_records
-        a2a = self.a2a
-        sentinel = a2a.protocol_for(self.tmax) == "sentinel"
-        rep = StepReport(list(self.tokens), self.tmax)
-        records = {s: read_records(r, self.tokens[s]) for s, r in enumerate(a2a.ranks)}
-        want_pay = [[ref.sentinel_escape(x, k) for x, k in zip(p, a2a.kinds[1:])] for p in self.pay_h] \
-            if sentinel else self.pay_h
-        want_ids = [ref.sentinel_ids(x) for x in self.ids_h] if sentinel else self.ids_h
-        check_dispatch(a2a, rep, want_ids, want_pay, records, self.views, sentinel)
-        from ep_a2a.layout import sentinel_kind
-        arrived = [ref.sentinel_escape(p.reshape(-1, H), sentinel_kind("bfloat16")).reshape(p.shape)
-                   for p in self.partial_h] if sentinel else self.partial_h
-        in_dtype = None
-        if a2a.combine_quant == "fp8":
-            arrived, in_dtype = [ref.q8_roundtrip(ref.to_float32(p, "bfloat16")) for p in arrived], "float32"
-        want = ref.combine(arrived, [records[s] for s in range(EP)], "bfloat16", in_dtype)
-        for s in range(EP):
-            got = to_numpy(self.outs[s])
-            if not np.array_equal(got.view(np.uint8), want[s].view(np.uint8)):
-                rep.mismatches.append(f"combine rank {s}: rows differ")
-        assert not rep.mismatches, f"{what}: {rep.mismatches[:4]}"
-
-
-def _interleaving(rnd):
-    """A random merge of A's four halves and B's, each in its own order."""
-    a, b, out = list(OPS), list(OPS), []
-    while a or b:
-        src = rnd.choice([x for x in (a, b) if x])
-        out.append(("A" if src is a else "B", src.pop(0)))
-    return out
-
-
-BOTH_SENDS_FIRST = [("A", "dispatch_send"), ("B", "dispatch_send"), ("A", "dispatch_recv"), ("B", "dispatch_recv"),
-                    ("A", "combine_send"), ("B", "combine_send"), ("A", "combine_recv"), ("B", "combine_recv")]
-# two-batch overlap: B's attention runs while A's dispatch is in flight, A's experts while B's is
-TBO = [("A", "dispatch_send"), ("A", "dispatch_recv"), ("B", "dispatch_send"), ("A", "combine_send"),
-       ("B", "dispatch_recv"), ("A", "combine_recv"), ("B", "combine_send"), ("B", "combine_recv")]
+        bad = self.mismatches()
+        assert not bad, f"{what}: {bad[:4]}"
 
 
 def _busy(group, iters, blocks_per_sm=4):
