@@ -14,8 +14,9 @@ __version__ = "0.1.0"   # the one version number: pyproject.toml reads it from h
 
 _EXPORTS = {
     ".errors": ["CudaError", "EpA2AError", "NoDriverError", "DriverTooOldError", "UnsupportedDeviceError", "ForkedProcessError",
-                "StateError", "PeerError", "PeerTimeoutError", "PeerAbortedError", "PeerRejectedError", "RuntimeMaxMismatchError",
-                "ActiveRanksMismatchError", "BootstrapError", "BootstrapTimeout", "TopologyError"],
+                "StateError", "HalvesOrderError", "ArgumentTypeError", "PeerError", "PeerTimeoutError", "PeerAbortedError",
+                "PeerRejectedError", "RuntimeMaxMismatchError", "ActiveRanksMismatchError", "BootstrapError",
+                "BootstrapTimeout", "TopologyError"],
     ".group": ["LocalGroup", "ProcessGroup", "Rank"],
     ".alltoall": ["MoeAlltoAll"],
     ".config": ["PayloadSpec", "Fp8Partial"],
@@ -27,9 +28,10 @@ if TYPE_CHECKING:  # (the names as type checkers and editors see them; at run ti
     from .alltoall import MoeAlltoAll
     from .bootstrap import MpiBootstrap, TorchDistributedBootstrap, UnixSocketBootstrap
     from .config import Fp8Partial, PayloadSpec
-    from .errors import (ActiveRanksMismatchError, BootstrapError, BootstrapTimeout, CudaError, DriverTooOldError,
-                         EpA2AError, ForkedProcessError, NoDriverError, PeerAbortedError, PeerError, PeerRejectedError,
-                         PeerTimeoutError, RuntimeMaxMismatchError, StateError, TopologyError, UnsupportedDeviceError)
+    from .errors import (ActiveRanksMismatchError, ArgumentTypeError, BootstrapError, BootstrapTimeout, CudaError,
+                         DriverTooOldError, EpA2AError, ForkedProcessError, HalvesOrderError, NoDriverError,
+                         PeerAbortedError, PeerError, PeerRejectedError, PeerTimeoutError, RuntimeMaxMismatchError,
+                         StateError, TopologyError, UnsupportedDeviceError)
     from .group import LocalGroup, ProcessGroup, Rank
     from .interop.tensor import Tensor, as_tensor
     from .moe import ExpertIndex, build_index, finalize, gather_rows

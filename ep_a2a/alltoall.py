@@ -35,8 +35,8 @@ from .layout import ErrorRecord, Q8_BLOCK, TAG_TMAX_BITS, WorkspaceLayout, landi
 from .rank_plan import build_plan
 from .schedule import COMBINE, DISPATCH, Call, StepState, check_order, plan_step
 from .symmetric import SymmetricWorkspace
-from .validate import (CheckedInputs, check_combine_runtime_max, check_dispatch_inputs, check_expert_ids_on_host,
-                       check_fp8_partial, check_partial_shape, check_runtime_max, require)
+from .validate import (CheckedInputs, check_bool, check_choice, check_combine_runtime_max, check_dispatch_inputs,
+                       check_expert_ids_on_host, check_fp8_partial, check_partial_shape, check_runtime_max, require)
 
 def _between_steps(a2a, what: str) -> None:
     for rank in a2a.ranks:
@@ -131,7 +131,7 @@ class MoeAlltoAll(Owned):
         one built with a single protocol keeps it. Collective: every rank switches between
         the same two steps."""
         built = PROTOCOLS if self.built_protocol == "auto" else (self.built_protocol,)
-        require(protocol in built, "protocol", f"must be one of {built} for an all-to-all built with "
+        require(check_choice(protocol, "protocol", PROTOCOLS) in built, "protocol", f"must be one of {built} for an all-to-all built with "
                  f"protocol={self.built_protocol!r}, got {protocol!r}")
         _between_steps(self, "use_protocol")
         self.protocol = protocol
@@ -273,7 +273,7 @@ class RankAlltoAll:
         self._check_open()
         check_runtime_max(runtime_max_tokens_per_rank, a2a.max_tokens_per_rank)
         runtime_max = int(runtime_max_tokens_per_rank)
-        if fp8:
+        if check_bool(fp8, "fp8"):
             if a2a.combine_quant != "fp8":
                 raise ValueError(f"fp8: an FP8 combine input needs combine_quant='fp8' (this all-to-all has "
                                  f"combine_quant={a2a.combine_quant!r})")

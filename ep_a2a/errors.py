@@ -14,6 +14,11 @@ class StateError(EpA2AError):
     """dispatch/combine called out of order, or on a closed all-to-all."""
 
 
+class ArgumentTypeError(TypeError, ValueError):
+    """A call argument of the wrong type, where that argument's other rules raise ValueError:
+    code that catches either class catches it."""
+
+
 class HalvesOrderError(StateError):
     """A send or receive half called out of its order (halves.py): raised before any launch."""
 

@@ -10,6 +10,7 @@ import weakref
 import numpy as np
 
 from .driver.memory import copy_dtoh
+from .errors import ArgumentTypeError
 from .driver.stream import synchronize_stream
 from .interop.tensor import CUDA, Tensor, as_dtype as lookup_dtype, as_tensor
 
@@ -74,11 +75,13 @@ def check_workspace_fits(nbytes: int, ranks: int, free: int, where: str) -> None
 
 def check_runtime_max(runtime_max, max_tokens_per_rank: int) -> None:
     """T^ of a call: an int (NumPy integers too, never a bool) in 1..max_tokens_per_rank, else a
-    ValueError (for a wrong type too: the call-level checks' contract, tests/protocol/test_hostile_input_gpu.py)."""
+    ValueError, or for a wrong type an ArgumentTypeError (a TypeError and a ValueError both)."""
     if type(runtime_max) is int and 1 <= runtime_max <= max_tokens_per_rank:
         return
-    require(is_int(runtime_max) and 1 <= runtime_max <= max_tokens_per_rank, "runtime_max_tokens_per_rank",
-            f"must be an int in 1..max_tokens_per_rank={max_tokens_per_rank}, got {runtime_max!r}")
+    rule = f"must be an int in 1..max_tokens_per_rank={max_tokens_per_rank}, got {runtime_max!r}"
+    if not is_int(runtime_max):
+        raise ArgumentTypeError(f"runtime_max_tokens_per_rank: {rule}")
+    require(1 <= runtime_max <= max_tokens_per_rank, "runtime_max_tokens_per_rank", rule)
 
 
 def check_dispatch_inputs(tokens: int, runtime_max: int, payloads, specs, at: str = "") -> None:

@@ -292,3 +292,40 @@ def test_environment_defaults_are_checked(monkeypatch, env, value):
     monkeypatch.setenv(env, value)
     with pytest.raises(ValueError, match=f"^{env}: must be"):
         Options.check(4, max_tokens_per_rank=8, top_k=2, num_experts=4, combine_hidden_size=16)
+
+
+def test_a_runtime_max_of_the_wrong_type_is_a_type_error_and_a_value_error():
+    """T^'s other rules raise ValueError, so its type rule raises a class that is both."""
+    from ep_a2a.errors import ArgumentTypeError
+    from ep_a2a.validate import check_runtime_max
+    for bad in ("4", 4.0, True, None, [4]):
+        with pytest.raises(TypeError, match="^runtime_max_tokens_per_rank: ") as e:
+            check_runtime_max(bad, 16)
+        assert isinstance(e.value, ValueError) and type(e.value) is ArgumentTypeError
+    for bad in (0, 17, -1):
+        with pytest.raises(ValueError, match="^runtime_max_tokens_per_rank: ") as e:
+            check_runtime_max(bad, 16)
+        assert not isinstance(e.value, TypeError)
+    check_runtime_max(np.int64(16), 16)
+
+
+def test_use_protocol_and_combine_input_check_their_types(monkeypatch):
+    """On an all-to-all built as on a GPU with the driver replaced (launch_trace)."""
+    from launch_trace import _recorder, make_rank, patch_driver
+    from ep_a2a.testing import hooks
+    events = []
+    patch_driver(monkeypatch.setattr, events)
+    with hooks.dry_run(_recorder(events)):
+        _check_protocol_and_fp8_types(*make_rank(events, "auto", None, True, 8, local=True))
+
+
+def _check_protocol_and_fp8_types(a2a, r):
+    with pytest.raises(TypeError, match="^protocol: "):
+        a2a.use_protocol(1)
+    with pytest.raises(ValueError, match="^protocol: "):
+        a2a.use_protocol("fast")
+    for bad in ("yes", 1, None):
+        with pytest.raises(TypeError, match="^fp8: "):
+            r.combine_input(4, fp8=bad)
+    a2a.use_protocol("sentinel")
+    assert a2a.protocol == "sentinel" and r.combine_input(4, fp8=False).shape[1] == 4
