@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -111,10 +110,8 @@ def main(argv=None) -> int:
                 rows.append(measure(a2a, path, T, args.hidden, args.iters, args.chain, rng))
                 print(json.dumps(rows[-1]), flush=True)
         name = group.ranks[0].device.name
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    from ..tools.bench_report import commit as measured_commit
+    commit = measured_commit()  # ($EP_A2A_COMMIT on a machine whose tree copy has no .git)
     import jax
     result = {"device": name, "date": time.strftime("%Y-%m-%d"), "commit": commit, "jax": jax.__version__,
               "ranks": args.ranks, "hidden": args.hidden, "top_k": args.top_k, "experts": args.experts,
