@@ -28,7 +28,6 @@ result goes to bench/results/ as JSON (device, date, commit, config) or to --out
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import sys
 import time
@@ -38,7 +37,7 @@ import numpy as np
 from ..layers.base import phase_gate, run_phases
 from . import exits
 from .argtypes import check_top_k, choice_list, int_in, int_list, nonnegative_int, positive_int
-from .bench_report import commit
+from .bench_report import commit, torch_device_fields
 from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
 ROUTINGS = ("perfect", "zipf0", "zipf1", "zipf1.25")  # (bench_layer_graphs.ROUTINGS: what each means)
@@ -219,10 +218,7 @@ def run(args) -> dict:
             for layer in layers:
                 layer.close()
             a2a.close()
-    props = torch.cuda.get_device_properties(dev)
-    return dict(device=props.name, compute_capability=list(torch.cuda.get_device_capability(dev)),
-                sm_count=props.multi_processor_count, torch=torch.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit(),
+    return dict(**torch_device_fields(torch, dev),
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
                             device=args.device, tokens=args.tokens, iters=args.iters,
                             protocol=protocol, combine_quant=args.combine_quant,
@@ -334,7 +330,7 @@ def main(argv=None) -> int:
             return exits.missing(prog, f"this PyTorch ({torch.__version__}) has no CUDA device to run on")
         if args.graph:
             from .bench_layer_graphs import run as run_graph
-            res = run_graph(args, PROFILES, commit)
+            res = run_graph(args, PROFILES)
         else:
             res = run(args)
     path = write_json(output_path(args.out, result_file(res, args)), res)

@@ -28,7 +28,6 @@ Host: the eager layer's host time to issue one step, per rank, and its split by 
 """
 from __future__ import annotations
 
-import datetime
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ import time
 import numpy as np
 
 from .bench_layer_baseline import AllGatherBaseline, GemmFloor
+from .bench_report import torch_device_fields
 from .bench_method import per_round
 
 ROUTINGS = {"perfect": ("perfect", 0.0), "zipf0": ("zipf", 0.0), "zipf1": ("zipf", 1.0), "zipf1.25": ("zipf", 1.25)}
@@ -200,7 +200,7 @@ def eager_host_phases_us(torch, layers, xs, logits, T: int, iters: int) -> dict:
     return {k: float(statistics.median(v)) for k, v in samples.items()}
 
 
-def run(args, profiles: dict, commit) -> dict:
+def run(args, profiles: dict) -> dict:
     import torch
     import ep_a2a
     from ..layers.torch import TorchMoeLayer, moe_forward_all_ranks, payload_specs
@@ -247,10 +247,7 @@ def run(args, profiles: dict, commit) -> dict:
             for layer in layers:
                 layer.close()
             a2a.close()
-    props = torch.cuda.get_device_properties(dev)
-    return dict(device=props.name, compute_capability=list(torch.cuda.get_device_capability(dev)),
-                sm_count=props.multi_processor_count, torch=torch.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit(),
+    return dict(**torch_device_fields(torch, dev),
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
                             device=args.device, tokens=args.tokens, routing=args.routing, rounds=R,
                             replays=args.replays, stage_replays=args.stage_replays, protocol=protocol, seed=seed,

@@ -25,6 +25,15 @@ def commit() -> str:
         return "unknown"
 
 
+def torch_device_fields(torch, dev) -> dict:
+    """The head of a torch benchmark's result: the GPU, the torch version, the date and commit."""
+    import datetime
+    props = torch.cuda.get_device_properties(dev)
+    return dict(device=props.name, compute_capability=list(torch.cuda.get_device_capability(dev)),
+                sm_count=props.multi_processor_count, torch=torch.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit())
+
+
 def gather(bootstrap, values) -> np.ndarray:
     """float64 [processes, len(values)]: every process's `values` in rank order (one row
     without a bootstrap). Raw float64 bytes over the bootstrap, never pickle."""
