@@ -38,6 +38,15 @@ from .symmetric import SymmetricWorkspace
 from .validate import (CheckedInputs, check_bool, check_choice, check_combine_runtime_max, check_dispatch_inputs,
                        check_expert_ids_on_host, check_fp8_partial, check_partial_shape, check_runtime_max, require)
 
+def _one_rank(name: str):
+    """MoeAlltoAll.<name> of a process with one rank: that rank's method."""
+    def call(self, *args, **kw):
+        return getattr(self._only(), name)(*args, **kw)
+    call.__name__, call.__qualname__ = name, f"MoeAlltoAll.{name}"
+    call.__doc__ = f"RankAlltoAll.{name} of this process's one rank."
+    return call
+
+
 def _between_steps(a2a, what: str) -> None:
     for rank in a2a.ranks:
         if rank.mid_step:
@@ -106,20 +115,8 @@ class MoeAlltoAll(Owned):
             raise StateError(f"this process holds {len(self.ranks)} ranks: call a2a.ranks[i].dispatch/combine")
         return self.ranks[0]
 
-    def dispatch(self, *args, **kw):
-        return self._only().dispatch(*args, **kw)
-
-    def combine(self, *args, **kw):
-        return self._only().combine(*args, **kw)
-
-    def combine_input(self, *args, **kw):
-        return self._only().combine_input(*args, **kw)
-
-    def dispatch_send(self, *args, **kw):
-        return self._only().dispatch_send(*args, **kw)
-
-    def combine_send(self, *args, **kw):
-        return self._only().combine_send(*args, **kw)
+    dispatch, combine, combine_input = _one_rank("dispatch"), _one_rank("combine"), _one_rank("combine_input")
+    dispatch_send, combine_send = _one_rank("dispatch_send"), _one_rank("combine_send")
 
     def protocol_for(self, runtime_max_tokens_per_rank: int) -> str:
         """The protocol a step with this T^ uses (the same on every rank: T^ is shared)."""
@@ -131,8 +128,8 @@ class MoeAlltoAll(Owned):
         one built with a single protocol keeps it. Collective: every rank switches between
         the same two steps."""
         built = PROTOCOLS if self.built_protocol == "auto" else (self.built_protocol,)
-        require(check_choice(protocol, "protocol", PROTOCOLS) in built, "protocol", f"must be one of {built} for an all-to-all built with "
-                 f"protocol={self.built_protocol!r}, got {protocol!r}")
+        require(check_choice(protocol, "protocol", PROTOCOLS) in built, "protocol",
+                f"must be one of {built} for an all-to-all built with protocol={self.built_protocol!r}, got {protocol!r}")
         _between_steps(self, "use_protocol")
         self.protocol = protocol
 
@@ -157,6 +154,7 @@ class MoeAlltoAll(Owned):
             rank._set_active(new)
 
     def synchronize(self) -> None:
+        """Wait for every rank of this process; raise the PeerError a kernel recorded, if any."""
         for rank in self.ranks:
             rank.synchronize()
         try:
@@ -176,9 +174,7 @@ class MoeAlltoAll(Owned):
         memory, no driver call) for an engine replaying CUDA graphs, after each synchronize."""
         return next((err for err in (rank.recorded_error() for rank in self.ranks) if err is not None), None)
 
-    @property
-    def workspace_bytes_per_rank(self) -> int:
-        return self.workspace.size
+    workspace_bytes_per_rank = property(lambda self: self.workspace.size, doc="Bytes of symmetric memory each rank holds.")
 
     def _release(self) -> None:
         """Every part is released even when one fails (a lost context): the first error is raised."""
@@ -567,7 +563,9 @@ class RankAlltoAll:
         """This rank's recorded PeerError, or None (see MoeAlltoAll.error)."""
         return error_from_record(self.record) if self.record.kind else None
 
-    def raise_recorded(self, cause=None) -> None:  # (cause: the CudaError; a lost context reads every rank's record)
+    def raise_recorded(self, cause=None) -> None:
+        """Raise the PeerError this rank's record holds (cause: the CudaError of a lost context,
+        which reads every rank's record)."""
         others = [rank.record for rank in self.a2a.ranks] if cause is not None else ()
         err = error_from_records(self.record, others, cause)
         if err is not None:
@@ -582,6 +580,7 @@ class RankAlltoAll:
             self.raise_recorded()
 
     def close(self) -> None:
+        """Free this rank's kernels' parameters, streams and views (MoeAlltoAll.close calls it)."""
         if self.params is None:
             return
         try:
