@@ -1,11 +1,14 @@
 """Dispatch and combine in two halves each, for engines that overlap communication with compute.
 
-    h = rank.dispatch_send(ids, [x], T_hat)    # issues every store and flag; waits on no peer
+    h = rank.dispatch_send(ids, [x], T_hat)    # issues every store and flag; waits on no peer*
     ...                                        # the GPU runs other work here (another micro-batch)
     ids_v, (x_v,) = h.receive()                # or rank.dispatch_recv(): waits, sanitizes
     c = rank.combine_send(partial, T_hat)      # publishes our partial results (FENCE) / pushes them (SENTINEL)
     ...
     y = c.receive()                            # or rank.combine_recv(): waits, reduces
+
+* Except FENCE's dispatch send right after a SENTINEL step (protocol="auto" switching): it
+first waits for every peer's end of that step, as the whole FENCE dispatch does.
 
 A send half and its receive half are two kernels on one stream (the send's): the receive
 half reads the step the send half left on the device, so graphs of the halves, captured

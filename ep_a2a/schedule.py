@@ -319,8 +319,9 @@ def plan_step(plan: RankPlan, state: StepState, call: Call) -> Step:
 def plan_half(plan: RankPlan, state: StepState, call: Call) -> Step:
     """A send or receive half: the whole phase's fields and rules, the half's kernel and its
     grid (a receive half's by Schedule.receive_grid). A send half within half the share lets
-    its successor start early (PDL: a send half waits on no peer, and the successor, its
-    receive half, is held to half); a receive half never does, so no kernel is placed
+    its successor start early (PDL: a send half waits on no peer, but for FENCE's after a
+    SENTINEL step, as the whole FENCE dispatch, and the successor, its receive half, is
+    held to half); a receive half never does, so no kernel is placed
     beside a spinning one. The receive half writes the very fields its send half wrote
     (kept in StepState.sent)."""
     check_order(plan, state, call.phase)

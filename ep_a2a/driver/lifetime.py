@@ -45,7 +45,16 @@ class Owned:
         if self._kind:
             with _live_lock:
                 _live[self._kind] -= 1
-        self._release()
+        try:
+            for hook in self.__dict__.pop("_close_hooks", ()):
+                hook()
+        finally:
+            self._release()
+
+    def on_close(self, hook) -> None:
+        """Call `hook()` when this closes, before anything of it is released: for an object
+        that holds raw addresses into it (the JAX launch plans)."""
+        self.__dict__.setdefault("_close_hooks", []).append(hook)
 
     def _release(self) -> None:
         raise NotImplementedError

@@ -22,7 +22,9 @@ Checks: shapes and dtypes are static under jit, so the rules eager dispatch and 
 (ep_a2a/validate.py) are checked while tracing, with the same exception types and messages;
 values (expert ids with validate_expert_ids) are checked by the Python callbacks at run time;
 the native path drops out-of-range ids in the kernels, as a captured graph does (a host check
-would synchronize). A failure a kernel recorded refuses the next call on either path.
+would synchronize). A failure a kernel recorded refuses the next call on either path, except
+a replay of a command buffer (XLA's CUDA graph), which runs no host code: there a2a.error()
+reports it.
 
 Order: every call is pure to XLA (jax_calls.py: the fast dispatch path); dispatch returns a
 ticket that combine takes, so combine runs after its dispatch and both run once per step.
@@ -133,6 +135,7 @@ class JaxAlltoAll:
         # the native path (jax_ffi.py): launch plans made while tracing, run by an FFI handler
         self.native = jax_ffi.native_or_warn()
         self._plans, self._combines = [], {}  # registered plans; dispatch site -> its combine's planned steps
+        a2a.on_close(self._release_plans)  # (a plan holds the ranks' streams and records: never past them)
 
     @classmethod
     def traced_only(cls, options, rank_numbers=(0,)) -> "JaxAlltoAll":
@@ -147,8 +150,8 @@ class JaxAlltoAll:
         self.native, self._plans, self._combines = False, [], {}
         return self
 
-    def close(self) -> None:
-        """Free the all-to-all and the per-device launch state."""
+    def _release_plans(self) -> None:
+        """Release the launch plans (a jitted call of one after this gets a clean FFI error)."""
         if self._plans:
             try:
                 for dev in self.by_device.devices.values():
@@ -157,6 +160,10 @@ class JaxAlltoAll:
                 for plan in self._plans:
                     plan.release()
                 self._plans = []
+
+    def close(self) -> None:
+        """Free the all-to-all and the per-device launch state."""
+        self._release_plans()
         if self.by_device is not None:
             self.by_device.close()
         for idx in self._own_indexes:

@@ -73,8 +73,12 @@ def dispatch_send_impl(rank, token_selected_experts, payloads, runtime_max_token
 
 def dispatch_recv_impl(rank, recv_expert_ids, recv_payloads):
     b = lookup(RANKS, rank, "rank")
+    runtime_max, due = int(recv_expert_ids.shape[1]), b.r.halves.due
+    if due is not None and due.op == "dispatch" and due.result[0].shape[1] != runtime_max:
+        raise ValueError(f"runtime_max_tokens_per_rank: the receive half got {runtime_max} but its send half used "
+                         f"{due.result[0].shape[1]}")
     b.r.dispatch_recv()
-    own_ids, own_pays = b.dispatch_views(int(recv_expert_ids.shape[1]))
+    own_ids, own_pays = b.dispatch_views(runtime_max)
     _same_or_copy(recv_expert_ids, own_ids)
     for got, own in zip(recv_payloads, own_pays):
         _same_or_copy(got, own)
@@ -87,12 +91,17 @@ def combine_send_impl(rank, partial, scales, dispatched, runtime_max_tokens_per_
     part, _ = b.partial_arg(partial, scales, runtime_max_tokens_per_rank)
     b.out_slot.update(out)
     b.r.combine_send(part, runtime_max_tokens_per_rank, s, b.out_slot.tensor)
+    b.half_out = out  # (the receive half's `out` may be a compiler's copy of it)
     if explicit:
         b.streams.hold(s, (partial, out))
 
 
 def combine_recv_impl(rank, out):
-    lookup(RANKS, rank, "rank").r.combine_recv()
+    b = lookup(RANKS, rank, "rank")
+    b.r.combine_recv()
+    sent, b.half_out = b.half_out, None
+    if sent is not None:
+        _same_or_copy(out, sent)
 
 
 HALF_IMPLS = {"dispatch_send": dispatch_send_impl, "dispatch_recv": dispatch_recv_impl,

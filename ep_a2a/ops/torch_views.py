@@ -108,6 +108,7 @@ class TorchRank:
         self.partial_slot, self.out_slot = TensorSlot("partial"), TensorSlot("out")
         self.streams = StreamUse(r.device, self.ordinal)
         self.local_tokens = None  # tokens of the last dispatch (combine's default output rows)
+        self.half_out = None      # the torch output of the combine send half in flight (ops/torch_halves.py)
         # The all-to-all's repeat records (RankAlltoAll.last_repeats) as our last call of each
         # phase left them, with the partial it was given: a call handing the same objects,
         # none of whose fields an update changed, repeats it without the geometry compare

@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <mutex>
+#include <shared_mutex>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -78,6 +79,7 @@ struct Plan {
 
 std::atomic<Plan*> plans[kMaxPlans];  // plan id % kMaxPlans
 std::mutex registry;
+std::shared_mutex in_use;  // shared by every call for its whole run, exclusive while a plan is deleted
 int64_t next_id = 0;
 
 Plan* find(int64_t id) {
@@ -174,7 +176,7 @@ Plan* parse(const uint64_t* words, size_t n, char* why, size_t why_len) {
         for (uint64_t p = 0; p < patches; ++p) {
           Patch pt;
           pt.offset = (uint32_t)r.next(); pt.buffer = (uint32_t)r.next(); pt.add = r.next();
-          if (pt.offset + 8 > words_n * 8 || pt.offset % 8 || pt.buffer >= plan->buffers) r.bad = true;
+          if ((uint64_t)pt.offset + 8 > words_n * 8 || pt.offset % 8 || pt.buffer >= plan->buffers) r.bad = true;
           l.patches.push_back(pt);
         }
         l.timeout_offset = (int64_t)r.next();
@@ -234,6 +236,19 @@ ffi::Error run_group(Plan& plan, Group& g, CUstream xla, uint64_t* addr) {
       return ffi::Error(ffi::ErrorCode::kAborted, msg);
     }
   }
+  // Every patched buffer is checked before anything is launched: a refusal after some ranks'
+  // kernels were queued would leave them waiting on peers that never launch.
+  for (const Op& op : g.ops) {
+    if (op.kind != kLaunch) continue;
+    for (const Patch& p : op.launch.patches) {
+      if (addr[p.buffer] % 16) {  // the plan chose vector widths for 16-byte aligned buffers
+        char msg[200];
+        snprintf(msg, sizeof msg, "ep_a2a: XLA buffer %u at 0x%llx is not 16-byte aligned (rank %lld)",
+                 p.buffer, (unsigned long long)addr[p.buffer], (long long)g.rank_numbers[op.rank]);
+        return ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
+      }
+    }
+  }
   std::lock_guard<std::mutex> hold(g.lock);
   bool first = g.calls < plan.first_steps;
   ++g.calls;
@@ -251,18 +266,7 @@ ffi::Error run_group(Plan& plan, Group& g, CUstream xla, uint64_t* addr) {
     int64_t who = g.rank_numbers[op.rank];
     if (op.kind == kLaunch) {
       Launch& l = op.launch;
-      for (const Patch& p : l.patches) {
-        uint64_t a = addr[p.buffer];
-        if (a % 16) {  // the plan chose vector widths for 16-byte aligned buffers
-          char msg[200];
-          snprintf(msg, sizeof msg, "ep_a2a: XLA buffer %u at 0x%llx is not 16-byte aligned (rank %lld)",
-                   p.buffer, (unsigned long long)a, (long long)who);
-          failed = ffi::Error(ffi::ErrorCode::kInvalidArgument, msg);
-          break;
-        }
-        l.scratch[p.offset / 8] = a + p.add;
-      }
-      if (!failed.success()) break;
+      for (const Patch& p : l.patches) l.scratch[p.offset / 8] = addr[p.buffer] + p.add;
       if (l.timeout_offset >= 0) l.scratch[l.timeout_offset / 8] = first ? l.first_timeout : l.timeout;
       CUlaunchConfig cfg;
       memset(&cfg, 0, sizeof cfg);
@@ -281,16 +285,20 @@ ffi::Error run_group(Plan& plan, Group& g, CUstream xla, uint64_t* addr) {
         if (CUresult e = d.copy(dst, src, c.bytes, s)) { failed = cuda_error(e, "cuMemcpyDtoDAsync", who); break; }
     }
   }
-  if (fork)  // (also after a failure: XLA frees its buffers after whatever was launched)
+  if (fork)  // (every rank, also after a failure: XLA frees its buffers after whatever was launched)
     for (size_t k = 0; k < g.streams.size(); ++k) {
-      if (CUresult e = d.record(g.joins[k], g.streams[k])) return cuda_error(e, "cuEventRecord (join)", g.rank_numbers[k]);
-      if (CUresult e = d.wait(xla, g.joins[k], 0)) return cuda_error(e, "cuStreamWaitEvent (join)", g.rank_numbers[k]);
+      if (CUresult e = d.record(g.joins[k], g.streams[k])) {
+        if (failed.success()) failed = cuda_error(e, "cuEventRecord (join)", g.rank_numbers[k]);
+      } else if (CUresult e = d.wait(xla, g.joins[k], 0)) {
+        if (failed.success()) failed = cuda_error(e, "cuStreamWaitEvent (join)", g.rank_numbers[k]);
+      }
     }
   return failed;
 }
 
 ffi::Error Run(CUstream stream, int32_t ordinal, int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   if (!driver().ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "ep_a2a: libcuda.so.1 could not be opened");
+  std::shared_lock<std::shared_mutex> using_plans(in_use);
   Plan* plan = find(plan_id);
   if (!plan) return ffi::Error(ffi::ErrorCode::kNotFound, "ep_a2a: this call's launch plan was released (its JaxAlltoAll is closed)");
   size_t n_args = args.size(), n = n_args + rets.size();
@@ -366,12 +374,14 @@ int64_t ep_a2a_ffi_register(const uint64_t* words, uint64_t n, char* why, uint64
 // Release a plan (its calls must have completed: the owner synchronizes first).
 void ep_a2a_ffi_release(int64_t id) {
   std::lock_guard<std::mutex> hold(registry);
+  std::unique_lock<std::shared_mutex> no_call_runs(in_use);
   Plan* p = find(id);
   if (p && plans[id % kMaxPlans].compare_exchange_strong(p, nullptr)) delete p;
 }
 
 // Calls a plan has served on one GPU (tests: the native path really ran).
 uint64_t ep_a2a_ffi_calls(int64_t id, int64_t ordinal) {
+  std::shared_lock<std::shared_mutex> using_plans(in_use);
   Plan* p = find(id);
   if (!p) return 0;
   for (Group* g : p->groups)
