@@ -43,7 +43,7 @@ MANIFEST = "manifest.json"
 DEFAULT_NVCC = "/usr/local/cuda/bin/nvcc"
 FFI_SOURCE = ROOT / "native" / "ffi" / "ep_a2a_ffi.cc"
 FFI_LIBRARY = "libep_a2a_jax.so"
-FFI_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-Wno-return-type", "-static-libstdc++", "-static-libgcc")
+FFI_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-shared", "-Wall", "-static-libstdc++", "-static-libgcc")
 
 
 class BuildError(Exception):
@@ -223,7 +223,8 @@ def build_ffi(out: Path = CUBIN_DIR, nvcc: str | None = None, log=print, require
     if not cxx:
         raise BuildError("no C++ compiler for the JAX FFI library: install g++ or set CXX")
     tmp = lib.with_suffix(".tmp")
-    cmd = [cxx, *FFI_FLAGS, f"-I{include}", f"-I{cuda_include}", str(FFI_SOURCE), "-o", str(tmp), "-ldl"]
+    # (-isystem: warnings of XLA's headers are theirs; ours stay on)
+    cmd = [cxx, *FFI_FLAGS, "-isystem", str(include), f"-I{cuda_include}", str(FFI_SOURCE), "-o", str(tmp), "-ldl"]
     log(" ".join(cmd))
     r = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if r.returncode != 0:
