@@ -57,7 +57,7 @@ from ..driver.stream import is_capturing, stream_handle
 from ..errors import StateError
 from ..moe import ExpertIndex, build_index as moe_build_index, finalize as moe_finalize, gather_rows as moe_gather_rows
 from ..validate import check_expert_ids_on_host
-from .torch_views import INDEXES, RANKS, TorchIndex, TorchRank, bind, current_stream_handle, lookup
+from .torch_views import INDEXES, RANKS, TorchIndex, TorchRank, bind, current_stream_handle, lookup, register_ops
 
 __all__ = ["bind", "dispatch", "combine", "combine_input", "expert_index", "build_index", "gather_rows", "finalize",
            "TorchRank", "TorchIndex", "SCHEMAS", "copies"]
@@ -202,18 +202,8 @@ IMPLS = {"dispatch": dispatch_impl, "combine": combine_impl, "build_index": buil
          "gather_rows": gather_rows_impl, "finalize": finalize_impl, "finalize_fp8": finalize_fp8_impl}
 
 
-def _fake(*args, **kwargs):
-    """Every op only writes its mutated arguments: under fake tensors there is nothing to do."""
-    return None
-
-
 LIB = torch.library.Library("ep_a2a", "DEF")
-for _name, _schema in SCHEMAS.items():
-    LIB.define(_schema)
-    for _key in ("CUDA", "CPU"):
-        LIB.impl(_name, IMPLS[_name], _key)
-    torch.library.register_fake(f"ep_a2a::{_name}", _fake, lib=LIB)
-OPS = {name: getattr(torch.ops.ep_a2a, name).default for name in SCHEMAS}  # the OpOverloads (cheapest to call)
+OPS = register_ops(LIB, SCHEMAS, IMPLS)
 _DISPATCH, _COMBINE = OPS["dispatch"], OPS["combine"]
 
 

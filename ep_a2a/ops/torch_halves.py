@@ -19,7 +19,7 @@ import torch
 
 from ..driver.stream import stream_handle
 from ..errors import StateError
-from .torch_views import RANKS, TorchRank, bind, current_stream_handle, lookup
+from .torch_views import RANKS, TorchRank, bind, current_stream_handle, lookup, register_ops
 
 __all__ = ["dispatch_send", "dispatch_recv", "combine_send", "combine_recv", "HALF_SCHEMAS"]
 
@@ -31,11 +31,6 @@ HALF_SCHEMAS = {
                     "int runtime_max_tokens_per_rank, Tensor(a!) out, int stream=-1) -> ()",
     "combine_recv": "combine_recv(int rank, Tensor(a!) out) -> ()",
 }
-
-
-def _fake(*args, **kwargs):
-    """Each half only writes its mutated arguments: under fake tensors there is nothing to do."""
-    return None
 
 
 def _binding(rank) -> TorchRank:
@@ -107,12 +102,7 @@ def combine_recv_impl(rank, out):
 HALF_IMPLS = {"dispatch_send": dispatch_send_impl, "dispatch_recv": dispatch_recv_impl,
               "combine_send": combine_send_impl, "combine_recv": combine_recv_impl}
 LIB = torch.library.Library("ep_a2a", "FRAGMENT")
-for _name, _schema in HALF_SCHEMAS.items():
-    LIB.define(_schema)
-    for _key in ("CUDA", "CPU"):
-        LIB.impl(_name, HALF_IMPLS[_name], _key)
-    torch.library.register_fake(f"ep_a2a::{_name}", _fake, lib=LIB)
-HALF_OPS = {name: getattr(torch.ops.ep_a2a, name).default for name in HALF_SCHEMAS}
+HALF_OPS = register_ops(LIB, HALF_SCHEMAS, HALF_IMPLS)
 
 
 def dispatch_send(rank, token_selected_experts, payloads, runtime_max_tokens_per_rank: int, stream=None) -> None:

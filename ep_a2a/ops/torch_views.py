@@ -261,3 +261,20 @@ def bind(rank_a2a, validate_expert_ids: bool = None) -> TorchRank:
     elif validate_expert_ids is not None:
         b.validate_expert_ids = bool(validate_expert_ids)
     return b
+
+
+def _fake(*args, **kwargs):
+    """Every ep_a2a op only writes its mutated arguments: under fake tensors there is nothing to do."""
+    return None
+
+
+def register_ops(lib, schemas: dict, impls: dict) -> dict:
+    """Define `schemas` in `lib`, each with its implementation for CUDA and CPU tensors and the
+    fake one; the OpOverloads by name (the cheapest handle to call)."""
+    for name, schema in schemas.items():
+        lib.define(schema)
+        for key in ("CUDA", "CPU"):
+            lib.impl(name, impls[name], key)
+        torch.library.register_fake(f"ep_a2a::{name}", _fake, lib=lib)
+    return {name: getattr(torch.ops.ep_a2a, name).default for name in schemas}
+
