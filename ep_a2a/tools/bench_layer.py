@@ -47,6 +47,21 @@ PROFILES = {
 }
 
 
+def layer_shape(args, profiles: dict) -> tuple:
+    """(hidden, intermediate, experts, top_k, ranks): the profile's, with the command line's
+    overrides."""
+    p = dict(profiles[args.profile])
+    for k in ("hidden", "intermediate", "experts", "top_k"):
+        if getattr(args, k) is not None:
+            p[k] = getattr(args, k)
+    return p["hidden"], p["intermediate"], p["experts"], p["top_k"], args.ranks
+
+
+def run_seed(args) -> int:
+    """--seed, or a fresh one (printed by the caller, so a run reproduces)."""
+    return args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+
+
 def _fork(torch, ts, streams):
     ev = torch.cuda.Event()
     ev.record(ts)
@@ -164,13 +179,9 @@ def run(args) -> dict:
     from ..layers.torch import TorchMoeLayer, moe_forward_all_ranks, payload_specs
     from ..moe import local_experts
     from ..testing.layer_oracle import max_relative_error
-    p = dict(PROFILES[args.profile])
-    for k in ("hidden", "intermediate", "experts", "top_k"):
-        if getattr(args, k) is not None:
-            p[k] = getattr(args, k)
-    H, I, E, top_k, ep = p["hidden"], p["intermediate"], p["experts"], p["top_k"], args.ranks
+    H, I, E, top_k, ep = layer_shape(args, PROFILES)
     dev = torch.device("cuda", args.device)
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    seed = run_seed(args)
     torch.manual_seed(seed)
     print(f"seed {seed}; {torch.cuda.get_device_name(dev)}; {ep} ranks; hidden {H}, intermediate {I}, "
           f"{E} experts, top_k {top_k}", file=sys.stderr)

@@ -35,6 +35,7 @@ import time
 
 import numpy as np
 
+from .bench_layer import layer_shape, run_seed
 from .bench_layer_baseline import AllGatherBaseline, GemmFloor
 from .bench_report import torch_device_fields
 from .bench_method import per_round
@@ -207,14 +208,10 @@ def run(args, profiles: dict) -> dict:
     from ..moe import local_experts
     from ..testing.layer_oracle import max_relative_error
     from .bench_layer_stages import baseline_stage_times, floor_stage_times, ours_stage_times
-    p = dict(profiles[args.profile])
-    for k in ("hidden", "intermediate", "experts", "top_k"):
-        if getattr(args, k) is not None:
-            p[k] = getattr(args, k)
-    H, I, E, top_k, ep = p["hidden"], p["intermediate"], p["experts"], p["top_k"], args.ranks
+    H, I, E, top_k, ep = layer_shape(args, profiles)
     dev = torch.device("cuda", args.device)
     torch.cuda.set_device(dev)
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    seed = run_seed(args)
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

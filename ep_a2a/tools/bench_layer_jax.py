@@ -20,6 +20,8 @@ import time
 
 import numpy as np
 
+from .bench_layer import layer_shape, run_seed
+
 
 def all_gather_step(layers):
     """The jitted all-gather baseline over these layers: f(xs, logits) -> one output per rank."""
@@ -73,12 +75,8 @@ def run(args, profiles: dict, commit) -> dict:
     from ..layers.jax import JaxMoeLayer, jax_device, jit_forward_all_ranks, moe_forward_all_ranks, payload_specs
     from ..moe import local_experts
     from ..testing.layer_oracle import max_relative_error
-    p = dict(profiles[args.profile])
-    for k in ("hidden", "intermediate", "experts", "top_k"):
-        if getattr(args, k) is not None:
-            p[k] = getattr(args, k)
-    H, I, E, top_k, ep = p["hidden"], p["intermediate"], p["experts"], p["top_k"], args.ranks
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+    H, I, E, top_k, ep = layer_shape(args, profiles)
+    seed = run_seed(args)
     rng = np.random.default_rng(seed)
     gpu = jax_device(args.device)
     put = lambda a: jax.device_put(jnp.asarray(a), gpu)  # noqa: E731
