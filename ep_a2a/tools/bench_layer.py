@@ -28,7 +28,6 @@ result goes to bench/results/ as JSON (device, date, commit, config) or to --out
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
@@ -37,29 +36,11 @@ import numpy as np
 from ..layers.base import phase_gate, run_phases
 from . import exits
 from .argtypes import check_top_k, choice_list, int_in, int_list, nonnegative_int, positive_int
+from .bench_layer_profiles import PROFILES, layer_shape, run_seed
 from .bench_report import commit, torch_device_fields
 from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
 ROUTINGS = ("perfect", "zipf0", "zipf1", "zipf1.25")  # (bench_layer_graphs.ROUTINGS: what each means)
-PROFILES = {
-    "small": dict(hidden=2048, intermediate=1024, experts=64, top_k=8),
-    "deepseek-v3-like": dict(hidden=7168, intermediate=2048, experts=256, top_k=8),
-}
-
-
-def layer_shape(args, profiles: dict) -> tuple:
-    """(hidden, intermediate, experts, top_k, ranks): the profile's, with the command line's
-    overrides."""
-    p = dict(profiles[args.profile])
-    for k in ("hidden", "intermediate", "experts", "top_k"):
-        if getattr(args, k) is not None:
-            p[k] = getattr(args, k)
-    return p["hidden"], p["intermediate"], p["experts"], p["top_k"], args.ranks
-
-
-def run_seed(args) -> int:
-    """--seed, or a fresh one (printed by the caller, so a run reproduces)."""
-    return args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
 
 
 def _fork(torch, ts, streams):

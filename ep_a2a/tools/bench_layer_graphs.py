@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from .bench_layer import layer_shape, run_seed
+from .bench_layer_profiles import layer_shape, run_seed
 from .bench_layer_baseline import AllGatherBaseline, GemmFloor
 from .bench_report import torch_device_fields
 from .bench_method import per_round

@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from .bench_layer import layer_shape, run_seed
+from .bench_layer_profiles import layer_shape, run_seed
 
 
 def all_gather_step(layers):
