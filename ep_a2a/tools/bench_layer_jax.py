@@ -9,8 +9,11 @@ each rank's own rows sliced out (the reduce-scatter).
 
 Method: wall time of a whole step on the host, from the call to the results being ready
 (jax.block_until_ready; the eager layer synchronizes itself), median over --iters after
---warmup, per token count. Routing: random logits through the router. Prints one line per
-token count and returns the rows (bench_layer.py writes the JSON)."""
+--warmup, per token count. The jitted step's device time: a program of CHAIN + 1 steps (each
+step's outputs the next one's hidden states) minus a program of one, over CHAIN (the host
+issues step i+1 while step i runs, so it hides behind the GPU as long as it is the faster);
+host = jit - device. Routing: random logits through the router. Prints one line per token
+count and returns the rows (bench_layer.py writes the JSON)."""
 from __future__ import annotations
 
 import datetime
@@ -54,6 +57,28 @@ def all_gather_step(layers):
             start += xr.shape[0]
         return outs
     return jax.jit(step)
+
+
+CHAIN = 8
+
+
+def calls_path() -> str:
+    """How the jitted step's dispatch and combine run: the native FFI library or Python callbacks."""
+    from ..ops import jax_ffi
+    reason = jax_ffi.why()
+    return "native" if reason is None else f"python callbacks ({reason})"
+
+
+def chained_steps(layers, runtime_max: int, steps: int):
+    """jax.jit of `steps` layer steps of every rank, each step's outputs the next one's inputs."""
+    import jax
+    from ..layers.jax import moe_forward_traced
+
+    def run(xs, logits):
+        for _ in range(steps):
+            xs = moe_forward_traced(layers, xs, logits, runtime_max)
+        return xs
+    return jax.jit(run)
 
 
 def _median_us(fn, iters: int, warmup: int) -> float:
@@ -100,6 +125,7 @@ def run(args, profiles: dict, commit) -> dict:
                 xs = [put(rng.standard_normal((T, H)).astype(np.float32)).astype(jnp.bfloat16) for _ in range(ep)]
                 logits = [put(rng.standard_normal((T, E)).astype(np.float32)) for _ in range(ep)]
                 jitted = jit_forward_all_ranks(layers, T)
+                many = chained_steps(layers, T, CHAIN + 1)
                 ours = [np.asarray(o) for o in jax.block_until_ready(jitted(xs, logits))]
                 eager = [np.asarray(o) for o in moe_forward_all_ranks(layers, xs, logits, T)]
                 theirs = [np.asarray(o) for o in jax.block_until_ready(base(xs, logits))]
@@ -109,10 +135,13 @@ def run(args, profiles: dict, commit) -> dict:
                            jit_us=_median_us(lambda: jitted(xs, logits), args.iters, args.warmup),
                            eager_us=_median_us(lambda: moe_forward_all_ranks(layers, xs, logits, T), args.iters, args.warmup),
                            baseline_us=_median_us(lambda: base(xs, logits), args.iters, args.warmup))
+                row["device_us"] = (_median_us(lambda: many(xs, logits), args.iters, args.warmup) - row["jit_us"]) / CHAIN
+                row["host_us"] = row["jit_us"] - row["device_us"]
                 rows.append(row)
                 print(f"T={T:5d}  jit {row['jit_us']:9.1f} µs   eager {row['eager_us']:9.1f} µs   all-gather (jit) "
                       f"{row['baseline_us']:9.1f} µs   x{row['baseline_us'] / row['jit_us']:.2f} vs baseline, "
-                      f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; jit == eager bitwise: {same}; "
+                      f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; device {row['device_us']:.1f} µs "
+                      f"(jit/device x{row['jit_us'] / row['device_us']:.2f}); jit == eager bitwise: {same}; "
                       f"vs baseline {diff:.2g}", file=sys.stderr, flush=True)
         finally:
             for layer in layers:
@@ -121,5 +150,6 @@ def run(args, profiles: dict, commit) -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit(),
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
                             device=args.device, tokens=args.tokens, iters=args.iters, warmup=args.warmup, seed=seed,
-                            protocol=protocol, combine_quant=args.combine_quant, gemm="ragged (jax.lax.ragged_dot)"),
+                            protocol=protocol, combine_quant=args.combine_quant, gemm="ragged (jax.lax.ragged_dot)",
+                            calls=calls_path(), xla_flags=os.environ.get("XLA_FLAGS", "")),
                 method=__doc__, rows=rows)
