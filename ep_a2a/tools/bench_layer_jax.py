@@ -59,7 +59,7 @@ def all_gather_step(layers):
     return jax.jit(step)
 
 
-CHAIN = 8
+CHAIN = 4
 
 
 def calls_path() -> str:
