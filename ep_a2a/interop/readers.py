@@ -5,10 +5,10 @@ on (its geometry) and the stream that framework queues the tensor's work on.
 Only geometry is read, never the values: a write into a tensor's values changes nothing the
 launch depends on (the kernels read the values on the device when they run), while a
 tensor moved to other memory, resized, restrided or retyped reads differently, and its
-call takes the full path (the DLPack exchange and every check). torch tensors (exactly
-torch.Tensor: a subclass may export differently) have a reader; other frameworks take the
-full path unless one is registered (JAX's export waits for an array's own ready event,
-which no current stream stands for).
+call takes the full path (the DLPack exchange and every check). torch tensors and CuPy
+arrays (exactly torch.Tensor and cupy.ndarray: a subclass may export differently) have a
+reader; other frameworks take the full path unless one is registered (JAX's export waits
+for an array's own ready event, which no current stream stands for).
 """
 from __future__ import annotations
 
@@ -42,8 +42,11 @@ def reader_of(obj):
 
 
 def _builtin(kind):
-    torch = sys.modules.get("torch")  # (a torch tensor exists only once torch is imported)
+    torch, cupy = sys.modules.get("torch"), sys.modules.get("cupy")  # (their tensors exist only once imported)
     if torch is not None and kind is torch.Tensor:
         from . import torch_tensor as tt
         return Reader(tt.geometry, tt.device_ordinal, tt.current_stream, tt.standing_tensor)
+    if cupy is not None and kind is cupy.ndarray:
+        from . import cupy_array as ca
+        return Reader(ca.geometry, ca.device_ordinal, ca.current_stream, ca.standing_tensor)
     return None

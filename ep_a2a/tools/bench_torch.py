@@ -24,9 +24,9 @@ timed in the same run:
                           step (the combine input as torch's view of the workspace), torch's
                           current stream set to each rank's as in torch_ops_us: the repeat
                           fast path reads their geometry through torch (fastpath.py)
-  core_torch_waits_us     the same with torch's current stream left as it is (another
-                          stream than the ranks'): each call then orders it before the
-                          rank's stream (an event record and a wait per rank and phase)
+  core_torch_waits_us     the same with torch's current stream another torch stream per
+                          rank: each call then orders it before the rank's stream (an
+                          event record and a wait per rank and phase), as DLPack does
   two_bare_launches_us    two launches of the prepacked empty kernel per rank
   torch_ops_copies        times an op was handed a copy of its own view during this run (0)
 """
@@ -95,14 +95,14 @@ def torch_host_overhead(b, T: int, iters: int = None, repeats: int = 5) -> dict:
     def moved_step(i):
         ops_step(sets[i & 1])
 
-    def core_torch_step(switch=True):  # (the core calls with torch tensors: no binding, no slots)
-        for (ids, pays), r, st in zip(sets[0], ranks, streams):
-            if switch:
-                torch.cuda.set_stream(st)
+    other = [torch.cuda.Stream(device=torch.device("cuda", r.device.ordinal)) for r in ranks]
+
+    def core_torch_step(currents):  # (the core calls with torch tensors: no binding, no slots)
+        for (ids, pays), r, st in zip(sets[0], ranks, currents):
+            torch.cuda.set_stream(st)
             r.dispatch(ids, pays, T)
-        for part, r, st in zip(tparts, ranks, streams):
-            if switch:
-                torch.cuda.set_stream(st)
+        for part, r, st in zip(tparts, ranks, currents):
+            torch.cuda.set_stream(st)
             r.combine(part, T)
         torch.cuda.set_stream(keep)
 
@@ -144,8 +144,8 @@ def torch_host_overhead(b, T: int, iters: int = None, repeats: int = 5) -> dict:
         torch_dispatcher_us=lambda: per_rank_us(dispatcher_step),
         stream_switch_us=lambda: per_rank_us(switch_only),
         ep_a2a_tensors_us=lambda: per_rank_us(lambda: eager_step(ranks, ins, cins, T)),
-        core_torch_tensors_us=lambda: per_rank_us(core_torch_step),
-        core_torch_waits_us=lambda: per_rank_us(lambda: core_torch_step(switch=False)),
+        core_torch_tensors_us=lambda: per_rank_us(lambda: core_torch_step(streams)),
+        core_torch_waits_us=lambda: per_rank_us(lambda: core_torch_step(other)),
         two_bare_launches_us=lambda: per_rank_us(lambda: bare_launches(ranks))), repeats)
     res = dict(tokens_per_rank=T, ranks=len(ranks), iters=iters, repeats=repeats, **med, samples=samples)
     res["torch_ops_copies"] = ops.copies() - copies_before

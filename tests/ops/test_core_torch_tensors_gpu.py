@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from common import fresh_rng
 
+pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 from test_torch_ops_gpu import _cuda, _draw, _identity_want, _make  # noqa: E402
 

@@ -244,3 +244,22 @@ def test_the_torch_reader_takes_exactly_torch_tensors_and_records_match_them():
     del t
     gc.collect()
     assert not rep.matches(None, (None,), 4, None)
+
+
+def test_the_cupy_reads_take_byte_strides_and_the_legacy_stream_as_cupy_does(monkeypatch):
+    """interop/cupy_array.py on an object with CuPy's attributes (no cupy here): the geometry
+    is its fields, the standing Tensor counts strides in elements, and CuPy's current stream
+    0 is read as the legacy stream (its DLPack export compares that)."""
+    import sys
+    from ep_a2a.interop import cupy_array
+    a = types.SimpleNamespace(data=types.SimpleNamespace(ptr=1 << 36, device_id=0), shape=(4, 6), strides=(48, 8),
+                              dtype=np.dtype(np.float32))
+    assert cupy_array.geometry(a) == (1 << 36, (4, 6), (48, 8), np.dtype(np.float32), 0)
+    t = cupy_array.standing_tensor(a)
+    assert (t.ptr, t.shape, t.strides, t.dtype.name, t.device) == (1 << 36, (4, 6), (12, 2), "float32", (2, 0))
+    current = types.SimpleNamespace(ptr=0)
+    fake = types.SimpleNamespace(cuda=types.SimpleNamespace(get_current_stream=lambda: current))
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert cupy_array.current_stream(0) == 1
+    current.ptr = 0x5000
+    assert cupy_array.current_stream(0) == 0x5000
