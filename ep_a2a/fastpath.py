@@ -14,7 +14,9 @@ stream's work first (as_tensor). A framework tensor with a reader (interop/reade
 torch's) is held by a weak reference too, and its geometry read through the framework's own
 accessors; a repeat then orders the framework's current stream before the call's
 (order_producers), which is what its DLPack exchange did on the full path. Only geometry
-is compared: a write into a tensor's values changes nothing the launch depends on.
+is compared: a write into a tensor's values changes nothing the launch depends on. (A
+combine's framework `out` comes back as the Tensor the full path made over it, which holds
+it: the record keeps that `out` alive until the next combine's record replaces it.)
 
 A caller that fills the very Tensor objects of the last call itself, and so knows whether it
 changed any of their fields, may skip the geometry compare: dispatch_same / combine_same

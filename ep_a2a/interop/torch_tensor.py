@@ -9,6 +9,9 @@ through torch's cheap accessors. The all-to-all then checks that Tensor by its u
 usual messages naming the argument. Nothing is ordered between streams here: the ops launch
 on the stream the tensors are used on (torch's current stream), which is what makes that safe.
 
+The all-to-all's own repeat fast path reads torch tensors passed to it directly through
+`geometry` and `current_stream` (interop/readers.py), for the same reason.
+
 The other direction, `torch_view`, turns a workspace view into a torch tensor once (one
 DLPack exchange, made when a view is first needed and then cached by the caller).
 torch is imported only when one of these runs.
