@@ -307,8 +307,9 @@ class RankAlltoAll:
         id check may still reject) or the full path; a rejection runs the step without tokens."""
         try:
             if repeat is not None:
+                repeat.order_producers()  # (framework tensors: what their DLPack exchange ordered)
                 if self.validate_expert_ids and repeat.call.tokens and not is_capturing(repeat.handle):
-                    check_expert_ids_on_host(token_selected_experts, repeat.handle, self.a2a.num_experts)
+                    check_expert_ids_on_host(repeat.first or token_selected_experts, repeat.handle, self.a2a.num_experts)
                 call = repeat.call
                 if call.protocol != self.a2a.protocol:  # (use_protocol since: the same call under the new setting)
                     call = dataclasses.replace(call, protocol=self.a2a.protocol)
@@ -430,6 +431,7 @@ class RankAlltoAll:
         rep = self._repeat_combine
         if rep is not None and rep.call.tokens == self.state.pending.tokens and \
                 rep.matches(partial, (out,), runtime_max_tokens_per_rank, stream):
+            rep.order_producers()
             return self._combined(rep.call, rep.handle, *rep.extra)
         call, handle, out_t, stage = self.combine_call(partial, runtime_max_tokens_per_rank, stream, out)
         out_t = self._combined(call, handle, out_t, stage)
@@ -479,8 +481,7 @@ class RankAlltoAll:
         return out_t
 
     def _fp8_input(self, runtime_max: int) -> tuple:
-        """(combine_input(T^, fp8=True), the geometry its views must have), made once per T^ (combine's
-        check is then a few comparisons; kept apart because a caller may change a Tensor's fields)."""
+        """(combine_input(T^, fp8=True), the geometry its views must have: a caller may change a Tensor's fields)."""
         got = self._fp8_inputs.get(runtime_max)
         if got is None:
             a2a = self.a2a
@@ -495,8 +496,7 @@ class RankAlltoAll:
     # -- repeats vouched for by the caller (ops/torch_views.py) --------------------------------
     @property
     def last_repeats(self) -> tuple:
-        """(dispatch, combine) repeat records of this rank's last calls (fastpath.Repeat, None where
-        the call cannot be repeated): what dispatch_same and combine_same take."""
+        """(dispatch, combine) records of this rank's last calls (fastpath.Repeat or None): dispatch_same's, combine_same's."""
         return self._repeat_dispatch, self._repeat_combine
 
     @recorded_on_lost_context
@@ -522,6 +522,7 @@ class RankAlltoAll:
         if (record is not self._repeat_combine or pending is None or pending.tokens != record.call.tokens
                 or not record.same_call(runtime_max_tokens_per_rank, stream)):
             return None
+        record.order_producers()
         return self._combined(record.call, record.handle, *record.extra)
 
     # -- a rejected step (rejection.py) ----------------------------------------------------------

@@ -149,6 +149,14 @@ def _wait(consumer: int, producer: int, device_id: int) -> None:
         ev.close()
 
 
+def order_after(consumer, producer, device_id: int) -> None:
+    """DLPack's stream rule, the one definition ep_a2a follows: a consumer stream waits for the
+    work queued so far on the producer stream, unless they are one stream or either is None
+    (complete, or not known) or the consumer is -1 (the caller orders)."""
+    if producer is not None and consumer is not None and consumer != -1 and consumer != producer:
+        _wait(consumer, producer, device_id)
+
+
 class _HostArray:
     """Carries the __array_interface__ NumPy wraps, and keeps the Tensor (hence owner) alive."""
     __slots__ = ("tensor", "__array_interface__")
@@ -260,12 +268,10 @@ class Tensor:
                                   "(1 = legacy default stream, 2 = per-thread default stream, -1 = no sync)")
             if consumer is None:  # DLPack: no stream given means the legacy default stream
                 consumer = 1
-        if self.stream is None or consumer == -1 or consumer == self.stream:
-            return
         if self.device[0] in _ON_GPU:
-            _wait(consumer, self.stream, self.device[1])
-        else:  # host memory is read by the host: nothing short of completion makes it safe
-            synchronize_stream(self.stream)
+            order_after(consumer, self.stream, self.device[1])
+        elif self.stream is not None and consumer != -1 and consumer != self.stream:
+            synchronize_stream(self.stream)  # host memory is read by the host: nothing short of completion makes it safe
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
         if copy:
@@ -381,7 +387,7 @@ def _from_cai(obj, cai: dict, stream, what: str) -> Tensor:
     ordinal = pointer_device(ptr) if ptr else 0
     consumer = _as_stream(stream)
     if consumer not in (None, -1) and producer is not None and consumer != producer:
-        _wait(consumer, producer, ordinal)
+        order_after(consumer, producer, ordinal)
         producer = consumer
     try:
         return Tensor(ptr, cai["shape"], dt, device=(CUDA, ordinal), strides=strides, owner=obj,

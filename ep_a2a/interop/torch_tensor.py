@@ -9,6 +9,9 @@ through torch's cheap accessors. The all-to-all then checks that Tensor by its u
 usual messages naming the argument. Nothing is ordered between streams here: the ops launch
 on the stream the tensors are used on (torch's current stream), which is what makes that safe.
 
+The all-to-all's own repeat fast path reads torch tensors passed to it directly through
+`geometry` and `current_stream` (interop/readers.py), for the same reason.
+
 The other direction, `torch_view`, turns a workspace view into a torch tensor once (one
 DLPack exchange, made when a view is first needed and then cached by the caller).
 torch is imported only when one of these runs.
@@ -114,6 +117,42 @@ class TensorSlot:
             w.ptr, w.shape, w.strides, w.dtype, w.device = t.data_ptr(), shape, strides, d, device
         self.torch_dtype, self.ordinal, self.dense = dt, ordinal, dense
         return w
+
+
+def geometry(t) -> tuple:
+    """What a torch tensor's conversion to an ep_a2a Tensor depends on, read through torch's
+    accessors (well under a µs, where a DLPack exchange costs tens): address, shape, strides,
+    dtype, device, and requires_grad (torch refuses to export a tensor that requires grad).
+    A write into the values changes none of it; moving, resizing or restriding the tensor in
+    place (set_, resize_, as_strided_, .data =) does. interop/readers.py uses it."""
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.get_device(), t.requires_grad
+
+
+def device_ordinal(t) -> int:
+    return t.get_device()
+
+
+_current = []  # [torch's current-stream reader] (made on first use: importing this module needs no torch)
+
+
+def current_stream(ordinal: int) -> int:
+    """torch's current stream on cuda:`ordinal` as a raw handle: where torch queues the work
+    that produces a tensor, which its DLPack export orders before the consumer's stream."""
+    if not _current:
+        import torch
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # (building a Stream object costs far more)
+        _current.append(raw or (lambda i: torch.cuda.current_stream(i).cuda_stream))
+    return _current[0](ordinal)
+
+
+def standing_tensor(t) -> Tensor:
+    """An ep_a2a Tensor over torch tensor t's memory that owns nothing (the caller holds t)."""
+    d = (_BY_TORCH or _tables()).get(t.dtype)
+    if d is None:
+        raise TypeError(f"torch dtype {t.dtype} has no ep_a2a equivalent")
+    ordinal, shape = t.get_device(), tuple(t.shape)
+    return Tensor(t.data_ptr(), shape, d, device=(CUDA, ordinal) if ordinal >= 0 else (CPU, 0),
+                  strides=_strides_of(t, shape)[0])
 
 
 def torch_view(t: Tensor):

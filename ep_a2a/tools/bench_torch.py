@@ -20,6 +20,13 @@ timed in the same run:
                           need one stream each; a rank alone in its process does not pay
                           it), included in the four above and also given alone
   ep_a2a_tensors_us       RankAlltoAll.dispatch/combine with ep_a2a Tensors (fast path)
+  core_torch_tensors_us   RankAlltoAll.dispatch/combine with the same torch tensors every
+                          step (the combine input as torch's view of the workspace), torch's
+                          current stream set to each rank's as in torch_ops_us: the repeat
+                          fast path reads their geometry through torch (fastpath.py)
+  core_torch_waits_us     the same with torch's current stream another torch stream per
+                          rank: each call then orders it before the rank's stream (an
+                          event record and a wait per rank and phase), as DLPack does
   two_bare_launches_us    two launches of the prepacked empty kernel per rank
   torch_ops_copies        times an op was handed a copy of its own view during this run (0)
 """
@@ -88,6 +95,17 @@ def torch_host_overhead(b, T: int, iters: int = None, repeats: int = 5) -> dict:
     def moved_step(i):
         ops_step(sets[i & 1])
 
+    other = [torch.cuda.Stream(device=torch.device("cuda", r.device.ordinal)) for r in ranks]
+
+    def core_torch_step(currents):  # (the core calls with torch tensors: no binding, no slots)
+        for (ids, pays), r, st in zip(sets[0], ranks, currents):
+            torch.cuda.set_stream(st)
+            r.dispatch(ids, pays, T)
+        for part, r, st in zip(tparts, ranks, currents):
+            torch.cuda.set_stream(st)
+            r.combine(part, T)
+        torch.cuda.set_stream(keep)
+
     def dispatcher_step():
         direct, ops.EAGER_DIRECT = ops.EAGER_DIRECT, False
         try:
@@ -108,6 +126,7 @@ def torch_host_overhead(b, T: int, iters: int = None, repeats: int = 5) -> dict:
             [from_numpy(host(p, p.element_size()), r.device, s.dtype) for p, s in zip(pays, a.payload_specs)])
            for (ids, pays), r in zip(sets[0], ranks)]
     cins = [r.combine_input(T, fp8=fp8) for r in ranks]
+    tparts = [cin if fp8 else ops.combine_input(tr, T) for tr, cin in zip(binds, cins)]  # (torch views of the same)
 
     def settle():
         a.synchronize()
@@ -125,6 +144,8 @@ def torch_host_overhead(b, T: int, iters: int = None, repeats: int = 5) -> dict:
         torch_dispatcher_us=lambda: per_rank_us(dispatcher_step),
         stream_switch_us=lambda: per_rank_us(switch_only),
         ep_a2a_tensors_us=lambda: per_rank_us(lambda: eager_step(ranks, ins, cins, T)),
+        core_torch_tensors_us=lambda: per_rank_us(lambda: core_torch_step(streams)),
+        core_torch_waits_us=lambda: per_rank_us(lambda: core_torch_step(other)),
         two_bare_launches_us=lambda: per_rank_us(lambda: bare_launches(ranks))), repeats)
     res = dict(tokens_per_rank=T, ranks=len(ranks), iters=iters, repeats=repeats, **med, samples=samples)
     res["torch_ops_copies"] = ops.copies() - copies_before
@@ -206,6 +227,8 @@ def main(argv=None) -> int:
     for row in rows:
         print(f"{row['tokens_per_rank']:6d}  " + "  ".join(f"{row[k]:20.1f}" for k in keys))
     print("torch_ops_copies per T: " + ", ".join(f"{row['tokens_per_rank']}: {row['torch_ops_copies']}" for row in rows))
+    print("core_torch_tensors / torch_ops per T: " + ", ".join(
+        f"{row['tokens_per_rank']}: {row['core_torch_tensors_us'] / row['torch_ops_us']:.2f}x" for row in rows))
     import torch
     doc = dict(method=__doc__, device=gpu, torch=torch.__version__, commit=commit(),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(), ranks=args.ranks,

@@ -250,8 +250,9 @@ def test_one_token_fence_dispatch_runs_as_one_cluster_and_its_repeat_too(recorde
     assert hooks.last_grids(r)[0] == 8
 
 
-def test_framework_tensors_and_stream_objects_never_repeat(recorder, monkeypatch):
-    """Only ep_a2a Tensors with None or int streams may repeat: other objects go the full path."""
+def test_stream_objects_never_repeat(recorder, monkeypatch):
+    """Only calls with None or int streams may repeat: a stream object goes the full path
+    (framework tensors: test_repeat_framework_cpu.py)."""
     a2a, r, specs = _rank()
     ids = Tensor(1 << 33, (4, 8), "int32", device=(2, 0))
     pays = [Tensor((1 << 34) + 4096 * k, (4,) + tuple(s.shape), s.dtype, device=(2, 0)) for k, s in enumerate(specs)]
