@@ -21,11 +21,12 @@ forward() also takes the routing ready-made: (expert ids int [T, top_k], weights
 Grouped GEMMs: torch.nn.functional.grouped_mm (or torch._grouped_mm in older releases) with
 the index's device offsets, so the layer never reads a count on the host; a per-expert loop
 over host counts where that is missing or fails on this GPU (checked once, at construction).
-The grouped path computes the gated activation over all index.capacity rows (it does not
-know the total on the host): rows past the total hold garbage that nothing reads.
+The grouped path's activation is ep_a2a's fused SiLU(gate) * up (moe.activation), which reads
+the row total on the device (the host does not know it) and computes those rows only, bitwise
+as torch's F.silu and torch.mul would; rows past the total hold garbage that nothing reads.
 
 Every ep_a2a step runs through the registered torch ops (ep_a2a/ops/torch.py: dispatch,
-build_index, gather_rows, finalize, combine) on the rank's stream, with torch tensors: no
+build_index, gather_rows, activation, finalize, combine) on the rank's stream, with torch tensors: no
 DLPack exchange per call. Ranks in one process (ep_a2a.LocalGroup): moe_forward_all_ranks()
 runs a step in phases (layers/base.run_phases says why); the layer's buffers are allocated
 at construction and the dispatch and combine phases allocate nothing and never block the
@@ -221,9 +222,10 @@ class TorchMoeLayer(LayerBase):
                 offs = self._offs
                 offs.copy_(self._offsets[1:])  # end row of each local expert, on the device (16-byte aligned copy)
                 h = self.fc1(xg, offs)
-                gate, up = h[:, :I], h[:, I:]
-                F.silu(gate, inplace=True)
-                act = torch.mul(gate, up, out=self._act[:cap])
+                if not h.is_contiguous():  # (padded rows: grouped_mm aligns them to 16 bytes)
+                    h = h.contiguous()
+                act = self._act[:cap]
+                ops.activation(self.tix, h, act)  # the rows below the device's total only
                 y = self.fc2(act, offs)  # (freed on this stream: its reuse waits for finalize)
             else:
                 bounds = self._offsets.cpu().tolist()  # blocks until build_index ran (all ranks have dispatched)

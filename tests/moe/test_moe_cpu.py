@@ -182,7 +182,7 @@ def test_cubins_have_moe_kernels():
         pytest.skip("cubins not built (run `make cubins`)")
     data = (module.CUBIN_DIR / f"moe_compute.sm_{built[0]}.cubin").read_bytes()
     for sym in (b"moe_index_fused", b"moe_index_count", b"moe_index_scan", b"moe_index_scatter", b"moe_gather_rows",
-                b"moe_finalize_bf16_bf16", b"moe_finalize_f32_f16"):
+                b"moe_finalize_bf16_bf16", b"moe_finalize_f32_f16", b"moe_swiglu_bf16", b"moe_swiglu_f16"):
         assert sym in data
 
 
