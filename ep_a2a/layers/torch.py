@@ -133,6 +133,12 @@ class TorchMoeLayer(LayerBase):
         self._out = torch.empty(a.max_tokens_per_rank, H, **bf)
         self._offsets = self.tix.offsets  # int32 [E_local + 1] on the device
         self._offs = torch.empty(L, dtype=torch.int32, device=self.device)
+        self._ends = self._offsets[1:]
+        # Per-step host work made once: the buffers' views per T^ (or T) and the events that
+        # order this rank's stream after the caller's and back (Stream.wait_stream would make
+        # an event each call).
+        self._rows_views, self._out_views = {}, {}
+        self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         torch.cuda.synchronize(self.device)
         self.output = None
 
@@ -176,7 +182,8 @@ class TorchMoeLayer(LayerBase):
             raise ValueError(f"x: must be on {self.device} (rank {self.rank}'s GPU), got {x.device}")
         T = x.shape[0]
         # the caller produced x (and the router input) on its current stream
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._fork.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(self._fork)
         if isinstance(router, (tuple, list)):
             ids, w = router
             if tuple(ids.shape) != (T, self.top_k) or tuple(w.shape) != (T, self.top_k):
@@ -217,14 +224,16 @@ class TorchMoeLayer(LayerBase):
             ops.build_index(self.tix, ids_v, w_v)
             ops.gather_rows(self.tix, x_v, self._xg)
             cap = self.index.capacity
-            xg = self._xg[:cap]
+            views = self._rows_views.get(cap)
+            if views is None:
+                views = self._rows_views[cap] = (self._xg[:cap], self._act[:cap])
+            xg, act = views
             if self.gemm == "grouped":
                 offs = self._offs
-                offs.copy_(self._offsets[1:])  # end row of each local expert, on the device (16-byte aligned copy)
+                offs.copy_(self._ends)  # end row of each local expert, on the device (16-byte aligned copy)
                 h = self.fc1(xg, offs)
                 if not h.is_contiguous():  # (padded rows: grouped_mm aligns them to 16 bytes)
                     h = h.contiguous()
-                act = self._act[:cap]
                 ops.activation(self.tix, h, act)  # the rows below the device's total only
                 y = self.fc2(act, offs)  # (freed on this stream: its reuse waits for finalize)
             else:
@@ -251,11 +260,14 @@ class TorchMoeLayer(LayerBase):
         on this rank's stream (moe_forward_all_ranks makes the caller's stream wait for it)."""
         import torch
         T, runtime_max = self._step["T"], self._step["runtime_max"]
+        out = self._out_views.get(T)
+        if out is None:
+            out = self._out_views[T] = self._out[:T]
         with torch.cuda.stream(self.stream):
-            self._ops.combine(self.tr, self._ops.combine_input(self.tr, runtime_max, fp8=self._fp8), runtime_max, out=self._out[:T])
+            self._ops.combine(self.tr, self._ops.combine_input(self.tr, runtime_max, fp8=self._fp8), runtime_max, out=out)
         self._step = None
-        self.output = self._out[:T]
-        return self.output
+        self.output = out
+        return out
 
     def forward(self, x, router, runtime_max_tokens_per_rank: int = None):
         """One step for a rank alone in its process (every rank passes the same T^; default
@@ -266,10 +278,16 @@ class TorchMoeLayer(LayerBase):
         self.dispatch()
         self.compute()
         out = self.combine()
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.join(torch.cuda.current_stream(self.device))
         return out
 
     __call__ = forward
+
+    def join(self, stream) -> None:
+        """`stream` (a torch stream of this rank's GPU) waits for the work issued on this rank's
+        stream so far."""
+        self._join.record(self.stream)
+        stream.wait_event(self._join)
 
     def close(self) -> None:
         """Release what the layer made (its expert index and buffers); the all-to-all is the caller's."""
@@ -293,8 +311,12 @@ def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int 
     import torch
     run_phases(layers, xs, routers, runtime_max_tokens_per_rank)
     outs = [layer.output for layer in layers]
+    current = {}
     for layer in layers:
-        torch.cuda.current_stream(layer.device).wait_stream(layer.stream)
+        cur = current.get(layer.device)
+        if cur is None:
+            cur = current[layer.device] = torch.cuda.current_stream(layer.device)
+        layer.join(cur)
     return outs
 
 
