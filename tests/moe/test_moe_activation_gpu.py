@@ -44,9 +44,10 @@ def _routing(rng, ep, tmax, top_k, num_experts, dev, local_share):
 def _fc1_out(rng, rows, inter, dtype, dev):
     """[rows, 2 * I]: half the rows normals at a scale per row (what a GEMM gives), half any
     finite bits (tiny, subnormal and huge values: expf(-x) under- and overflows)."""
-    normal = rng.standard_normal((rows, 2 * inter), dtype=np.float32) * rng.choice([0.25, 1, 4, 16], (rows, 1))
-    h = torch.from_numpy(normal.astype(np.float32)).to(dev).to(dtype)
-    bits = torch.from_numpy(rng.integers(-2 ** 15, 2 ** 15, (rows, 2 * inter), dtype=np.int64).astype(np.int16)).to(dev)
+    g = torch.Generator(device=dev).manual_seed(int(rng.integers(2 ** 62)))  # (drawn on the GPU: fast)
+    scale = torch.from_numpy(rng.choice(np.float32([0.25, 1, 4, 16]), (rows, 1))).to(dev)
+    h = (torch.randn(rows, 2 * inter, generator=g, device=dev) * scale).to(dtype)
+    bits = torch.randint(-2 ** 15, 2 ** 15, (rows, 2 * inter), generator=g, device=dev, dtype=torch.int32).to(torch.int16)
     exp_bits = 0x7F80 if dtype == torch.bfloat16 else 0x7C00
     finite = (bits & exp_bits) != exp_bits
     bits = torch.where(finite, bits, bits ^ exp_bits)  # all-ones exponent (inf / NaN) made finite
@@ -70,7 +71,7 @@ def _check(out, want, total, msg):
 # (ep, top_k, T^, I): I = 1024 / 2048 the small and DeepSeek-V3-like profiles (16-byte vectors);
 # I = 12, 6, 3: 8-, 4- and 2-byte vectors; T^ = 1 / 4 decode; the largest size several waves.
 CASES = [(1, 1, 1, 8), (8, 8, 1, 1024), (8, 8, 4, 1024), (8, 8, 16, 2048), (3, 22, 7, 12), (2, 4, 33, 6),
-         (2, 2, 5, 3), (8, 8, 128, 1024), (4, 8, 512, 2048)]
+         (2, 2, 5, 3), (8, 8, 128, 1024), (4, 8, 96, 2048)]
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
