@@ -26,8 +26,8 @@ the row total on the device (the host does not know it) and computes those rows 
 as torch's F.silu and torch.mul would; rows past the total hold garbage that nothing reads.
 
 Every ep_a2a step runs through the registered torch ops (ep_a2a/ops/torch.py: dispatch,
-build_index, gather_rows, activation, finalize, combine) on the rank's stream, with torch tensors: no
-DLPack exchange per call. Ranks in one process (ep_a2a.LocalGroup): moe_forward_all_ranks()
+build_index, gather_rows, activation, finalize, combine) on the rank's stream, with torch
+tensors: no DLPack exchange per call. Ranks in one process (ep_a2a.LocalGroup): moe_forward_all_ranks()
 runs a step in phases (layers/base.run_phases says why); the layer's buffers are allocated
 at construction and the dispatch and combine phases allocate nothing and never block the
 host. A rank alone in its process (ProcessGroup) may simply call forward().

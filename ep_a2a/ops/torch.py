@@ -63,8 +63,7 @@ from ..validate import check_expert_ids_on_host
 from .torch_views import INDEXES, RANKS, TorchIndex, TorchRank, bind, current_stream_handle, lookup, register_ops
 
 __all__ = ["bind", "dispatch", "combine", "combine_input", "expert_index", "build_index", "gather_rows", "activation",
-           "finalize",
-           "TorchRank", "TorchIndex", "SCHEMAS", "copies"]
+           "finalize", "TorchRank", "TorchIndex", "SCHEMAS", "copies"]
 
 SCHEMAS = {
     "dispatch": "dispatch(int rank, Tensor token_selected_experts, Tensor[] payloads, int runtime_max_tokens_per_rank, "
