@@ -252,18 +252,18 @@ EP_SWIGLU(f16, __half)
 // FMA contraction), which is what moe_reference.finalize computes in NumPy: bitwise equal.
 // E elements per vector; a group of threads covers one slot's hidden vector.
 //
-// At decode sizes a slot's k selections are a chain of dependent loads (row_of, then the
-// weight and the row): the selections are therefore taken FIN_K at a time, every load of a
-// batch issued before the first add, and added in k order as before (the same bits).
-constexpr int FIN_K = 8;
+// At decode sizes a slot's k selections were a chain of dependent loads (row_of[k], then
+// the weight and the row, k after k). The rows of FIN_K selections are loaded together
+// first; then each local selection costs one latency (its weight and row load in parallel),
+// added in k order as before (the same bits). Only the rows are held, not the loaded values,
+// and FIN_K stays small: the kernel keeps its 32 registers, so the occupancy (bytes in
+// flight) that the byte-bound large sizes need.
+constexpr int FIN_K = 4;
 
-// Rows and weights of selections k0 .. k0 + FIN_K - 1 of one slot (row -1: none).
-EP_DEVICE void load_selections(const int* sel, int k0, int top_k, const float* row_weight, int (&row)[FIN_K],
-                               float (&w)[FIN_K]) {
+// Rows of selections k0 .. k0 + FIN_K - 1 of one slot (-1: none).
+EP_DEVICE void load_selections(const int* sel, int k0, int top_k, int (&row)[FIN_K]) {
 #pragma unroll
   for (int j = 0; j < FIN_K; ++j) row[j] = k0 + j < top_k ? sel[k0 + j] : -1;
-#pragma unroll
-  for (int j = 0; j < FIN_K; ++j) w[j] = row[j] >= 0 ? row_weight[row[j]] : 0.f;
 }
 
 template <typename TIn, typename TOut, int E>
@@ -281,17 +281,15 @@ EP_DEVICE void finalize_slots(const TIn* fc2, TOut* out, const int* row_of, cons
       for (int e = 0; e < E; ++e) acc[e] = 0.f;
       for (int k0 = 0; k0 < top_k; k0 += FIN_K) {
         int row[FIN_K];
-        float w[FIN_K];
-        load_selections(sel, k0, top_k, row_weight, row, w);
-        union { VIn raw; TIn el[E]; } x[FIN_K];
-#pragma unroll
-        for (int j = 0; j < FIN_K; ++j)
-          if (row[j] >= 0) x[j].raw = reinterpret_cast<const VIn*>(fc2 + static_cast<size_t>(row[j]) * hidden)[v];
+        load_selections(sel, k0, top_k, row);
 #pragma unroll
         for (int j = 0; j < FIN_K; ++j) {
           if (row[j] < 0) continue;
+          const float w = row_weight[row[j]];
+          union { VIn raw; TIn el[E]; } x;
+          x.raw = reinterpret_cast<const VIn*>(fc2 + static_cast<size_t>(row[j]) * hidden)[v];
 #pragma unroll
-          for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w[j], to_float<TIn>(x[j].el[e])));
+          for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, to_float<TIn>(x.el[e])));
         }
       }
       union { VOut raw; TOut el[E]; } o;
@@ -345,20 +343,18 @@ EP_DEVICE void finalize_slots_q8(const TIn* fc2, unsigned char* q, float* scales
       const size_t col = (u - slot * per_row) * EP_Q8_BLOCK + lane * 8;  // block * 128 + lane * 8
       at = static_cast<size_t>(slot) * hidden + col;
       const int* sel = row_of + static_cast<size_t>(slot) * top_k;
-      for (int k0 = 0; k0 < top_k; k0 += FIN_K) {  // (batched as finalize_slots: the same sums)
+      for (int k0 = 0; k0 < top_k; k0 += FIN_K) {  // (rows first, as finalize_slots: the same sums)
         int row[FIN_K];
-        float w[FIN_K];
-        load_selections(sel, k0, top_k, row_weight, row, w);
-        uint4 raw[FIN_K][Q8Load<TIn>::N];  // (fc2 16-byte aligned: the host checks)
-#pragma unroll
-        for (int j = 0; j < FIN_K; ++j)
-          if (row[j] >= 0) q8_load<TIn>(fc2 + static_cast<size_t>(row[j]) * hidden + col, raw[j]);
+        load_selections(sel, k0, top_k, row);
 #pragma unroll
         for (int j = 0; j < FIN_K; ++j) {
           if (row[j] < 0) continue;
-          const TIn* x = reinterpret_cast<const TIn*>(raw[j]);
+          const float w = row_weight[row[j]];
+          uint4 raw[Q8Load<TIn>::N];  // (fc2 16-byte aligned: the host checks)
+          q8_load<TIn>(fc2 + static_cast<size_t>(row[j]) * hidden + col, raw);
+          const TIn* x = reinterpret_cast<const TIn*>(raw);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(v[e], __fmul_rn(w[j], to_float<TIn>(x[e])));
+          for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(v[e], __fmul_rn(w, to_float<TIn>(x[e])));
         }
       }
 #pragma unroll
