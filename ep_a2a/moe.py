@@ -5,7 +5,9 @@ dispatch and combine.
     index = ExpertIndex.for_rank(r)                                       # once, up front
     build_index(ids, w, num_experts=E, ep_size=ep, rank=r.rank, out=index)  # local experts' rows
     gather_rows(index, x, x_rows)             # x_rows[p] = x[slot of row p]: expert-major input
-    ...  grouped GEMMs over index.offsets: fc2_out[p] = expert(x_rows[p]) ...
+    ...  FC1 (grouped GEMM over index.offsets) -> h [rows, 2 * I] ...
+    activation(index, h, act)                 # act[p] = silu(h[p, :I]) * h[p, I:], rows < total
+    ...  FC2 -> fc2_out[p] = expert(x_rows[p]) ...
     finalize(index, fc2_out, r.combine_input(T_hat))   # weighted sum per slot, into the workspace
     y = r.combine(r.combine_input(T_hat), T_hat)
 
@@ -16,7 +18,7 @@ slot then k. The order is a stable counting sort (kernels/moe_compute.cu), so it
 on every run; moe_reference.py computes the same index, gather and finalize in NumPy.
 
 Everything runs on the device without host synchronisation, with launch shapes fixed by T^,
-so build_index + gather_rows + finalize capture into a CUDA graph: create the ExpertIndex
+so build_index + gather_rows + activation + finalize capture into a CUDA graph: create the ExpertIndex
 first (`ExpertIndex(...)` or `ExpertIndex.for_rank(a2a.ranks[i])`) and pass it as `out=`.
 Do the same with several ranks in one process: without `out=` every call allocates an index,
 and freeing the previous one (cuMemFree synchronizes the device) between two ranks' launches
@@ -44,8 +46,10 @@ _TABLE_SHARED_INTS = 10240     # the [local expert][warp] table in shared memory
 _TILE_ROUNDS = 16              # a warp tile is at most 16 rounds of 32 entries while the table is small
 _MAX_TABLE = 1 << 16           # [local expert][tile] counts the one-block scan reads (multi-kernel path)
 _THREADS = 256                 # gather / finalize blocks
+ACTIVATION_DTYPES = {"bfloat16": "bf16", "float16": "f16"}  # the gated activation's kernels (moe_swiglu_*)
 _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_scatter", "moe_gather_rows") + tuple(
-    f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in REDUCE_DTYPES.values() for o in REDUCE_DTYPES.values())
+    f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in REDUCE_DTYPES.values() for o in REDUCE_DTYPES.values()
+) + tuple(f"moe_swiglu_{d}" for d in ACTIVATION_DTYPES.values())
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
@@ -227,7 +231,7 @@ def _groups(vectors: int) -> tuple:
     return group, _THREADS // group
 
 
-# -- the three pieces ---------------------------------------------------------------------------
+# -- the pieces ---------------------------------------------------------------------------------
 def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: int, stream=None,
                 out: ExpertIndex = None) -> ExpertIndex:
     """Index the slots of one dispatch by the local experts of `rank`.
@@ -306,6 +310,42 @@ def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
             ctypes.c_uint32(row_bytes), ctypes.c_uint32(vec), ctypes.c_int32(group)]
     index.device.make_current()
     index._launch("moe_gather_rows", args, grid, _THREADS, 0, s)
+
+
+def activation(index: ExpertIndex, fc1_out, out, stream=None) -> None:
+    """The gated SiLU between FC1 and FC2: out[p, :] = silu(fc1_out[p, :I]) * fc1_out[p, I:]
+    for every permuted row p < total (rows past it untouched).
+
+    fc1_out: bf16 / fp16 [rows >= index.capacity, 2 * I] (gate then up, as FC1 of the stacked
+    w_gate_up writes them), contiguous; out: [rows >= index.capacity, I] of its dtype. The
+    total is read on the device, so a captured graph computes only the rows a rank received,
+    and each value is bitwise what torch's eager F.silu(gate) * up gives (silu in fp32 rounded
+    to the dtype, then the product in fp32 rounded). stream: default, the index's build's.
+    """
+    _check_built(index, "activation")
+    s = _stream(stream, index.stream)
+    dev = index.device.ordinal
+    x = cuda_tensor(fc1_out, "fc1_out", s, dev)
+    y = cuda_tensor(out, "out", s, dev)
+    code = ACTIVATION_DTYPES.get(x.dtype.name)
+    if code is None:
+        raise ValueError(f"fc1_out: dtype must be one of {tuple(ACTIVATION_DTYPES)}, got {x.dtype.name}")
+    if y.dtype != x.dtype:
+        raise ValueError(f"out: dtype must be fc1_out's {x.dtype.name}, got {y.dtype.name}")
+    if not (x.ndim == 2 and x.shape[1] >= 2 and x.shape[1] % 2 == 0 and x.shape[0] >= index.capacity):
+        raise ValueError(f"fc1_out: shape must be [rows >= capacity={index.capacity}, 2 * I], got {list(x.shape)}")
+    inter = x.shape[1] // 2
+    if not (y.ndim == 2 and y.shape[1] == inter and y.shape[0] >= index.capacity):
+        raise ValueError(f"out: shape must be [rows >= capacity={index.capacity}, I={inter}], got {list(y.shape)}")
+    size = x.itemsize
+    elems = next(e for e in (8, 4, 2, 1) if inter % e == 0 and x.ptr % (e * size) == 0 and y.ptr % (e * size) == 0)
+    group, per_block = _groups(inter // elems)
+    grid = max(1, min(-(-index.capacity // per_block), 8 * index.device.sm_count))
+    args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(y.ptr), ctypes.c_uint64(index._base["offsets"]),
+            ctypes.c_int32(index.num_local_experts), ctypes.c_int32(inter), ctypes.c_int32(elems),
+            ctypes.c_int32(group)]
+    index.device.make_current()
+    index._launch(f"moe_swiglu_{code}", args, grid, _THREADS, 0, s)
 
 
 def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:

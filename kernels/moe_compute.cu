@@ -1,12 +1,14 @@
 // MoE compute on the rank-major dispatch workspace of one rank.
 //
 // Dispatch leaves ep_size * T^ slots (slot s = source rank * T^ + i), each with top_k expert
-// ids and router weights. The experts compute on expert-major rows, so this file has three
-// pieces (ep_a2a/moe.py drives them, ep_a2a/moe_reference.py is their NumPy twin):
+// ids and router weights. The experts compute on expert-major rows, so this file has four
+// pieces (ep_a2a/moe.py drives them, ep_a2a/moe_reference.py is the NumPy twin of the index,
+// gather and finalize):
 //   * the index: every (slot, k) that selects a local expert gets a permuted row; rows are
 //     grouped by local expert, and inside an expert ordered by slot then k. The order is a
 //     stable counting sort, so it is the same on every run (no atomics decide it);
 //   * gather_rows: copies payload rows of slots into that expert-major order;
+//   * the activation between the experts' FC1 and FC2 (SiLU(gate) * up) over the rows placed;
 //   * finalize: sums each slot's weighted expert outputs in k order, in fp32, straight into
 //     the combine input of the workspace.
 //
@@ -47,11 +49,14 @@ EP_DEVICE void count_tile(const MoeIndexArgs& a, int begin, int end, int* col, i
 
 // One warp hands out rows for [begin, end): col[e * stride] holds the next free row of local
 // expert e in this tile. Inside a round of 32 entries, a lane's row is the cursor plus the
-// number of lower lanes (earlier entries) with the same expert, so rows follow j order.
+// number of lower lanes (earlier entries) with the same expert, so rows follow j order. The
+// weight is loaded beside the id, not after the row is known: one memory latency less per
+// round (decode sizes are a round or two).
 EP_DEVICE void scatter_tile(const MoeIndexArgs& a, int begin, int end, int* col, int stride) {
   const int lane = threadIdx.x & 31;
   for (int base = begin; base < end; base += 32) {
     const int j = base + lane;
+    const float weight = j < end ? a.weights[j] : 0.f;
     const int e = local_expert(a, j, end);
     const unsigned same = __match_any_sync(0xffffffffu, e);
     const int before = __popc(same & ((1u << lane) - 1u));
@@ -63,7 +68,7 @@ EP_DEVICE void scatter_tile(const MoeIndexArgs& a, int begin, int end, int* col,
     if (j < end) a.row_of[j] = row;
     if (row >= 0) {
       a.rows[row] = j / a.top_k;
-      a.row_weight[row] = a.weights[j];
+      a.row_weight[row] = weight;
     }
   }
 }
@@ -195,10 +200,72 @@ extern "C" __global__ void __launch_bounds__(256) moe_gather_rows(const char* sr
   }
 }
 
+// activation (between FC1 and FC2): act[r, :] = silu(h[r, :I]) * h[r, I:] for r < total, the
+// gated SiLU of FC1's stacked gate and up halves. The grid covers the capacity, but the rows
+// stop at the total the index left on the device, so a graph captured for T^ computes only
+// the rows a rank received. Each value is what torch's eager F.silu then torch.mul give:
+// silu as x / (1 + expf(-x)) in fp32 (the same expression, built with the same default
+// contraction and without fast math), rounded to T, then a product in fp32 rounded to T.
+template <typename T, int E>
+EP_DEVICE void swiglu_rows(const T* h, T* act, int total, int inter, int group) {
+  using V = typename VecT<E * sizeof(T)>::T;
+  const int n = inter / E;
+  const int per_block = blockDim.x / group, g = threadIdx.x / group, lane = threadIdx.x % group;
+  for (int r = blockIdx.x * per_block + g; r < total; r += gridDim.x * per_block) {
+    const V* gate = reinterpret_cast<const V*>(h + static_cast<size_t>(r) * 2 * inter);
+    const V* up = reinterpret_cast<const V*>(h + (static_cast<size_t>(r) * 2 + 1) * inter);
+    V* out = reinterpret_cast<V*>(act + static_cast<size_t>(r) * inter);
+    for (int v = lane; v < n; v += group) {
+      union { V raw; T el[E]; } a, b, o;
+      a.raw = gate[v];
+      b.raw = up[v];
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float x = to_float<T>(a.el[e]);
+        const T s = from_float<T>(x / (1.0f + expf(-x)));
+        o.el[e] = from_float<T>(to_float<T>(s) * to_float<T>(b.el[e]));
+      }
+      out[v] = o.raw;
+    }
+  }
+}
+
+// moe_swiglu_<dtype>: vec_elems (8, 4, 2 or 1) divides I; both tensors are aligned to it (the
+// host picks it).
+#define EP_SWIGLU(NAME, T)                                                                                      \
+  extern "C" __global__ void __launch_bounds__(256) moe_swiglu_##NAME(const T* h, T* act, const int* offsets,  \
+                                                                      int num_local, int inter, int vec_elems, \
+                                                                      int group) {                             \
+    const int total = offsets[num_local];                                                                      \
+    switch (vec_elems) {                                                                                       \
+      case 8: swiglu_rows<T, 8>(h, act, total, inter, group); break;                                           \
+      case 4: swiglu_rows<T, 4>(h, act, total, inter, group); break;                                           \
+      case 2: swiglu_rows<T, 2>(h, act, total, inter, group); break;                                           \
+      default: swiglu_rows<T, 1>(h, act, total, inter, group); break;                                          \
+    }                                                                                                          \
+  }
+EP_SWIGLU(bf16, __nv_bfloat16)
+EP_SWIGLU(f16, __half)
+
 // finalize: out[s] = sum over k (ascending) of row_weight[row] * fc2[row], row = row_of[s, k]
 // >= 0, in fp32. __fmul_rn/__fadd_rn keep the multiply and the add separately rounded (no
 // FMA contraction), which is what moe_reference.finalize computes in NumPy: bitwise equal.
 // E elements per vector; a group of threads covers one slot's hidden vector.
+//
+// At decode sizes a slot's k selections were a chain of dependent loads (row_of[k], then
+// the weight and the row, k after k). The rows of FIN_K selections are loaded together
+// first; then each local selection costs one latency (its weight and row load in parallel),
+// added in k order as before (the same bits). Only the rows are held, not the loaded values,
+// and FIN_K stays small: the kernel keeps its 32 registers, so the occupancy (bytes in
+// flight) that the byte-bound large sizes need.
+constexpr int FIN_K = 4;
+
+// Rows of selections k0 .. k0 + FIN_K - 1 of one slot (-1: none).
+EP_DEVICE void load_selections(const int* sel, int k0, int top_k, int (&row)[FIN_K]) {
+#pragma unroll
+  for (int j = 0; j < FIN_K; ++j) row[j] = k0 + j < top_k ? sel[k0 + j] : -1;
+}
+
 template <typename TIn, typename TOut, int E>
 EP_DEVICE void finalize_slots(const TIn* fc2, TOut* out, const int* row_of, const float* row_weight, int slots,
                               int top_k, int hidden, int group) {
@@ -212,14 +279,18 @@ EP_DEVICE void finalize_slots(const TIn* fc2, TOut* out, const int* row_of, cons
       float acc[E];
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[e] = 0.f;
-      for (int k = 0; k < top_k; ++k) {
-        const int row = sel[k];
-        if (row < 0) continue;
-        const float w = row_weight[row];
-        union { VIn raw; TIn el[E]; } x;
-        x.raw = reinterpret_cast<const VIn*>(fc2 + static_cast<size_t>(row) * hidden)[v];
+      for (int k0 = 0; k0 < top_k; k0 += FIN_K) {
+        int row[FIN_K];
+        load_selections(sel, k0, top_k, row);
 #pragma unroll
-        for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, to_float<TIn>(x.el[e])));
+        for (int j = 0; j < FIN_K; ++j) {
+          if (row[j] < 0) continue;
+          const float w = row_weight[row[j]];
+          union { VIn raw; TIn el[E]; } x;
+          x.raw = reinterpret_cast<const VIn*>(fc2 + static_cast<size_t>(row[j]) * hidden)[v];
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[e] = __fadd_rn(acc[e], __fmul_rn(w, to_float<TIn>(x.el[e])));
+        }
       }
       union { VOut raw; TOut el[E]; } o;
 #pragma unroll
@@ -272,15 +343,19 @@ EP_DEVICE void finalize_slots_q8(const TIn* fc2, unsigned char* q, float* scales
       const size_t col = (u - slot * per_row) * EP_Q8_BLOCK + lane * 8;  // block * 128 + lane * 8
       at = static_cast<size_t>(slot) * hidden + col;
       const int* sel = row_of + static_cast<size_t>(slot) * top_k;
-      for (int k = 0; k < top_k; ++k) {
-        const int row = sel[k];
-        if (row < 0) continue;
-        const float w = row_weight[row];
-        uint4 raw[Q8Load<TIn>::N];  // (fc2 16-byte aligned: the host checks)
-        q8_load<TIn>(fc2 + static_cast<size_t>(row) * hidden + col, raw);
-        const TIn* x = reinterpret_cast<const TIn*>(raw);
+      for (int k0 = 0; k0 < top_k; k0 += FIN_K) {  // (rows first, as finalize_slots: the same sums)
+        int row[FIN_K];
+        load_selections(sel, k0, top_k, row);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(v[e], __fmul_rn(w, to_float<TIn>(x[e])));
+        for (int j = 0; j < FIN_K; ++j) {
+          if (row[j] < 0) continue;
+          const float w = row_weight[row[j]];
+          uint4 raw[Q8Load<TIn>::N];  // (fc2 16-byte aligned: the host checks)
+          q8_load<TIn>(fc2 + static_cast<size_t>(row[j]) * hidden + col, raw);
+          const TIn* x = reinterpret_cast<const TIn*>(raw);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) v[e] = __fadd_rn(v[e], __fmul_rn(w, to_float<TIn>(x[e])));
+        }
       }
 #pragma unroll
       for (int e = 0; e < 8; ++e) v[e] = to_float<TOut>(from_float<TOut>(v[e]));

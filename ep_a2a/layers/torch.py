@@ -21,12 +21,13 @@ forward() also takes the routing ready-made: (expert ids int [T, top_k], weights
 Grouped GEMMs: torch.nn.functional.grouped_mm (or torch._grouped_mm in older releases) with
 the index's device offsets, so the layer never reads a count on the host; a per-expert loop
 over host counts where that is missing or fails on this GPU (checked once, at construction).
-The grouped path computes the gated activation over all index.capacity rows (it does not
-know the total on the host): rows past the total hold garbage that nothing reads.
+The grouped path's activation is ep_a2a's fused SiLU(gate) * up (moe.activation), which reads
+the row total on the device (the host does not know it) and computes those rows only, bitwise
+as torch's F.silu and torch.mul would; rows past the total hold garbage that nothing reads.
 
 Every ep_a2a step runs through the registered torch ops (ep_a2a/ops/torch.py: dispatch,
-build_index, gather_rows, finalize, combine) on the rank's stream, with torch tensors: no
-DLPack exchange per call. Ranks in one process (ep_a2a.LocalGroup): moe_forward_all_ranks()
+build_index, gather_rows, activation, finalize, combine) on the rank's stream, with torch
+tensors: no DLPack exchange per call. Ranks in one process (ep_a2a.LocalGroup): moe_forward_all_ranks()
 runs a step in phases (layers/base.run_phases says why); the layer's buffers are allocated
 at construction and the dispatch and combine phases allocate nothing and never block the
 host. A rank alone in its process (ProcessGroup) may simply call forward().
@@ -132,6 +133,12 @@ class TorchMoeLayer(LayerBase):
         self._out = torch.empty(a.max_tokens_per_rank, H, **bf)
         self._offsets = self.tix.offsets  # int32 [E_local + 1] on the device
         self._offs = torch.empty(L, dtype=torch.int32, device=self.device)
+        self._ends = self._offsets[1:]
+        # Per-step host work made once: the buffers' views per T^ (or T) and the events that
+        # order this rank's stream after the caller's and back (Stream.wait_stream would make
+        # an event each call).
+        self._rows_views, self._out_views = {}, {}
+        self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
         torch.cuda.synchronize(self.device)
         self.output = None
 
@@ -175,7 +182,8 @@ class TorchMoeLayer(LayerBase):
             raise ValueError(f"x: must be on {self.device} (rank {self.rank}'s GPU), got {x.device}")
         T = x.shape[0]
         # the caller produced x (and the router input) on its current stream
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._fork.record(torch.cuda.current_stream(self.device))
+        self.stream.wait_event(self._fork)
         if isinstance(router, (tuple, list)):
             ids, w = router
             if tuple(ids.shape) != (T, self.top_k) or tuple(w.shape) != (T, self.top_k):
@@ -216,14 +224,17 @@ class TorchMoeLayer(LayerBase):
             ops.build_index(self.tix, ids_v, w_v)
             ops.gather_rows(self.tix, x_v, self._xg)
             cap = self.index.capacity
-            xg = self._xg[:cap]
+            views = self._rows_views.get(cap)
+            if views is None:
+                views = self._rows_views[cap] = (self._xg[:cap], self._act[:cap])
+            xg, act = views
             if self.gemm == "grouped":
                 offs = self._offs
-                offs.copy_(self._offsets[1:])  # end row of each local expert, on the device (16-byte aligned copy)
+                offs.copy_(self._ends)  # end row of each local expert, on the device (16-byte aligned copy)
                 h = self.fc1(xg, offs)
-                gate, up = h[:, :I], h[:, I:]
-                F.silu(gate, inplace=True)
-                act = torch.mul(gate, up, out=self._act[:cap])
+                if not h.is_contiguous():  # (padded rows: grouped_mm aligns them to 16 bytes)
+                    h = h.contiguous()
+                ops.activation(self.tix, h, act)  # the rows below the device's total only
                 y = self.fc2(act, offs)  # (freed on this stream: its reuse waits for finalize)
             else:
                 bounds = self._offsets.cpu().tolist()  # blocks until build_index ran (all ranks have dispatched)
@@ -249,11 +260,14 @@ class TorchMoeLayer(LayerBase):
         on this rank's stream (moe_forward_all_ranks makes the caller's stream wait for it)."""
         import torch
         T, runtime_max = self._step["T"], self._step["runtime_max"]
+        out = self._out_views.get(T)
+        if out is None:
+            out = self._out_views[T] = self._out[:T]
         with torch.cuda.stream(self.stream):
-            self._ops.combine(self.tr, self._ops.combine_input(self.tr, runtime_max, fp8=self._fp8), runtime_max, out=self._out[:T])
+            self._ops.combine(self.tr, self._ops.combine_input(self.tr, runtime_max, fp8=self._fp8), runtime_max, out=out)
         self._step = None
-        self.output = self._out[:T]
-        return self.output
+        self.output = out
+        return out
 
     def forward(self, x, router, runtime_max_tokens_per_rank: int = None):
         """One step for a rank alone in its process (every rank passes the same T^; default
@@ -264,10 +278,16 @@ class TorchMoeLayer(LayerBase):
         self.dispatch()
         self.compute()
         out = self.combine()
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.join(torch.cuda.current_stream(self.device))
         return out
 
     __call__ = forward
+
+    def join(self, stream) -> None:
+        """`stream` (a torch stream of this rank's GPU) waits for the work issued on this rank's
+        stream so far."""
+        self._join.record(self.stream)
+        stream.wait_event(self._join)
 
     def close(self) -> None:
         """Release what the layer made (its expert index and buffers); the all-to-all is the caller's."""
@@ -291,8 +311,12 @@ def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int 
     import torch
     run_phases(layers, xs, routers, runtime_max_tokens_per_rank)
     outs = [layer.output for layer in layers]
+    current = {}
     for layer in layers:
-        torch.cuda.current_stream(layer.device).wait_stream(layer.stream)
+        cur = current.get(layer.device)
+        if cur is None:
+            cur = current[layer.device] = torch.cuda.current_stream(layer.device)
+        layer.join(cur)
     return outs
 
 

@@ -7,7 +7,8 @@ torch.cuda.graph capture.
     ids, (x, w) = ep_ops.dispatch(tr, topk_ids, [hidden, topk_w], T_hat)   # torch views of the workspace
     ix = ep_ops.expert_index(tr)                    # once: an ExpertIndex with torch views
     ep_ops.build_index(ix, ids, w)
-    ep_ops.gather_rows(ix, x, x_rows)               # ... grouped GEMMs ... -> fc2_out
+    ep_ops.gather_rows(ix, x, x_rows)               # ... FC1 (grouped GEMM) -> h [rows, 2 * I]
+    ep_ops.activation(ix, h, act)                   # silu(h[:, :I]) * h[:, I:], rows < total; FC2 -> fc2_out
     ep_ops.finalize(ix, fc2_out, ep_ops.combine_input(tr, T_hat))
     y = ep_ops.combine(tr, ep_ops.combine_input(tr, T_hat), T_hat)      # [local tokens, hidden]
 
@@ -55,12 +56,14 @@ import torch
 from ..config import Fp8Partial
 from ..driver.stream import is_capturing, stream_handle
 from ..errors import StateError
-from ..moe import ExpertIndex, build_index as moe_build_index, finalize as moe_finalize, gather_rows as moe_gather_rows
+from ..interop.torch_tensor import TensorSlot
+from ..moe import ExpertIndex, activation as moe_activation, build_index as moe_build_index, finalize as moe_finalize, \
+    gather_rows as moe_gather_rows
 from ..validate import check_expert_ids_on_host
 from .torch_views import INDEXES, RANKS, TorchIndex, TorchRank, bind, current_stream_handle, lookup, register_ops
 
-__all__ = ["bind", "dispatch", "combine", "combine_input", "expert_index", "build_index", "gather_rows", "finalize",
-           "TorchRank", "TorchIndex", "SCHEMAS", "copies"]
+__all__ = ["bind", "dispatch", "combine", "combine_input", "expert_index", "build_index", "gather_rows", "activation",
+           "finalize", "TorchRank", "TorchIndex", "SCHEMAS", "copies"]
 
 SCHEMAS = {
     "dispatch": "dispatch(int rank, Tensor token_selected_experts, Tensor[] payloads, int runtime_max_tokens_per_rank, "
@@ -70,6 +73,7 @@ SCHEMAS = {
     "build_index": "build_index(int index, Tensor expert_ids, Tensor weights, Tensor(a!) counts, Tensor(b!) offsets, "
                    "Tensor(c!) rows, Tensor(d!) row_weight, Tensor(e!) row_of, int stream=-1) -> ()",
     "gather_rows": "gather_rows(int index, Tensor rows, Tensor offsets, Tensor src, Tensor(a!) out, int stream=-1) -> ()",
+    "activation": "activation(int index, Tensor offsets, Tensor fc1_out, Tensor(a!) out, int stream=-1) -> ()",
     "finalize": "finalize(int index, Tensor row_of, Tensor row_weight, Tensor fc2_out, Tensor(a!) out, "
                 "int stream=-1) -> ()",
     "finalize_fp8": "finalize_fp8(int index, Tensor row_of, Tensor row_weight, Tensor fc2_out, Tensor(a!) values, "
@@ -181,6 +185,20 @@ def gather_rows_impl(index, rows, offsets, src, out, stream=-1):
         ix.streams.hold(s, (src, out))
 
 
+_ACTIVATION_SLOTS = ("fc1_out", "act")
+
+
+def activation_impl(index, offsets, fc1_out, out, stream=-1):
+    ix = lookup(INDEXES, index, "index")
+    s, explicit = ix.streams.pick(stream)
+    slots = ix.slots
+    if "act" not in slots:  # (the activation's argument positions, added on its first call)
+        slots.update((n, TensorSlot(n)) for n in _ACTIVATION_SLOTS)
+    moe_activation(ix.index, slots["fc1_out"].fill(fc1_out), slots["act"].fill(out), stream=s)
+    if explicit:
+        ix.streams.hold(s, (fc1_out, out))
+
+
 def finalize_impl(index, row_of, row_weight, fc2_out, out, stream=-1):
     ix = lookup(INDEXES, index, "index")
     s, explicit = ix.streams.pick(stream)
@@ -199,7 +217,8 @@ def finalize_fp8_impl(index, row_of, row_weight, fc2_out, values, scales, dtype,
 
 
 IMPLS = {"dispatch": dispatch_impl, "combine": combine_impl, "build_index": build_index_impl,
-         "gather_rows": gather_rows_impl, "finalize": finalize_impl, "finalize_fp8": finalize_fp8_impl}
+         "gather_rows": gather_rows_impl, "activation": activation_impl, "finalize": finalize_impl,
+         "finalize_fp8": finalize_fp8_impl}
 
 
 LIB = torch.library.Library("ep_a2a", "DEF")
@@ -325,6 +344,14 @@ def gather_rows(index: TorchIndex, src, out, stream=None) -> None:
     """moe.gather_rows: out[p] = src[rows[p]] for the rows of the last build."""
     op = gather_rows_impl if plain_eager() and type(src) is _Tensor and type(out) is _Tensor else OPS["gather_rows"]
     op(index.handle, index.rows, index.offsets, src, out, _stream_arg(stream))
+
+
+def activation(index: TorchIndex, fc1_out, out, stream=None) -> None:
+    """moe.activation: out[p] = silu(fc1_out[p, :I]) * fc1_out[p, I:] for the rows of the last
+    build (p < total, read on the device; rows past it untouched), bitwise torch's eager
+    F.silu(gate) * up."""
+    op = activation_impl if plain_eager() and type(fc1_out) is _Tensor and type(out) is _Tensor else OPS["activation"]
+    op(index.handle, index.offsets, fc1_out, out, _stream_arg(stream))
 
 
 def finalize(index: TorchIndex, fc2_out, out, stream=None) -> None:

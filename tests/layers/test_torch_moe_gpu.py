@@ -129,6 +129,45 @@ def test_given_routing_with_repeats_and_empty_selections(gemm):
         group.close()
 
 
+def test_grouped_layer_activation_is_torchs_on_the_rows_received():
+    """The grouped path's fused activation inside the layer: after a step, each rank's
+    activation buffer holds bitwise torch's F.silu(gate) * up of FC1 recomputed on the rows it
+    gathered, for the rows its index placed (offsets[-1]); the rows past them keep the poison
+    (nothing computes padding)."""
+    import torch.nn.functional as F
+    from ep_a2a.layers.torch import bf16_from_bits, grouped_mm_support, moe_forward_all_ranks
+    from ep_a2a.testing.layer_oracle import distinct_logits
+    from ep_a2a.testing.reference import from_float32
+    dev = _cuda()
+    if grouped_mm_support(dev)[0] is None:
+        pytest.skip(f"no grouped GEMM: {grouped_mm_support(dev)[1]}")
+    rng, seed = fresh_rng()
+    ep, E, top_k, H, I, tmax = 4, 16, 4, 256, 128, 24
+    group, a2a, layers, _ = _build(ep, E, top_k, H, I, tmax, "fence", "grouped", rng, dev)
+    try:
+        for step in range(3):
+            tokens = layer_token_counts(rng, ep, tmax, step)
+            xs = [bf16_from_bits(from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16"), dev)
+                  for T in tokens]
+            logits = [torch.from_numpy(distinct_logits(rng, T, E)).to(dev) for T in tokens]
+            _poison(layers)
+            moe_forward_all_ranks(layers, xs, logits)
+            torch.cuda.synchronize()
+            for r, layer in enumerate(layers):
+                msg = f"{seed} step {step} tokens={tokens} rank {r}"
+                cap, total = layer.index.capacity, int(layer._offsets[-1])
+                h = layer.fc1(layer._xg[:cap], layer._offs)
+                want = (F.silu(h[:, :I]) * h[:, I:]).view(torch.int16)
+                got = layer._act[:cap].view(torch.int16)
+                assert torch.equal(got[:total], want[:total]), f"{msg}: activation differs from torch's"
+                assert bool((got[total:] == -1).all()), f"{msg}: rows past the total ({total}) were written"
+    finally:
+        for layer in layers:
+            layer.close()
+        a2a.close()
+        group.close()
+
+
 def test_layer_with_fp8_combine_close_to_the_bf16_layer():
     """combine_quant="fp8": finalize writes e4m3 partials (a scale per 128 values) into the
     workspace and combine pulls those. The same weights, inputs and routing through a layer

@@ -182,7 +182,7 @@ def test_cubins_have_moe_kernels():
         pytest.skip("cubins not built (run `make cubins`)")
     data = (module.CUBIN_DIR / f"moe_compute.sm_{built[0]}.cubin").read_bytes()
     for sym in (b"moe_index_fused", b"moe_index_count", b"moe_index_scan", b"moe_index_scatter", b"moe_gather_rows",
-                b"moe_finalize_bf16_bf16", b"moe_finalize_f32_f16"):
+                b"moe_finalize_bf16_bf16", b"moe_finalize_f32_f16", b"moe_swiglu_bf16", b"moe_swiglu_f16"):
         assert sym in data
 
 
@@ -239,3 +239,37 @@ def test_phase_gate_makes_every_stream_wait_for_every_rank_of_its_gpu(monkeypatc
         same = {M.s for M in layers if M.a2a_rank.device.ordinal == L.a2a_rank.device.ordinal} - {L.s}
         assert same <= waited, (L.s, same, waited)
         assert not ({M.s for M in layers} - same - {L.s}) & waited, "a gate across GPUs"
+
+
+def test_activation_kernel_computes_silu_as_torch_does():
+    """moe_swiglu_* is bitwise torch's eager F.silu(gate) * up (the GPU test checks the bits)
+    only while it is built as torch's kernels are: no fast math (expf and the division
+    accurate) and nvcc's default contraction. The build's flags say so, and the PTX holds the
+    accurate division and the expf whose last step fuses with the + 1 into one FMA, what
+    x / (1 + expf(-x)) compiles to under those defaults."""
+    import importlib.util
+    import subprocess
+    spec = importlib.util.spec_from_file_location("kernels_build", os.path.join(ROOT, "kernels", "build.py"))
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    flags = " ".join(build.NVCCFLAGS)
+    for bad in ("fast_math", "ftz=true", "prec-div=false", "prec-sqrt=false", "fmad=false"):
+        assert bad not in flags, f"kernels/build.py NVCCFLAGS has {bad}: moe_swiglu would no longer match torch"
+    try:
+        nvcc = build.find_nvcc()
+    except build.BuildError:
+        pytest.skip("nvcc not found")
+    if not os.path.isfile(build.HEADER):
+        pytest.skip("kernels/generated not made here (run `make cubins`)")
+    src = os.path.join(ROOT, "kernels", "moe_compute.cu")
+    r = subprocess.run([nvcc, "-ptx", "-arch=sm_90", *build.NVCCFLAGS, "-o", "-", src], capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    body = re.search(r"\.entry moe_swiglu_bf16\((.*?)\n}", r.stdout, re.S)
+    assert body, "no moe_swiglu_bf16 in the PTX"
+    ptx = body.group(1)
+    assert "div.rn.f32" in ptx and "div.approx" not in ptx and "div.full" not in ptx, "the division is not IEEE"
+    exp2 = set(re.findall(r"ex2\.approx\.ftz\.f32\s+(%f\d+),", ptx))
+    fused = re.findall(r"fma\.rn\.f32\s+%f\d+, (%f\d+), (%f\d+), 0f3F800000;", ptx)
+    assert exp2 and any(a in exp2 or b in exp2 for a, b in fused), \
+        "expf's last step and the + 1 are not one FMA: not what nvcc's defaults make of torch's silu expression"
