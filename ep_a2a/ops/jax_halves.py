@@ -40,10 +40,13 @@ def _trace_key():
     """The trace being built (its order state lives with it), or a fresh key where this jax
     has no such hook (then only the tickets order the halves)."""
     try:
-        from jax._src.core import get_opaque_trace_state
-        return get_opaque_trace_state()
-    except Exception:  # (an internal hook: its absence costs the checks that span calls, nothing else)
-        return object()
+        from jax.extend.core import get_opaque_trace_state
+    except ImportError:
+        try:
+            from jax._src.core import get_opaque_trace_state
+        except ImportError:  # (its absence costs the checks that span calls, nothing else)
+            return object()
+    return get_opaque_trace_state()
 
 
 class _Calls:
