@@ -30,6 +30,9 @@ Order: every call is pure to XLA (jax_calls.py: the fast dispatch path); dispatc
 ticket that combine takes, so combine runs after its dispatch and both run once per step.
 A dispatch of an all-to-all may not follow another without its combine in between (the eager
 phase rule, raised at run time): the data flow of one step after another gives that order.
+The halves (dispatch_send / dispatch_recv / combine_send / combine_recv: jax_halves.py, native
+path only) chain their tickets the same way; a whole call while a send half awaits its
+receive is refused while tracing (HalvesOrderError).
 
 Copies per call and rank (bytes_copied() computes them): the received tokens live in the
 symmetric workspace, where peers write them, and XLA wants results in buffers it allocates,
@@ -55,10 +58,12 @@ from ..driver.memory import copy_dtod_async
 from ..driver.stream import is_capturing
 from ..interop.dlpack import DLDeviceType
 from ..interop.tensor import CUDA, Tensor, as_dtype
+from ..schedule import COMBINE, DISPATCH
 from ..moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
 from ..validate import check_dispatch_inputs, check_expert_ids_on_host, check_partial_shape, check_runtime_max, require, token_tensor
 from . import jax_ffi
 from .jax_calls import RanksByDevice, buffer_ptr
+from .jax_halves import JaxHalves, SendTicket, TraceOrder  # noqa: F401 (SendTicket: the halves' ticket type)
 from .jax_plan import CopyOp, Group, encode, fake, pair_params, recorded, steady_pair, step_launch
 
 _PROBE_PTR = 256  # the address of the trace-time stand-ins (aligned for every dtype; never read)
@@ -119,10 +124,11 @@ def _on_gpu(buf) -> None:
                            f"{DLDeviceType(buf.__dlpack_device__()[0]).name} (put the arrays on a GPU)")
 
 
-class JaxAlltoAll:
+class JaxAlltoAll(JaxHalves):
     """The jit-callable dispatch and combine of a MoeAlltoAll's ranks in this process (module
     docstring). indexes: rank -> ExpertIndex for dispatch_to_experts (default: made on first
     use, one per rank, closed by close())."""
+    Dispatched = Dispatched  # (what dispatch_recv returns too: jax_halves.py)
 
     def __init__(self, a2a, indexes: dict = None):
         self.a2a, self.o = a2a, a2a.options
@@ -135,6 +141,7 @@ class JaxAlltoAll:
         # the native path (jax_ffi.py): launch plans made while tracing, run by an FFI handler
         self.native = jax_ffi.native_or_warn()
         self._plans, self._combines = [], {}  # registered plans; dispatch site -> its combine's planned steps
+        self._halves, self._order = {}, TraceOrder()  # send site -> the step's planned halves; the trace's order
         a2a.on_close(self._release_plans)  # (a plan holds the ranks' streams and records: never past them)
 
     @classmethod
@@ -148,6 +155,7 @@ class JaxAlltoAll:
         self.per_device = len(self.rank_numbers)
         self._indexes, self._own_indexes, self._sites = {}, [], 0
         self.native, self._plans, self._combines = False, [], {}
+        self._halves, self._order = {}, TraceOrder()
         return self
 
     def _release_plans(self) -> None:
@@ -252,11 +260,13 @@ class JaxAlltoAll:
         outs = ([jax.ShapeDtypeStruct((a.ep_size, tmax, a.top_k), np.int32)] * n, [shapes] * n,
                 jax.ShapeDtypeStruct((1,), np.uint32))
         site = self._site()
+        self._order.check("dispatch", DISPATCH)
         if self.native:
             ids_o, pays_o, ticket = self._native(self._dispatch_ops(site, tmax, tokens, None), outs, ids_l, pays_l)
         else:
             body = functools.partial(self._dispatch_body, site, tmax, tokens, None)
             ids_o, pays_o, ticket = self._call(body, outs, ids_l, pays_l)
+        self._order.done(DISPATCH)
         return Dispatched(ids_o[0] if single else ids_o, pays_o[0] if single else pays_o, ticket,
                           ops=self, kind="dispatch", tmax=tmax, num_tokens=tokens, site=site)
 
@@ -303,20 +313,29 @@ class JaxAlltoAll:
         the combine kernel straight into XLA's result."""
         a = self.o
         tmax, single = self._check_ticket(dispatched, "dispatch")
-        parts = self._per_rank(partial, "partial")[0]
-        H, dt = a.combine_hidden_size, a.combine_dtype.name
-        for i, p in enumerate(parts):
-            name = "partial" if single else f"partial[{i}]"
-            t = _probe(p, name, (H,), dt, None, a.max_tokens_per_rank, leading_dims=(1, 2))
-            check_partial_shape(t.shape, a.ep_size, tmax, H, name)
-        outs = [jax.ShapeDtypeStruct((T, H), _jdtype(dt)) for T in dispatched.num_tokens]
+        parts = self._check_partials(partial, tmax, single)
+        outs = [jax.ShapeDtypeStruct((T, a.combine_hidden_size), _jdtype(a.combine_dtype.name))
+                for T in dispatched.num_tokens]
+        self._order.check("combine", COMBINE)
         if self.native:
             res = self._native(self._combine_ops(dispatched, None), outs, parts, dispatched.ticket)
         else:
             body = functools.partial(self._combine_body, self._site(), tmax, dispatched.num_tokens,
                                      [tuple(p.shape) for p in parts])
             res = self._call(body, outs, parts, dispatched.ticket)
+        self._order.done(COMBINE)
         return res[0] if single else res
+
+    def _check_partials(self, partial, tmax: int, single: bool) -> list:
+        """combine()'s rule for `partial`, per rank: [ep_size, T^, hidden] or [ep_size * T^, hidden]."""
+        a = self.o
+        parts = self._per_rank(partial, "partial")[0]
+        H, dt = a.combine_hidden_size, a.combine_dtype.name
+        for i, p in enumerate(parts):
+            name = "partial" if single else f"partial[{i}]"
+            t = _probe(p, name, (H,), dt, None, a.max_tokens_per_rank, leading_dims=(1, 2))
+            check_partial_shape(t.shape, a.ep_size, tmax, H, name)
+        return parts
 
     def _check_ticket(self, dispatched, kind: str) -> tuple:
         if not isinstance(dispatched, Dispatched) or dispatched.ops is not self:
@@ -362,12 +381,14 @@ class JaxAlltoAll:
         counts = [jax.ShapeDtypeStruct((self._num_local(r),), np.int32) for r in self.rank_numbers]
         outs = (counts, [rows] * n, jax.ShapeDtypeStruct((1,), np.uint32))
         site = self._site()
+        self._order.check("dispatch_to_experts", DISPATCH)
         if self.native:
             counts_o, rows_o, ticket = self._native(self._dispatch_ops(site, tmax, tokens, (gather, weights)), outs,
                                                     ids_l, pays_l)
         else:
             body = functools.partial(self._dispatch_body, site, tmax, tokens, (gather, weights))
             counts_o, rows_o, ticket = self._call(body, outs, ids_l, pays_l)
+        self._order.done(DISPATCH)
         return Dispatched(counts_o[0] if single else counts_o, rows_o[0] if single else rows_o, ticket,
                           ops=self, kind="dispatch_to_experts", tmax=tmax, num_tokens=tokens, site=site)
 
@@ -404,11 +425,13 @@ class JaxAlltoAll:
                     f"shape must be [rows >= capacity={cap}, hidden={H}], got {list(x.shape)}")
         outs = [jax.ShapeDtypeStruct((T, H), _jdtype(a.combine_dtype.name)) for T in dispatched.num_tokens]
         geo = [(tuple(x.shape), str(np.dtype(x.dtype))) for x in fc2]
+        self._order.check("combine_from_experts", COMBINE)
         if self.native:
             res = self._native(self._combine_ops(dispatched, geo), outs, fc2, dispatched.ticket)
         else:
             body = functools.partial(self._finalize_combine_body, self._site(), tmax, dispatched.num_tokens, geo)
             res = self._call(body, outs, fc2, dispatched.ticket)
+        self._order.done(COMBINE)
         return res[0] if single else res
 
     def _finalize_combine_body(self, site, tmax, tokens, fc2_geo, ctx, out, fc2, ticket) -> None:

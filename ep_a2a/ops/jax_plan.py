@@ -15,6 +15,13 @@ the state the other leaves. The combine of a step never lets its successor start
 that did not trigger early, whatever ran before it (an eager step, XLA's own kernels); the
 dispatch keeps its early trigger, which holds the combine to half the grid as eagerly. The first calls wait with the first
 timeout (peers may still be loading) through a timeout patch.
+
+The halves (jax_halves.py) are four calls per step, each its own XLA call whose rank-stream
+kernels sit between the call's fork and join events, so no early start (PDL) ever crosses
+from one call into the next: every half launches without PDL, and what XLA or another
+all-to-all (the other micro-batch) runs between two halves cannot start beside them. Each
+half is planned from the state its own all-to-all's previous half leaves (steady_halves):
+the dispatch send after the previous step's combine receive, which never triggers early.
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ import numpy as np
 
 from ..driver.stream import native
 from ..layout import A2AParams
-from ..schedule import CLUSTER_BLOCKS, COMBINE, DISPATCH, Call, StepState, plan_step
+from ..schedule import (CLUSTER_BLOCKS, COMBINE, COMBINE_RECEIVE, COMBINE_SEND, DISPATCH, DISPATCH_RECEIVE,
+                        DISPATCH_SEND, Call, StepState, plan_step)
 
 MAGIC, VERSION = 0x6570613261666669, 1   # (native/ffi/ep_a2a_ffi.cc reads the same)
 LAUNCH, COPY, ABSOLUTE = 1, 2, (1 << 64) - 1
@@ -110,6 +118,51 @@ def pair_params(plan, d, c) -> tuple:
         if buffer_of(params.payloads[q].src) is not None:  # buffers: a mapped address of ours stands in)
             params.payloads[q].src = plan.combine_input
     return dispatch, bytes(params)
+
+
+def steady_halves(plan, tag_hi: int, protocol: str, tokens: int, runtime_max: int, sources: tuple, out: int) -> tuple:
+    """(dispatch send, dispatch receive, combine send, combine receive) Steps of a rank with this
+    RankPlan in a jitted step of halves, each planned from the state the one before leaves, the
+    first from the state the last leaves (the steady state: a combine receive never triggers
+    early, and the step count is past the first steps)."""
+    state = StepState(steps=plan.first_steps, triggered_early=False, tag_hi=tag_hi, quantizing_combine=plan.fp8_combine)
+    calls = (Call(DISPATCH_SEND, tokens, runtime_max, protocol, tuple(sources)), Call(DISPATCH_RECEIVE, 0, 0, None),
+             Call(COMBINE_SEND, tokens, runtime_max, None, (out,)), Call(COMBINE_RECEIVE, 0, 0, None))
+    steps = []
+    for call in calls:
+        steps.append(plan_step(plan, state, call))
+        state = steps[-1].state
+    return tuple(steps)
+
+
+# which stand-ins each half's call holds: (the dispatch inputs, the combine output)
+_HALF_BUFFERS = ((True, False), (False, False), (False, False), (False, True))
+
+
+def half_params(plan, steps) -> tuple:
+    """The parameter block of each of steady_halves' four Steps as bytes, as RankPlan.apply and
+    RankAlltoAll._run write them in turn, the dispatch send's after the previous step's combine
+    (this one's, in a jitted loop). A stand-in naming another half's call (the dispatch inputs
+    outside the send, the combine output outside the combine receive: no other half reads them)
+    becomes a mapped address of ours."""
+    params = A2AParams.from_buffer_copy(bytes(plan.params))
+    for name, value in steps[2].fields:
+        setattr(params, name, value)
+    n_src, blocks = len(steps[0].sources), []
+    for step, (inputs, output) in zip(steps, _HALF_BUFFERS):
+        for name, value in step.fields:
+            setattr(params, name, value)
+        for q, (src, vec) in enumerate(step.sources):
+            params.payloads[q].src, params.payloads[q].vec = src, vec
+        params.trigger_early = step.trigger_early
+        own = A2AParams.from_buffer_copy(bytes(params))
+        for q in range(0 if inputs else n_src):
+            if buffer_of(own.payloads[q].src) is not None:
+                own.payloads[q].src = plan.combine_input
+        if not output and buffer_of(own.combine_out) is not None:
+            own.combine_out = plan.combine_input
+        blocks.append(bytes(own))
+    return tuple(blocks)
 
 
 def timeout_patch(plan) -> tuple:
