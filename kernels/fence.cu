@@ -39,20 +39,12 @@ struct SlotCounters {
   }
 };
 
-// A token's payloads as one sequence of 16-byte groups, when every payload moves in 16-byte
-// vectors and the sequence fits in one round of the block (U groups per thread): then each
-// thread loads all its groups of the token before the selection, so that those loads are in
-// flight together with the ids' (at decode batches the chain ids -> selection -> payload 1
-// -> payload 2 ... was one memory round trip per payload). 0 otherwise: payload by payload.
+// A token's payloads as one sequence of p.push_groups 16-byte groups, when the host found
+// that every payload moves in 16-byte vectors and the sequence fits in one round of the block
+// (U groups per thread): then each thread loads all its groups of the token before the
+// selection, so that those loads are in flight together with the ids' (else the chain ids ->
+// selection -> payload 1 -> payload 2 ... costs a memory round trip per payload).
 constexpr int PRELOAD_U = EP_PRELOAD_GROUPS;
-EP_DEVICE unsigned preload_groups(const A2AParams& p) {
-  unsigned n = 0;
-  for (int q = 0; q < p.num_payloads; ++q) {
-    if (p.payloads[q].vec != 16) return 0;
-    n += p.payloads[q].bytes_per_token / 16;
-  }
-  return n <= PRELOAD_U * blockDim.x ? n : 0;
-}
 // Group x of the sequence: its payload (returned), x becomes the group within it.
 EP_DEVICE int payload_of_group(const A2AParams& p, unsigned& x) {
   int q = 0;
@@ -68,9 +60,8 @@ EP_DEVICE int payload_of_group(const A2AParams& p, unsigned& x) {
 // in rounds of whole tokens, one id per lane (e0: the first round's, loaded by the caller
 // together with token i's own ids): read token by token, the dependent loads cost more
 // than the split saved.
-EP_DEVICE int ids_per_round(const A2AParams& p) { return 32 / p.top_k * p.top_k; }
 EP_DEVICE int earlier_selections(const A2AParams& p, int i, const int* s_target, int nt, int e0) {
-  const int lane = threadIdx.x & 31, k = p.top_k, n = i * k, round = ids_per_round(p);
+  const int lane = threadIdx.x & 31, k = p.top_k, n = i * k, round = p.ids_per_round;
   const int* const ids = reinterpret_cast<const int*>(p.payloads[0].src);
   const unsigned same_token_below = ((1u << lane) - 1) & ~((1u << (lane / k * k)) - 1);
   int slot = 0;
@@ -99,8 +90,8 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
   __shared__ int s_slot[EP_MAX_TOP_K];    // j_t
   __shared__ int s_ntargets;
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
-  const unsigned groups = preload_groups(p);
-  const int S = groups && p.dispatch_splits > 1 ? p.dispatch_splits : 1;  // (the host splits only tokens that preload)
+  const unsigned groups = p.push_groups;
+  const int S = p.dispatch_splits;  // (the host splits only tokens whose groups preload)
   const int items = p.local_num_tokens * S;
   const int* const ids = reinterpret_cast<const int*>(p.payloads[0].src);
   for (int w = blockIdx.x; w < items; w += gridDim.x) {
@@ -115,7 +106,7 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
     int e = -1, e0 = -1;
     if (threadIdx.x < 32) {
       e = load_ids(p, ids + i * p.top_k);
-      e0 = S > 1 && lane < ids_per_round(p) && lane < i * p.top_k ? ids[lane] : -1;  // (earlier_selections)
+      e0 = S > 1 && lane < p.ids_per_round && lane < i * p.top_k ? ids[lane] : -1;  // (earlier_selections)
     }
     if (w == static_cast<int>(blockIdx.x)) prologue();
     if (threadIdx.x < 32) {
@@ -177,7 +168,7 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
 // bar.sync does within one block, without the counter's dependent gpu-scope round trip.
 EP_DEVICE void publish_counts(const A2AParams& p, const SlotCounters& cnt, unsigned f) {
   const FinishedBlocks blocks(p);
-  const bool cluster = gridDim.x > 1 && cluster_blocks() == gridDim.x;
+  const bool cluster = p.dispatch_cluster;
   if (cluster) cluster_barrier();
   const bool elected = !cnt.one_block && !cluster;
   if ((cluster ? cluster_block_rank() == 0 : blocks.elect_last(cnt.one_block)) && threadIdx.x < 32) {

@@ -577,15 +577,14 @@ __device__ void sentinel_combine(const A2AParams& p) {
   const int G = gridDim.x, reduces = p.local_num_tokens * p.combine_splits, splits = p.combine_splits;
   const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
   // Small batches (the host sizes the grid for it): the reducing blocks are not the pushing
-  // ones, so they collect their sources and start polling at once; blocks [0, spare) push,
-  // [spare, spare + reduces) reduce, the last publishes. Otherwise both grid-stride.
-  const int spare = G - 1 - reduces;
-  const bool apart = spare >= slots;
-  const int C = max(1, min((apart ? spare : G) / slots, cap));
-  const int push_stride = apart ? spare : G;
-  if (!apart || blockIdx.x < spare)
-    for (int w = blockIdx.x; w < slots * C; w += push_stride) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
-  const int r0 = apart ? static_cast<int>(blockIdx.x) - spare : static_cast<int>(blockIdx.x);
+  // ones, so they collect their sources and start polling at once; blocks [0, pushers) push,
+  // the next `reduces` reduce, the last publishes. Otherwise every block does both.
+  const int pushers = p.combine_push_blocks;
+  const bool apart = pushers < G;
+  const int C = max(1, min(pushers / slots, cap));
+  if (static_cast<int>(blockIdx.x) < pushers)
+    for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
+  const int r0 = apart ? static_cast<int>(blockIdx.x) - pushers : static_cast<int>(blockIdx.x);
   for (int w = r0; w >= 0 && w < reduces; w += apart ? reduces : G)  // lines 15-19
     reduce_part<T>(p, f, records, w / splits, w % splits, s_src, s_tgt, &s_n);
   if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
@@ -602,10 +601,10 @@ EP_DEVICE void combine_send(const A2AParams& p) {
   const unsigned f = read_epoch(p);
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
   const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
-  const int pushers = max(1, static_cast<int>(gridDim.x) - 1);
+  const int pushers = p.combine_push_blocks;  // every block but the publishing one (one block alone does both)
   const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
   const int C = max(1, min(pushers / slots, cap));
-  if (gridDim.x == 1 || static_cast<int>(blockIdx.x) < pushers)
+  if (static_cast<int>(blockIdx.x) < pushers)
     for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
   if (!p.trigger_early) griddep_launch_dependents();
 }
