@@ -127,18 +127,61 @@ EP_DEVICE void push_payload(unsigned vec, const char* src, const Targets& tg, un
   }
 }
 
-// Groups [g0, g1) of a token's 16-byte groups, thread by thread: group g0 + threadIdx.x +
-// u * blockDim.x into v[u] (zero past g1), every load issued before any is used, so that a
-// round of a token's loads is in flight together (FENCE's preloaded push, SENTINEL's send).
-// load(x) reads group x.
+// ---- rounds of 16-byte groups
+// A thread moves groups x0, x0 + blockDim.x, ... (x0 counts threadIdx.x in) in rounds of U
+// held in registers: every load of a round is issued before any of its stores, so that a
+// round's loads are in flight together. load(x) reads group x; store(x, v) writes it; groups
+// from `end` on are left alone.
+template <int U, typename Load>
+EP_DEVICE void load_round(uint4 (&v)[U], unsigned x0, unsigned end, const Load& load) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (x0 + u * blockDim.x < end) v[u] = load(x0 + u * blockDim.x);
+}
+template <int U, typename Store>
+EP_DEVICE void store_round(const uint4 (&v)[U], unsigned x0, unsigned end, const Store& store) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (x0 + u * blockDim.x < end) store(x0 + u * blockDim.x, v[u]);
+}
+// The round in v (loaded early by the caller, at x0), then every later one up to `end`.
+template <int U, typename Load, typename Store>
+EP_DEVICE void store_rounds(uint4 (&v)[U], unsigned x0, unsigned end, const Load& load, const Store& store) {
+  for (;; x0 += U * blockDim.x) {
+    store_round(v, x0, end, store);
+    if (x0 + U * blockDim.x >= end) break;
+    load_round(v, x0 + U * blockDim.x, end, load);
+  }
+}
+// The first round of groups [g0, g1), zero past g1: ptxas then sees every v[u] written.
 template <int U, typename Load>
 EP_DEVICE void load_groups(uint4 (&v)[U], unsigned g0, unsigned g1, const Load& load) {
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const unsigned x = g0 + threadIdx.x + u * blockDim.x;
-    v[u] = make_uint4(0, 0, 0, 0);
-    if (x < g1) v[u] = load(x);
-  }
+  for (int u = 0; u < U; ++u) v[u] = make_uint4(0, 0, 0, 0);
+  load_round(v, g0 + threadIdx.x, g1, load);
+}
+
+// A token's payloads [FIRST, num_payloads) as one sequence of 16-byte groups, groups(d) of
+// payload d each, so that a block's threads share them whatever the payloads: FENCE's
+// preloaded push (every payload, its bytes) and SENTINEL's landing slots (payloads 1.., their
+// landing bytes). Returns the payload of group x; x becomes the group within it.
+template <int FIRST, typename Groups>
+EP_DEVICE int payload_of(const A2AParams& p, unsigned& x, const Groups& groups) {
+  int q = FIRST;
+  while (x >= groups(p.payloads[q])) x -= groups(p.payloads[q++]);
+  return q;
+}
+EP_DEVICE int payload_of_group(const A2AParams& p, unsigned& x) {
+  return payload_of<0>(p, x, [](const PayloadDesc& d) { return d.bytes_per_token / 16; });
+}
+EP_DEVICE int payload_of_landing_group(const A2AParams& p, unsigned& x) {
+  return payload_of<1>(p, x, [](const PayloadDesc& d) { return d.landing_bytes / 16; });
+}
+// SENTINEL: the landing groups of one token slot (FENCE's count is the host's: p.push_groups).
+EP_DEVICE unsigned landing_groups(const A2AParams& p) {
+  unsigned n = 0;
+  for (int q = 1; q < p.num_payloads; ++q) n += p.payloads[q].landing_bytes / 16;
+  return n;
 }
 
 template <typename T> EP_DEVICE float to_float(T x);

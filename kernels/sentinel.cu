@@ -45,6 +45,10 @@ EP_DEVICE char* combine_slot(const A2AParams& p, int owner, int i, int source) {
 EP_DEVICE unsigned char* has_slot(const A2AParams& p, int r, int i) {
   return section<unsigned char>(p, p.rank, p.off_sentinel_has) + static_cast<size_t>(r) * p.max_tokens_per_rank + i;
 }
+// Wd[s][r][i]'s expert ids: slot i of source r in our dispatch workspace (runtime stride).
+EP_DEVICE int* received_ids(const A2AParams& p, int r, int i) {
+  return section<int>(p, p.rank, p.payloads[0].recv_offset) + (static_cast<size_t>(r) * p.runtime_max_tokens_per_rank + i) * p.top_k;
+}
 
 EP_DEVICE bool any_sentinel(uint4 v) {
   return v.x == EP_SENTINEL_WORD || v.y == EP_SENTINEL_WORD || v.z == EP_SENTINEL_WORD || v.w == EP_SENTINEL_WORD;
@@ -97,18 +101,7 @@ EP_DEVICE void store_group(unsigned char* dst, unsigned bytes, unsigned vec, uns
 }
 
 // ---- landing groups: the 16-byte vectors of one token slot's landing slots, payloads 1..,
-// counted as one sequence so that the threads of a block share them whatever the payloads.
-EP_DEVICE unsigned slot_groups(const A2AParams& p) {
-  unsigned n = 0;
-  for (int q = 1; q < p.num_payloads; ++q) n += p.payloads[q].landing_bytes / 16;
-  return n;
-}
-// Group x of the sequence: its payload q (returned), x becomes the group within it.
-EP_DEVICE int locate(const A2AParams& p, unsigned& x) {
-  int q = 1;
-  while (x >= p.payloads[q].landing_bytes / 16) x -= p.payloads[q++].landing_bytes / 16;
-  return q;
-}
+// as one sequence (moe_common.cuh: landing_groups, payload_of_landing_group).
 // Landing group g of payload d, from the token's row: escaped words, or (KIND_RAW16) data
 // words 2g, 2g + 1 as four 16-bit halves, so that no landing word can equal the sentinel.
 EP_COLD uint4 landing_value_any(const PayloadDesc& d, const unsigned char* row, unsigned g) {
@@ -170,13 +163,14 @@ struct Send {
 EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int* records, bool first, unsigned& arrival) {
   const int s = p.rank, K = p.top_k, W = K + 1;
   const bool token = i < p.local_num_tokens;
-  const unsigned total = token ? slot_groups(p) : 0;
+  const unsigned total = token ? landing_groups(p) : 0;
   const unsigned g0 = total * c / C, g1 = total * (c + 1) / C;
-  uint4 v[U];
-  load_groups(v, g0, g1, [&](unsigned x) {
-    const PayloadDesc& d = p.payloads[locate(p, x)];
+  const auto load = [&](unsigned x) {
+    const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];
     return landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
-  });
+  };
+  uint4 v[U];
+  load_groups(v, g0, g1, load);
   const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + static_cast<size_t>(i) * K;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
@@ -200,26 +194,13 @@ EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int*
   if (first && threadIdx.x == counter_thread()) arrival = arrive(p, sh.f);
   __syncthreads();
   const int n = sh.n;
-  for (unsigned x0 = g0 + threadIdx.x; n > 0; x0 += U * blockDim.x) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      unsigned x = x0 + u * blockDim.x;
-      if (x >= g1) continue;
-      const PayloadDesc& d = p.payloads[locate(p, x)];  // (x becomes the group within d)
+  if (n > 0)  // (later rounds: large payloads only)
+    store_rounds(v, g0 + threadIdx.x, g1, load, [&](unsigned x, const uint4& value) {
+      const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];  // (x becomes the group within d)
       const size_t off = landing_at(p, d, s, i, x);
 #pragma unroll 1  // rolled: unrolled, it held several target pointers live (register pressure)
-      for (int j = 0; j < n; ++j) st_relaxed_sys(reinterpret_cast<uint4*>(workspace(p, sh.target[j]) + off), v[u]);
-    }
-    if (x0 + U * blockDim.x >= g1) break;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {  // the next round (large payloads only)
-      unsigned x = x0 + (U + u) * blockDim.x;
-      if (x < g1) {
-        const PayloadDesc& d = p.payloads[locate(p, x)];
-        v[u] = landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
-      }
-    }
-  }
+      for (int j = 0; j < n; ++j) st_relaxed_sys(reinterpret_cast<uint4*>(workspace(p, sh.target[j]) + off), value);
+    });
   if (c == 0) {
     // Line 4: I[r][s][i] <- the expert ids (-1 where r is not in D), then our step tag.
     for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
@@ -247,13 +228,13 @@ EP_DEVICE unsigned verdict(unsigned* s_state, unsigned tag) {
   return (v >> 2) == tag ? (v & 3) : UNKNOWN;
 }
 EP_DEVICE const uint4* landing_ptr(const A2AParams& p, int r, int i, unsigned x) {
-  const PayloadDesc& d = p.payloads[locate(p, x)];
+  const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];
   return reinterpret_cast<const uint4*>(workspace(p, p.rank) + landing_at(p, d, r, i, x));
 }
 // Copy landing group x of slot (r, i) from the registers that polled it into Wd[s][r][i],
 // and reset it (line 9).
 EP_DEVICE void take_group(const A2AParams& p, int r, int i, unsigned x, uint4 v) {
-  const PayloadDesc& d = p.payloads[locate(p, x)];
+  const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];
   store_received(d, section<unsigned char>(p, p.rank, d.recv_offset) +
                         (static_cast<size_t>(r) * p.runtime_max_tokens_per_rank + i) * d.bytes_per_token, x, v);
   *reinterpret_cast<uint4*>(workspace(p, p.rank) + landing_at(p, d, r, i, x)) = sentinel4();
@@ -269,88 +250,92 @@ EP_DEVICE void repoll(const A2AParams& p, int r, int i, unsigned x0, uint4 (&v)[
     }
 }
 
-EP_DEVICE void receive_slot(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag) {
-  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k, W = K + 1;
-  const bool active = rank_active(p, r);  // an inactive rank sends nothing: its region holds no token
-  const unsigned total = active ? slot_groups(p) : 0;
-  // Round 1: the first poll of every landing group and of the id words, all in flight.
-  uint4 v[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const unsigned x = threadIdx.x + u * blockDim.x;
-    v[u] = sentinel4();
-    if (x < total) v[u] = ld_relaxed_sys(landing_ptr(p, r, i, x));
-  }
-  unsigned* const word = id_slot(p, s, r, i, f) + threadIdx.x;
-  unsigned id = static_cast<unsigned>(-1);
-  if (active && threadIdx.x < W) id = ld_relaxed_sys(word);
-  unsigned miss = 0;
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (threadIdx.x + u * blockDim.x < total && any_sentinel(v[u])) miss |= 1u << u;
-
-  // Lines 6-7, warp 0: the ids (and our part of line 14: their reset, to our own memory).
-  int* const out_ids = section<int>(p, s, p.payloads[0].recv_offset) + (static_cast<size_t>(r) * tmax + i) * K;
-  bool has = false;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    if (active && lane < W) {
-      if (id == EP_SENTINEL_IDS) {
-        const bool came = wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
-          seen = id = ld_relaxed_sys(word);
-          return id != EP_SENTINEL_IDS;
-        });
-        if (!came) id = static_cast<unsigned>(-1);
-      }
-      *word = EP_SENTINEL_IDS;
-      if (lane == K && id != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, id);
+// Warp 0, lines 6-7: the expert ids of slot (r, i) (id: lane k's first poll of word k of
+// `word`), then their reset (our part of line 14: our own memory) and the verdict for the
+// block. Returns whether a token came.
+EP_DEVICE bool receive_ids(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag, bool active,
+                           unsigned* word, unsigned id) {
+  const int lane = threadIdx.x, K = p.top_k;
+  if (active && lane < K + 1) {
+    if (id == EP_SENTINEL_IDS) {
+      const bool came = wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
+        seen = id = ld_relaxed_sys(word);
+        return id != EP_SENTINEL_IDS;
+      });
+      if (!came) id = static_cast<unsigned>(-1);
     }
-    // poison once any rank gave up (protocol.cuh; abort mode only)
-    const int poison = __shfl_sync(0xffffffffu, p.abort_on_timeout && lane == 0 && ld_volatile(abort_word(p, s)) != 0, 0);
-    if (poison) id = static_cast<unsigned>(-1);
-    has = __ballot_sync(0xffffffffu, lane < K && static_cast<int>(id) != -1) != 0;
-    if (lane < K) out_ids[lane] = static_cast<int>(id);
-    if (lane == 0) {
-      *has_slot(p, r, i) = has;
-      atomicExch(s_state, tag << 2 | (has ? TOKEN : NONE));
-    }
+    *word = EP_SENTINEL_IDS;
+    if (lane == K && id != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, id);
   }
-  // Line 8, every thread: the groups still missing, until they come or the verdict is "none".
-  bool gave_up = false;
-  if (miss && verdict(s_state, tag) != NONE)
-    gave_up = !wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
-      seen = 0;
-      if (verdict(s_state, tag) == NONE) return true;
-      repoll(p, r, i, threadIdx.x, v, miss, seen);
-      return miss == 0;
-    });
-  // true: a token came whole (thread 0 holds warp 0's verdict; a failed wait spoils it)
-  const bool ok = __syncthreads_and(!gave_up && (threadIdx.x != 0 || has));
-  if (threadIdx.x < 32 && has && !ok) {  // (a wait gave up: the slot reads as empty)
-    if (threadIdx.x < K) out_ids[threadIdx.x] = -1;
-    if (threadIdx.x == 0) *has_slot(p, r, i) = 0;
+  // poison once any rank gave up (protocol.cuh; abort mode only)
+  const int poison = __shfl_sync(0xffffffffu, p.abort_on_timeout && lane == 0 && ld_volatile(abort_word(p, p.rank)) != 0, 0);
+  if (poison) id = static_cast<unsigned>(-1);
+  const bool has = __ballot_sync(0xffffffffu, lane < K && static_cast<int>(id) != -1) != 0;
+  if (lane < K) received_ids(p, r, i)[lane] = static_cast<int>(id);
+  if (lane == 0) {
+    *has_slot(p, r, i) = has;
+    atomicExch(s_state, tag << 2 | (has ? TOKEN : NONE));
   }
-  if (!ok) return;
-  // Line 9: copy from the polled registers, reset; then any further rounds (large payloads).
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (threadIdx.x + u * blockDim.x < total) take_group(p, r, i, threadIdx.x + u * blockDim.x, v[u]);
+  return has;
+}
+// Line 8, every thread: the landing groups of round 1 still missing (miss), until they come or
+// the verdict is "no token". False when the wait gave up.
+EP_DEVICE bool await_landing(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag, uint4 (&v)[U],
+                             unsigned miss) {
+  if (!miss || verdict(s_state, tag) == NONE) return true;
+  return wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
+    seen = 0;
+    if (verdict(s_state, tag) == NONE) return true;
+    repoll(p, r, i, threadIdx.x, v, miss, seen);
+    return miss == 0;
+  });
+}
+// Line 9 for a slot whose token came: round 1 from the registers that polled it, then every
+// later round (large payloads) polled until whole; each group copied and reset.
+EP_DEVICE void take_landing(const A2AParams& p, int r, int i, unsigned f, unsigned total, uint4 (&v)[U]) {
+  const auto take = [&](unsigned x, const uint4& value) { take_group(p, r, i, x, value); };
+  store_round(v, threadIdx.x, total, take);
   for (unsigned x0 = threadIdx.x + U * blockDim.x; x0 < total; x0 += U * blockDim.x) {
-    miss = 0;
+    unsigned miss = 0, seen = 0;
 #pragma unroll
     for (int u = 0; u < U; ++u)
       if (x0 + u * blockDim.x < total) miss |= 1u << u;
-    unsigned seen = 0;
     repoll(p, r, i, x0, v, miss, seen);
     if (miss)
       wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& sn) {
         repoll(p, r, i, x0, v, miss, sn);
         return miss == 0;
       });
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (x0 + u * blockDim.x < total) take_group(p, r, i, x0 + u * blockDim.x, v[u]);
+    store_round(v, x0, total, take);
   }
+}
+
+// Lines 5-11 for slot i of source r: the first poll of its landing groups and of its ids all
+// in flight, then the ids (warp 0) and the landing groups (every thread) awaited, then taken.
+EP_DEVICE void receive_slot(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag) {
+  const bool active = rank_active(p, r);  // an inactive rank sends nothing: its region holds no token
+  const unsigned total = active ? landing_groups(p) : 0;
+  uint4 v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) v[u] = sentinel4();
+  load_round(v, threadIdx.x, total, [&](unsigned x) { return ld_relaxed_sys(landing_ptr(p, r, i, x)); });
+  unsigned* const word = id_slot(p, p.rank, r, i, f) + threadIdx.x;
+  unsigned id = static_cast<unsigned>(-1);
+  if (active && threadIdx.x < p.top_k + 1) id = ld_relaxed_sys(word);
+  unsigned miss = 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (threadIdx.x + u * blockDim.x < total && any_sentinel(v[u])) miss |= 1u << u;
+
+  const bool has = threadIdx.x < 32 && receive_ids(p, s_state, r, i, f, tag, active, word, id);
+  const bool gave_up = !await_landing(p, s_state, r, i, f, tag, v, miss);
+  // true: a token came whole (thread 0 holds warp 0's verdict; a failed wait spoils it)
+  const bool ok = __syncthreads_and(!gave_up && (threadIdx.x != 0 || has));
+  if (threadIdx.x < 32 && has && !ok) {  // (a wait gave up: the slot reads as empty)
+    if (threadIdx.x < p.top_k) received_ids(p, r, i)[threadIdx.x] = -1;
+    if (threadIdx.x == 0) *has_slot(p, r, i) = 0;
+  }
+  if (ok) take_landing(p, r, i, f, total, v);
 }
 
 // ---- combine, line 13: part c of C of M[r][i][s] <- Wc[s][r][i], for a slot that held a token
@@ -361,26 +346,13 @@ EP_DEVICE void push_part(const A2AParams& p, int r, int i, int c, int C) {
   const unsigned groups = (p.combine_bytes + 15) / 16, g0 = groups * c / C, g1 = groups * (c + 1) / C;
   const unsigned char* const src = section<const unsigned char>(p, s, p.off_combine) +
                                    (static_cast<size_t>(r) * tmax + i) * p.combine_bytes;
+  const auto load = [&](unsigned x) { return load_group(src, p.combine_bytes, p.combine_vec, x); };
   uint4 v[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const unsigned x = g0 + threadIdx.x + u * blockDim.x;
-    v[u] = make_uint4(0, 0, 0, 0);
-    if (x < g1) v[u] = load_group(src, p.combine_bytes, p.combine_vec, x);
-  }
+  load_groups(v, g0, g1, load);
   if (!*has_slot(p, r, i)) return;
   uint4* const dst = reinterpret_cast<uint4*>(combine_slot(p, r, i, s));
-  for (unsigned x0 = g0 + threadIdx.x;; x0 += U * blockDim.x) {
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (x0 + u * blockDim.x < g1) st_relaxed_sys(dst + x0 + u * blockDim.x, escape4(v[u], p.combine_kind));
-    if (x0 + U * blockDim.x >= g1) break;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const unsigned x = x0 + (U + u) * blockDim.x;
-      if (x < g1) v[u] = load_group(src, p.combine_bytes, p.combine_vec, x);
-    }
-  }
+  store_rounds(v, g0 + threadIdx.x, g1, load,
+               [&](unsigned x, const uint4& value) { st_relaxed_sys(dst + x, escape4(value, p.combine_kind)); });
 }
 
 // ---- combine, lines 15-19: slice `part` of token i. Each thread polls its 16-byte group of
@@ -531,7 +503,7 @@ EP_DEVICE void sentinel_dispatch_part(const A2AParams& p) {
   unsigned f, arrival = 0;
   if constexpr (PART != EP_RECEIVE) {
     // C blocks share each token slot's push: the grid, but at least a warp's worth of groups each.
-    const int C = max(1, min(static_cast<int>(gridDim.x) / tmax, static_cast<int>((slot_groups(p) + 31) / 32)));
+    const int C = max(1, min(static_cast<int>(gridDim.x) / tmax, static_cast<int>((landing_groups(p) + 31) / 32)));
 
     // Lines 2-4: token i lands in slot i of our region on each target; every rank gets the
     // expert ids of every one of our T^ slots (-1 where nothing goes), plus our step tag.
