@@ -13,11 +13,10 @@ namespace {
 // F[r][s] of dispatch carries C[r][s] and our step tag too (dispatch_flag, protocol.cuh), so
 // lines 8-10 are one store per peer and line 11's acquire of the flag delivers both.
 
-// cnt[t]. The one-block fast path: a grid of one block (small batches) keeps its slot
-// counters in shared memory and skips the last-block election: the global counter atomics
-// and the election's two dependent gpu-scope round trips sat on the 1-token critical path,
-// and one block's bar.sync alone orders every thread's pushes before the publishing lanes'
-// fence. Warp 0 alone takes the slots and publishes the counts, so it zeroes them itself.
+// cnt[t]. A grid of one block keeps its slot counters in shared memory and elects no last
+// block (its bar.sync orders every thread's pushes before the publishing lanes' fence), which
+// takes the counter atomics and the election's gpu-scope round trips off small batches. Warp
+// 0 alone takes the slots and publishes the counts, so it zeroes them itself.
 struct SlotCounters {
   unsigned* cnt;    // the local section's counters (grids of several blocks), 0 between kernels
   unsigned* local;  // shared memory, one-block grids
@@ -267,8 +266,8 @@ EP_DEVICE void dispatch_receive(const A2AParams& p) {
 
 #ifndef EP_HALVES
 // Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
-// host sizes grids by the occupancy of every protocol kernel). Without a minimum, ptxas
-// squeezed some kernels to 40 registers with spills to fit 3 blocks of 512.
+// host sizes grids by the occupancy of every protocol kernel) without ptxas trading spills
+// for a third block of 512.
 extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid_constant__ A2AParams p) {
   __shared__ unsigned s_cnt[EP_MAX_RANKS];    // cnt[t] of one-block grids
   __shared__ unsigned s_count[EP_MAX_RANKS];  // C[s][r]: slots source r filled in our region
@@ -330,10 +329,8 @@ struct Sources {
 };
 // Warp 0: where a work item's partial results wait, from rec (its records: written by our
 // dispatch, a kernel before us, so the block's first item is collected while the peers'
-// flags are still polled). The FP8 kernels place their values and their scales from that one
-// load (they loaded the records again for the scales, after the first placement's shared
-// stores and before the flag polls that warp 0, the pollers of the first 32 ranks in
-// wait_steps, makes next). The caller synchronizes the block.
+// flags are still polled). The FP8 kernels place values and scales from that one load of the
+// records. The caller synchronizes the block.
 template <typename T, bool Q8>
 EP_DEVICE void collect_item(const A2AParams& p, int rec, Sources& sh) {
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
@@ -352,10 +349,9 @@ EP_DEVICE void collect_item(const A2AParams& p, int rec, Sources& sh) {
   }
 }
 // Every item of the block; the first one's sources are in `sh` already (collect_item).
-// Warp 0 starts copying the records of the block's next item into shared memory before it
-// reduces this one (cp.async: a register held across the reduction cost the FP8 kernels
-// spills on sm_100/103), so that between two items the block waits for its two barriers,
-// not for a load as well.
+// Warp 0 copies the next item's records into shared memory while it reduces this one, so
+// that between two items the block waits for its barriers, not for a load too (cp.async:
+// a register held across the reduction would spill in the FP8 kernels on sm_100/103).
 template <typename T, bool Q8>
 EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records, Sources& sh) {
   __shared__ int s_next[32];  // lane k < top_k: record k of the next item
@@ -405,7 +401,7 @@ EP_DEVICE void poison_rows(const A2AParams& p) {
 template <typename T, bool Q8, int PART = EP_WHOLE>
 __device__ void combine_kernel(const A2AParams& p) {
   const int* const records = section<const int>(p, p.rank, p.off_records);  // (before the wait, as in dispatch)
-  if constexpr (!Q8) warm_params(p);  // (not in the FP8 kernels: it cost them spills on sm_100/103)
+  if constexpr (!Q8) warm_params(p);  // (not in the FP8 kernels: it makes them spill on sm_100/103)
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);
@@ -425,10 +421,9 @@ __device__ void combine_kernel(const A2AParams& p) {
   if (threadIdx.x == 0) s_missing = missing;
   if (!p.trigger_early) griddep_launch_dependents();
   pull_and_reduce<T, Q8>(p, records, sh);                  // lines 22-23
-  // Poison after the reduction, not instead of it, and from shared memory: a value live
-  // across the reduction cost the FP8 kernels spills. A block whose wait gave up poisons;
-  // so does, in abort mode, one that sees the abort word at its end (its inputs may come
-  // from a peer that gave up earlier in the step).
+  // Poison after the reduction, not instead of it, and from shared memory (a value live
+  // across the reduction spills in the FP8 kernels): a block whose wait gave up, or in abort
+  // mode one that sees the abort word at its end (a peer may have given up earlier).
   const bool poison = __syncthreads_or(threadIdx.x == 0 &&
                                        (s_missing || (p.abort_on_timeout && ld_volatile(abort_word(p, p.rank)) != 0)));
   if (poison) poison_rows<T, Q8>(p);

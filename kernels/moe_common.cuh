@@ -86,11 +86,9 @@ struct Targets {
   }
 };
 
-// Register pressure: x[] is zeroed before its guarded load. Left unset where v >= n, ptxas
-// cannot prove it written before read and kept each width's x[] live through the code of
-// the other widths (the five widths of push_payload shared no registers). The loop over
-// targets stays rolled: unrolled, it held several destination pointers at once, and the
-// stores of a token are in flight together anyway.
+// Register pressure: x[] is zeroed before its guarded load, so ptxas sees it written before
+// read and the five widths of push_payload share registers. The loop over targets stays
+// rolled: unrolled, it would hold several destination pointers at once.
 template <int W>
 EP_DEVICE void push_vectors(const char* src, const Targets& tg, unsigned bytes) {
   using T = typename VecT<W>::T;
@@ -240,8 +238,7 @@ EP_DEVICE void with_members(int m, const F& f) {
 }
 
 // The bf16/fp16/fp32 reduction below keeps all 8 members of a group (absent ones predicated
-// off, reading +0): specialized per member count like the FP8 one, it ran slower, its
-// per-member work being one add.
+// off, reading +0): with one add of work per member, specializing per count does not pay.
 // Vectors [v0, v1) of one token (v counted in units of W bytes).
 template <typename T, int W>
 EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned v0, unsigned v1) {
@@ -252,11 +249,8 @@ EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = 0.f;
     for (int c = 0; c < n || c == 0; c += 8) {
-      // An absent member is a zero vector: all-zero bits are +0 in bf16, fp16 and fp32, so it
-      // reads +0 exactly as before. Zeroing (rather than leaving in[k] unset where c + k >= n)
-      // also lets ptxas see each in[k] written before it is read; unset, the vectors of each
-      // width were kept live through the code of the other widths (124 registers in all).
-      // All 8 loads are still issued before the first add.
+      // An absent member is a zero vector, +0 in bf16, fp16 and fp32; zeroed, each in[k] is
+      // seen written before read, so the widths share registers. All 8 loads precede the adds.
       union { V raw; T el[E]; } in[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) {

@@ -79,11 +79,9 @@ EP_DEVICE unsigned* last_combine_sentinel(const A2AParams& p) { return section<u
 // (every index it uses stays within this rank's own workspace), and the host refuses the
 // all-to-all from then on.
 //
-// These paths run only when a step fails. SENTINEL's kernels keep them out of line (EP_COLD):
-// at decode batches their pace is set by fetching instructions, and inlined failure code sits
-// between the hot ones. FENCE keeps them inline (EP_COLD_INLINE), where out of line was
-// slower; so does sm_100/103, where out-of-line calls make the kernels spill.
-// `inline` only for linkage: one definition wherever the header is included.
+// These paths run only when a step fails: SENTINEL's kernels keep them out of line (EP_COLD),
+// off the instructions decode batches fetch; FENCE's (EP_COLD_INLINE) and sm_100/103, where
+// calls make the kernels spill, keep them inline. (`inline`: one definition per program.)
 #if __CUDA_ARCH__ >= 1000 || defined(EP_COLD_INLINE)
 #define EP_COLD EP_DEVICE
 #else
@@ -179,7 +177,7 @@ EP_DEVICE unsigned flag_reached(const ulonglong2& v, unsigned f) {
 // Returns true when the caller must stop waiting (never on a trap-mode timeout: that traps).
 // A wait whose loop keeps many values in registers asks `expired` and, once it has let go of
 // them, reports through `failed` itself (SENTINEL's combine poll): a call with those values
-// live made ptxas spill them.
+// live makes ptxas spill them.
 struct Deadline {
   uint64_t end = 0;
   unsigned polls = 0;

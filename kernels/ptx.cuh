@@ -1,7 +1,9 @@
 // Every inline PTX instruction and every volatile access of the kernels, as tiny helpers
 // named by what they do and in which memory order: ld_<order>_<scope>, st_<order>_<scope>,
 // fence_<order>_<scope>, atomic_<op>_<order>_<scope>. Nothing else in kernels/ writes asm
-// or casts to volatile, so every ordering decision is visible at its call.
+// or casts to volatile, so every ordering decision is visible at its call. A fence_ name is
+// always a PTX fence (protocol.cuh's fence_release_peers too): the FENCE protocol's steps are
+// named by their role, and only its kernels (fence_dispatch, fence_combine_*) by the protocol.
 //
 // Scopes: peers may be other GPUs (NVLink) or other ranks on this GPU mapped through other
 // virtual addresses; `.sys` covers both. `.gpu` suffices for counters only this rank's

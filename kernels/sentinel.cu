@@ -20,10 +20,8 @@
 // write, issued only after its poll saw the message, reaches the same place later: it
 // follows the reset in coherence order and is never overwritten by it.
 //
-// Latency (decode batches): every thread issues all its loads of a round before the first
-// use (polls, payload and partial-result loads), re-polls only the vectors still missing,
-// and one token's push is spread over many blocks; the expert-id slot and the landing
-// slot of a (source, slot) pair are polled together.
+// Latency: a round's loads are all issued before their first use, only missing vectors are
+// re-polled, and a (source, slot) pair's id slot and landing slot are polled together.
 #include "moe_common.cuh"
 
 namespace {
@@ -76,11 +74,9 @@ EP_DEVICE void store_word(unsigned char* dst, unsigned bytes, unsigned vec, unsi
   if (vec >= 4 && o + 4 <= bytes) { *reinterpret_cast<unsigned*>(dst + o) = v; return; }
   for (unsigned b = 0; b < 4 && o + b < bytes; ++b) dst[o + b] = static_cast<unsigned char>(v >> (8 * b));
 }
-// Code size. Rows that do not move in 16-byte vectors, and KIND_RAW16 payloads, take the
-// out-of-line paths below (EP_COLD, protocol.cuh); the 16-byte path stays inline. Inlined at
-// every unrolled use, their byte loops made the kernels several times larger, and at decode
-// batches fetching that code, not memory, sets the pace. On sm_100/103 the calls cost
-// sentinel_dispatch spills under its 64 registers (ptxas), so there they stay inline.
+// Code size: rows that do not move in 16-byte vectors, and KIND_RAW16 payloads, take the
+// out-of-line paths below (EP_COLD, protocol.cuh), since their byte loops inlined at every
+// unrolled use would multiply the code that decode batches spend their time fetching.
 
 // Words 4g..4g+3 of a row of `bytes` bytes (zero past its end), whatever its alignment.
 EP_COLD uint4 load_group_any(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
@@ -134,14 +130,11 @@ EP_DEVICE size_t landing_at(const A2AParams& p, const PayloadDesc& d, int source
 }
 
 // The step counter moves once every block of the dispatch has read it. One thread of each
-// block (counter_thread) reads it for the block (the others get it through shared memory)
-// and then counts the block in: the release orders that read before the increment, so the
-// last block to arrive, which acquires (sentinel_dispatch's end), moves the counter after
-// every read. Counting at the start, not at the end, keeps the election's round trip off the
-// end of the kernel: nobody waits for the result until the block's work is done. The thread
-// is the last warp's first: that warp selects no targets and, at decode batches and 256
-// threads, loads no payload groups, so its release waits for the counter read alone, not for
-// a selection's stores (as thread 0's did).
+// block (counter_thread) reads it for the block and then counts the block in: the release
+// orders that read before the increment, so the last block to arrive, which acquires
+// (sentinel_dispatch's end), moves the counter after every read. Counting at the start keeps
+// the election's round trip off the end of the kernel. The thread is the last warp's first,
+// which selects no targets, so its release waits for the counter read, not for stores.
 EP_DEVICE unsigned counter_thread() { return blockDim.x - 32; }
 // By counter_thread: the step f into `f`, then the block counted in; returns the blocks
 // counted before it.
@@ -160,8 +153,42 @@ struct Send {
   unsigned f;                // the step, read by counter_thread (see arrive)
   unsigned char is_target[EP_MAX_RANKS];
 };
+// Warp 0, line 2: token i's distinct targets D into sh (part 0 also marks them in
+// is_target and writes the records; token: slot i holds one of our tokens).
+EP_DEVICE void select_send_targets(const A2AParams& p, Send& sh, const int* ids, int i, int c, bool token, int* records) {
+  const int lane = threadIdx.x, K = p.top_k;
+  if (c == 0)
+    for (int r = lane; r < p.ep_size; r += 32) sh.is_target[r] = 0;
+  int t = -1;
+  bool sel_first = false;
+  unsigned firsts = 0;
+  if (token) {
+    const Selection sel = select_targets(p, ids, c == 0);  // (a dropped selection counted once)
+    t = sel.target; sel_first = sel.first; firsts = sel.firsts;
+  }
+  __syncwarp();
+  if (sel_first) {
+    sh.target[__popc(firsts & ((1u << lane) - 1))] = t;
+    if (c == 0) sh.is_target[t] = 1;
+  }
+  if (c == 0 && token && lane < K) records[i * K + lane] = sel_first ? pack_record(i, t) : -1;
+  if (lane == 0) sh.n = __popc(firsts);
+}
+// Line 4, part 0: I[r][s][i] <- the expert ids (-1 where r is not in D), then our step tag.
+EP_DEVICE void send_ids(const A2AParams& p, const Send& sh, const int* ids, int i) {
+  const int K = p.top_k, W = K + 1;
+  for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
+    const int r = x / W, k = x % W;
+    if (!rank_active(p, r)) continue;
+    int id = k == K ? static_cast<int>(p.step_tag) : (sh.is_target[r] ? ids[k] : -1);
+    // An input id equal to the slot's sentinel (invalid anyway: it is negative) would read as
+    // "not arrived" and stall the receiver: it travels as -1, like every invalid id here.
+    if (id == static_cast<int>(EP_SENTINEL_IDS)) id = -1;
+    st_relaxed_sys(id_slot(p, r, p.rank, i, sh.f) + k, static_cast<unsigned>(id));
+  }
+}
 EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int* records, bool first, unsigned& arrival) {
-  const int s = p.rank, K = p.top_k, W = K + 1;
+  const int s = p.rank, K = p.top_k;
   const bool token = i < p.local_num_tokens;
   const unsigned total = token ? landing_groups(p) : 0;
   const unsigned g0 = total * c / C, g1 = total * (c + 1) / C;
@@ -172,25 +199,7 @@ EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int*
   uint4 v[U];
   load_groups(v, g0, g1, load);
   const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + static_cast<size_t>(i) * K;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    if (c == 0)
-      for (int r = lane; r < p.ep_size; r += 32) sh.is_target[r] = 0;
-    int t = -1;
-    bool sel_first = false;
-    unsigned firsts = 0;
-    if (token) {
-      const Selection sel = select_targets(p, ids, c == 0);  // (a dropped selection counted once)
-      t = sel.target; sel_first = sel.first; firsts = sel.firsts;
-    }
-    __syncwarp();
-    if (sel_first) {
-      sh.target[__popc(firsts & ((1u << lane) - 1))] = t;
-      if (c == 0) sh.is_target[t] = 1;
-    }
-    if (c == 0 && token && lane < K) records[i * K + lane] = sel_first ? pack_record(i, t) : -1;
-    if (lane == 0) sh.n = __popc(firsts);
-  }
+  if (threadIdx.x < 32) select_send_targets(p, sh, ids, i, c, token, records);
   if (first && threadIdx.x == counter_thread()) arrival = arrive(p, sh.f);
   __syncthreads();
   const int n = sh.n;
@@ -201,18 +210,7 @@ EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int*
 #pragma unroll 1  // rolled: unrolled, it held several target pointers live (register pressure)
       for (int j = 0; j < n; ++j) st_relaxed_sys(reinterpret_cast<uint4*>(workspace(p, sh.target[j]) + off), value);
     });
-  if (c == 0) {
-    // Line 4: I[r][s][i] <- the expert ids (-1 where r is not in D), then our step tag.
-    for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
-      const int r = x / W, k = x % W;
-      if (!rank_active(p, r)) continue;
-      int id = k == K ? static_cast<int>(p.step_tag) : (sh.is_target[r] ? ids[k] : -1);
-      // An input id equal to the slot's sentinel (invalid anyway: it is negative) would read as
-      // "not arrived" and stall the receiver: it travels as -1, like every invalid id here.
-      if (id == static_cast<int>(EP_SENTINEL_IDS)) id = -1;
-      st_relaxed_sys(id_slot(p, r, s, i, sh.f) + k, static_cast<unsigned>(id));
-    }
-  }
+  if (c == 0) send_ids(p, sh, ids, i);
   __syncthreads();  // (the shared arrays of the next part)
 }
 
@@ -412,7 +410,7 @@ EP_DEVICE void poll_chunk(const A2AParams& p, unsigned f, const Members& m, int 
   }
   if (why) {
     // The step failed. Reported first, so that no polled register is live across the call
-    // (live across it, they spilled); then every member reads as the sentinel, whose all-ones
+    // (it would spill them); then every member reads as the sentinel, whose all-ones
     // words are NaN in every float format: the group's sum is NaN in every lane, where a
     // member whose vector had partly landed left NaN only in its missing lanes.
     Deadline::failed(p, why, EP_PHASE_SENTINEL_COMBINE, peer, f, seen, 0);
