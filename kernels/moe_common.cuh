@@ -70,6 +70,40 @@ EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, 
   return select_targets(p, load_ids(p, ids_of_token), count_lost);
 }
 
+// ---- rounds
+// A thread moves vectors (16-byte groups, or push_vectors' W-byte vectors) x0, x0 + blockDim.x, ... (x0 counts threadIdx.x in) in rounds of U
+// held in registers: every load of a round is issued before any of its stores, so that a
+// round's loads are in flight together. load(x) reads vector x; store(x, v) writes it;
+// vectors from `end` on are left alone.
+template <int U, typename V, typename Load>
+EP_DEVICE void load_round(V (&v)[U], unsigned x0, unsigned end, const Load& load) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (x0 + u * blockDim.x < end) v[u] = load(x0 + u * blockDim.x);
+}
+template <int U, typename V, typename Store>
+EP_DEVICE void store_round(const V (&v)[U], unsigned x0, unsigned end, const Store& store) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (x0 + u * blockDim.x < end) store(x0 + u * blockDim.x, v[u]);
+}
+// The round in v (loaded early by the caller, at x0), then every later one up to `end`.
+template <int U, typename V, typename Load, typename Store>
+EP_DEVICE void store_rounds(V (&v)[U], unsigned x0, unsigned end, const Load& load, const Store& store) {
+  for (;; x0 += U * blockDim.x) {
+    store_round(v, x0, end, store);
+    if (x0 + U * blockDim.x >= end) break;
+    load_round(v, x0 + U * blockDim.x, end, load);
+  }
+}
+// The first round of groups [g0, g1), zero past g1: ptxas then sees every v[u] written.
+template <int U, typename Load>
+EP_DEVICE void load_groups(uint4 (&v)[U], unsigned g0, unsigned g1, const Load& load) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) v[u] = make_uint4(0, 0, 0, 0);
+  load_round(v, g0 + threadIdx.x, g1, load);
+}
+
 // Each thread loads a vector of the token once and stores it to every target (the stores
 // of one token are in flight together); U vectors per thread per round for ILP.
 // The distinct targets of one token: the destination of target j is computed on use from
@@ -98,19 +132,12 @@ EP_DEVICE void push_vectors(const char* src, const Targets& tg, unsigned bytes) 
   for (unsigned base = threadIdx.x; base < n; base += blockDim.x * U) {
     T x[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const unsigned v = base + u * blockDim.x;
-      x[u] = T{};
-      if (v < n) x[u] = s[v];
-    }
+    for (int u = 0; u < U; ++u) x[u] = T{};
+    load_round(x, base, n, [&](unsigned v) { return s[v]; });
 #pragma unroll 1
     for (int j = 0; j < tg.n; ++j) {
-      T* d = reinterpret_cast<T*>(tg.dst(j, bytes));
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const unsigned v = base + u * blockDim.x;
-        if (v < n) d[v] = x[u];
-      }
+      T* const d = reinterpret_cast<T*>(tg.dst(j, bytes));
+      store_round(x, base, n, [&](unsigned v, const T& value) { d[v] = value; });
     }
   }
 }
@@ -123,40 +150,6 @@ EP_DEVICE void push_payload(unsigned vec, const char* src, const Targets& tg, un
     case 2: push_vectors<2>(src, tg, bytes); break;
     default: push_vectors<1>(src, tg, bytes); break;
   }
-}
-
-// ---- rounds of 16-byte groups
-// A thread moves groups x0, x0 + blockDim.x, ... (x0 counts threadIdx.x in) in rounds of U
-// held in registers: every load of a round is issued before any of its stores, so that a
-// round's loads are in flight together. load(x) reads group x; store(x, v) writes it; groups
-// from `end` on are left alone.
-template <int U, typename Load>
-EP_DEVICE void load_round(uint4 (&v)[U], unsigned x0, unsigned end, const Load& load) {
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (x0 + u * blockDim.x < end) v[u] = load(x0 + u * blockDim.x);
-}
-template <int U, typename Store>
-EP_DEVICE void store_round(const uint4 (&v)[U], unsigned x0, unsigned end, const Store& store) {
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (x0 + u * blockDim.x < end) store(x0 + u * blockDim.x, v[u]);
-}
-// The round in v (loaded early by the caller, at x0), then every later one up to `end`.
-template <int U, typename Load, typename Store>
-EP_DEVICE void store_rounds(uint4 (&v)[U], unsigned x0, unsigned end, const Load& load, const Store& store) {
-  for (;; x0 += U * blockDim.x) {
-    store_round(v, x0, end, store);
-    if (x0 + U * blockDim.x >= end) break;
-    load_round(v, x0 + U * blockDim.x, end, load);
-  }
-}
-// The first round of groups [g0, g1), zero past g1: ptxas then sees every v[u] written.
-template <int U, typename Load>
-EP_DEVICE void load_groups(uint4 (&v)[U], unsigned g0, unsigned g1, const Load& load) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) v[u] = make_uint4(0, 0, 0, 0);
-  load_round(v, g0 + threadIdx.x, g1, load);
 }
 
 // A token's payloads [FIRST, num_payloads) as one sequence of 16-byte groups, groups(d) of

@@ -353,6 +353,16 @@ EP_DEVICE void push_part(const A2AParams& p, int r, int i, int c, int C) {
                [&](unsigned x, const uint4& value) { st_relaxed_sys(dst + x, escape4(value, p.combine_kind)); });
 }
 
+// Line 13 by blocks [0, p.combine_push_blocks) (the host's split of the grid): every received
+// slot, in C parts of at least a warp's worth of groups when there are blocks to spare.
+EP_DEVICE void push_received(const A2AParams& p) {
+  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax, pushers = p.combine_push_blocks;
+  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;
+  const int C = max(1, min(pushers / slots, cap));
+  if (static_cast<int>(blockIdx.x) < pushers)
+    for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);
+}
+
 // ---- combine, lines 15-19: slice `part` of token i. Each thread polls its 16-byte group of
 // every target's combine slot at once (up to 8 in flight, re-polling only the missing), and
 // reduces from those registers in FENCE's order (moe_common.cuh: pairwise tree over groups
@@ -543,17 +553,13 @@ __device__ void sentinel_combine(const A2AParams& p) {
   // block does nothing but this (its release fence stays off every other block's path).
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
 
-  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
   const int G = gridDim.x, reduces = p.local_num_tokens * p.combine_splits, splits = p.combine_splits;
-  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
   // Small batches (the host sizes the grid for it): the reducing blocks are not the pushing
   // ones, so they collect their sources and start polling at once; blocks [0, pushers) push,
   // the next `reduces` reduce, the last publishes. Otherwise every block does both.
   const int pushers = p.combine_push_blocks;
   const bool apart = pushers < G;
-  const int C = max(1, min(pushers / slots, cap));
-  if (static_cast<int>(blockIdx.x) < pushers)
-    for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
+  push_received(p);  // line 13
   const int r0 = apart ? static_cast<int>(blockIdx.x) - pushers : static_cast<int>(blockIdx.x);
   for (int w = r0; w >= 0 && w < reduces; w += apart ? reduces : G)  // lines 15-19
     reduce_part<T>(p, f, records, w / splits, w % splits, s_src, s_tgt, &s_n);
@@ -570,12 +576,7 @@ EP_DEVICE void combine_send(const A2AParams& p) {
   if (p.trigger_early) griddep_launch_dependents();  // (the receive half only waits for us to end)
   const unsigned f = read_epoch(p);
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
-  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
-  const int pushers = p.combine_push_blocks;  // every block but the publishing one (one block alone does both)
-  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
-  const int C = max(1, min(pushers / slots, cap));
-  if (static_cast<int>(blockIdx.x) < pushers)
-    for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
+  push_received(p);  // line 13: every block but the publishing one (one block alone does both)
   if (!p.trigger_early) griddep_launch_dependents();
 }
 template <typename T>
