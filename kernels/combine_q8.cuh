@@ -9,8 +9,7 @@
 // rounded to nearest even and saturated (x * 448/amax may round just past 448); an all-zero
 // block gets scale 1 and factor 1 (reference._q8_blocks states the edge cases too).
 // Divisions, products and conversions are exactly rounded, so reference.py reproduces every
-// byte. Dequantization is e4m3 -> fp32 (exact) times the
-// scale. EP_Q8_BLOCK (layout.py) = 16 lanes x 8 values.
+// byte. Dequantization is e4m3 -> fp32 (exact) times the scale. EP_Q8_BLOCK = 16 lanes x 8.
 //
 // The pass is bandwidth work on a grid capped at the rank's share of the GPU, so it is
 // written for loads in flight: a half-warp owns one 128-value block, each lane 8 values
