@@ -72,6 +72,12 @@ DROPPED_KEY = "active-dropped"   # selections each rank of it dropped by the ref
 
 
 @step_kind("active", weight=1.0)
+def active_num_experts(ep: int, top_k: int) -> int:
+    """Experts of the active-rank kind's all-to-all: an uneven split over the ranks (2 ep + 1),
+    and at least top_k + 1, so that every top_k of TOP_K is valid with few ranks too."""
+    return max(2 * ep + 1, top_k + 1)
+
+
 def active_step(soak, rng, verify) -> Outcome:
     from ..testing import reference as ref
     from ..testing.formats import payload_formats
@@ -85,7 +91,7 @@ def active_step(soak, rng, verify) -> Outcome:
     def make():
         import ep_a2a
         crossover = int(rng.integers(1, most)) if most > 1 else 1
-        return ep_a2a.MoeAlltoAll(soak.group, max_tokens_per_rank=most, top_k=top_k, num_experts=2 * ep + 1,
+        return ep_a2a.MoeAlltoAll(soak.group, max_tokens_per_rank=most, top_k=top_k, num_experts=active_num_experts(ep, top_k),
                                   payloads=payload_formats(hidden, top_k)["bf16"], combine_hidden_size=hidden,
                                   combine_dtype=cdt, protocol="auto", crossover_tokens=crossover, timeout_s=20.0)
     a2a = soak.resource(ACTIVE_KEY, make)

@@ -338,3 +338,14 @@ def test_a_step_that_raises_stops_the_soak(scratch_registry):
     tally, samples, _ = stress_mixed.drive(soak, {"boom": stress_kinds.KINDS["boom"]}, soak.args)
     assert tally.errors == 1 and tally.steps == 0 and "the context is lost" in tally.failures[0]
     assert not stress_mixed.judge(tally, samples, True)[0]
+
+
+def test_the_active_kind_builds_a_valid_all_to_all_for_every_rank_count_and_top_k():
+    """Its num_experts takes every top_k the soak draws, also with few ranks (3 ranks and
+    top_k 8 once asked for 8 of 7 experts: the all-to-all refused it, the soak failed)."""
+    from ep_a2a.tools.stress import TOP_K
+    from ep_a2a.tools.stress_kind_core import active_num_experts
+    for ep in range(1, 9):
+        for top_k in TOP_K:
+            n = active_num_experts(ep, top_k)
+            assert n > top_k and n >= 2 * ep + 1, (ep, top_k, n)
