@@ -20,8 +20,10 @@
 // write, issued only after its poll saw the message, reaches the same place later: it
 // follows the reset in coherence order and is never overwritten by it.
 //
-// Latency: a round's loads are all issued before their first use, only missing vectors are
-// re-polled, and a (source, slot) pair's id slot and landing slot are polled together.
+// Latency (decode batches): every thread issues all its loads of a round before the first
+// use (polls, payload and partial-result loads), re-polls only the vectors still missing,
+// and one token's push is spread over many blocks; the expert-id slot and the landing
+// slot of a (source, slot) pair are polled together.
 #include "moe_common.cuh"
 
 namespace {
@@ -42,10 +44,6 @@ EP_DEVICE char* combine_slot(const A2AParams& p, int owner, int i, int source) {
 // Whether slot i of source r held a token in the last dispatch (layout.py: has).
 EP_DEVICE unsigned char* has_slot(const A2AParams& p, int r, int i) {
   return section<unsigned char>(p, p.rank, p.off_sentinel_has) + static_cast<size_t>(r) * p.max_tokens_per_rank + i;
-}
-// Wd[s][r][i]'s expert ids: slot i of source r in our dispatch workspace (runtime stride).
-EP_DEVICE int* received_ids(const A2AParams& p, int r, int i) {
-  return section<int>(p, p.rank, p.payloads[0].recv_offset) + (static_cast<size_t>(r) * p.runtime_max_tokens_per_rank + i) * p.top_k;
 }
 
 EP_DEVICE bool any_sentinel(uint4 v) {
@@ -74,9 +72,11 @@ EP_DEVICE void store_word(unsigned char* dst, unsigned bytes, unsigned vec, unsi
   if (vec >= 4 && o + 4 <= bytes) { *reinterpret_cast<unsigned*>(dst + o) = v; return; }
   for (unsigned b = 0; b < 4 && o + b < bytes; ++b) dst[o + b] = static_cast<unsigned char>(v >> (8 * b));
 }
-// Code size: rows that do not move in 16-byte vectors, and KIND_RAW16 payloads, take the
-// out-of-line paths below (EP_COLD, protocol.cuh), since their byte loops inlined at every
-// unrolled use would multiply the code that decode batches spend their time fetching.
+// Code size. Rows that do not move in 16-byte vectors, and KIND_RAW16 payloads, take the
+// out-of-line paths below (EP_COLD, protocol.cuh); the 16-byte path stays inline. Inlined at
+// every unrolled use, their byte loops made the kernels several times larger, and at decode
+// batches fetching that code, not memory, sets the pace. On sm_100/103 the calls cost
+// sentinel_dispatch spills under its 64 registers (ptxas), so there they stay inline.
 
 // Words 4g..4g+3 of a row of `bytes` bytes (zero past its end), whatever its alignment.
 EP_COLD uint4 load_group_any(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
@@ -97,7 +97,18 @@ EP_DEVICE void store_group(unsigned char* dst, unsigned bytes, unsigned vec, uns
 }
 
 // ---- landing groups: the 16-byte vectors of one token slot's landing slots, payloads 1..,
-// as one sequence (moe_common.cuh: landing_groups, payload_of_landing_group).
+// counted as one sequence so that the threads of a block share them whatever the payloads.
+EP_DEVICE unsigned slot_groups(const A2AParams& p) {
+  unsigned n = 0;
+  for (int q = 1; q < p.num_payloads; ++q) n += p.payloads[q].landing_bytes / 16;
+  return n;
+}
+// Group x of the sequence: its payload q (returned), x becomes the group within it.
+EP_DEVICE int locate(const A2AParams& p, unsigned& x) {
+  int q = 1;
+  while (x >= p.payloads[q].landing_bytes / 16) x -= p.payloads[q++].landing_bytes / 16;
+  return q;
+}
 // Landing group g of payload d, from the token's row: escaped words, or (KIND_RAW16) data
 // words 2g, 2g + 1 as four 16-bit halves, so that no landing word can equal the sentinel.
 EP_COLD uint4 landing_value_any(const PayloadDesc& d, const unsigned char* row, unsigned g) {
@@ -130,11 +141,14 @@ EP_DEVICE size_t landing_at(const A2AParams& p, const PayloadDesc& d, int source
 }
 
 // The step counter moves once every block of the dispatch has read it. One thread of each
-// block (counter_thread) reads it for the block and then counts the block in: the release
-// orders that read before the increment, so the last block to arrive, which acquires
-// (sentinel_dispatch's end), moves the counter after every read. Counting at the start keeps
-// the election's round trip off the end of the kernel. The thread is the last warp's first,
-// which selects no targets, so its release waits for the counter read, not for stores.
+// block (counter_thread) reads it for the block (the others get it through shared memory)
+// and then counts the block in: the release orders that read before the increment, so the
+// last block to arrive, which acquires (sentinel_dispatch's end), moves the counter after
+// every read. Counting at the start, not at the end, keeps the election's round trip off the
+// end of the kernel: nobody waits for the result until the block's work is done. The thread
+// is the last warp's first: that warp selects no targets and, at decode batches and 256
+// threads, loads no payload groups, so its release waits for the counter read alone, not for
+// a selection's stores (as thread 0's did).
 EP_DEVICE unsigned counter_thread() { return blockDim.x - 32; }
 // By counter_thread: the step f into `f`, then the block counted in; returns the blocks
 // counted before it.
@@ -153,64 +167,71 @@ struct Send {
   unsigned f;                // the step, read by counter_thread (see arrive)
   unsigned char is_target[EP_MAX_RANKS];
 };
-// Warp 0, line 2: token i's distinct targets D into sh (part 0 also marks them in
-// is_target and writes the records; token: slot i holds one of our tokens).
-EP_DEVICE void select_send_targets(const A2AParams& p, Send& sh, const int* ids, int i, int c, bool token, int* records) {
-  const int lane = threadIdx.x, K = p.top_k;
-  if (c == 0)
-    for (int r = lane; r < p.ep_size; r += 32) sh.is_target[r] = 0;
-  int t = -1;
-  bool sel_first = false;
-  unsigned firsts = 0;
-  if (token) {
-    const Selection sel = select_targets(p, ids, c == 0);  // (a dropped selection counted once)
-    t = sel.target; sel_first = sel.first; firsts = sel.firsts;
-  }
-  __syncwarp();
-  if (sel_first) {
-    sh.target[__popc(firsts & ((1u << lane) - 1))] = t;
-    if (c == 0) sh.is_target[t] = 1;
-  }
-  if (c == 0 && token && lane < K) records[i * K + lane] = sel_first ? pack_record(i, t) : -1;
-  if (lane == 0) sh.n = __popc(firsts);
-}
-// Line 4, part 0: I[r][s][i] <- the expert ids (-1 where r is not in D), then our step tag.
-EP_DEVICE void send_ids(const A2AParams& p, const Send& sh, const int* ids, int i) {
-  const int K = p.top_k, W = K + 1;
-  for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
-    const int r = x / W, k = x % W;
-    if (!rank_active(p, r)) continue;
-    int id = k == K ? static_cast<int>(p.step_tag) : (sh.is_target[r] ? ids[k] : -1);
-    // An input id equal to the slot's sentinel (invalid anyway: it is negative) would read as
-    // "not arrived" and stall the receiver: it travels as -1, like every invalid id here.
-    if (id == static_cast<int>(EP_SENTINEL_IDS)) id = -1;
-    st_relaxed_sys(id_slot(p, r, p.rank, i, sh.f) + k, static_cast<unsigned>(id));
-  }
-}
 EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int* records, bool first, unsigned& arrival) {
-  const int s = p.rank, K = p.top_k;
+  const int s = p.rank, K = p.top_k, W = K + 1;
   const bool token = i < p.local_num_tokens;
-  const unsigned total = token ? landing_groups(p) : 0;
+  const unsigned total = token ? slot_groups(p) : 0;
   const unsigned g0 = total * c / C, g1 = total * (c + 1) / C;
-  const auto load = [&](unsigned x) {
-    const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];
-    return landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
-  };
   uint4 v[U];
-  load_groups(v, g0, g1, load);
+  load_groups(v, g0, g1, [&](unsigned x) {
+    const PayloadDesc& d = p.payloads[locate(p, x)];
+    return landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
+  });
   const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + static_cast<size_t>(i) * K;
-  if (threadIdx.x < 32) select_send_targets(p, sh, ids, i, c, token, records);
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    if (c == 0)
+      for (int r = lane; r < p.ep_size; r += 32) sh.is_target[r] = 0;
+    int t = -1;
+    bool sel_first = false;
+    unsigned firsts = 0;
+    if (token) {
+      const Selection sel = select_targets(p, ids, c == 0);  // (a dropped selection counted once)
+      t = sel.target; sel_first = sel.first; firsts = sel.firsts;
+    }
+    __syncwarp();
+    if (sel_first) {
+      sh.target[__popc(firsts & ((1u << lane) - 1))] = t;
+      if (c == 0) sh.is_target[t] = 1;
+    }
+    if (c == 0 && token && lane < K) records[i * K + lane] = sel_first ? pack_record(i, t) : -1;
+    if (lane == 0) sh.n = __popc(firsts);
+  }
   if (first && threadIdx.x == counter_thread()) arrival = arrive(p, sh.f);
   __syncthreads();
   const int n = sh.n;
-  if (n > 0)  // (later rounds: large payloads only)
-    store_rounds(v, g0 + threadIdx.x, g1, load, [&](unsigned x, const uint4& value) {
-      const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];  // (x becomes the group within d)
+  for (unsigned x0 = g0 + threadIdx.x; n > 0; x0 += U * blockDim.x) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      unsigned x = x0 + u * blockDim.x;
+      if (x >= g1) continue;
+      const PayloadDesc& d = p.payloads[locate(p, x)];  // (x becomes the group within d)
       const size_t off = landing_at(p, d, s, i, x);
 #pragma unroll 1  // rolled: unrolled, it held several target pointers live (register pressure)
-      for (int j = 0; j < n; ++j) st_relaxed_sys(reinterpret_cast<uint4*>(workspace(p, sh.target[j]) + off), value);
-    });
-  if (c == 0) send_ids(p, sh, ids, i);
+      for (int j = 0; j < n; ++j) st_relaxed_sys(reinterpret_cast<uint4*>(workspace(p, sh.target[j]) + off), v[u]);
+    }
+    if (x0 + U * blockDim.x >= g1) break;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {  // the next round (large payloads only)
+      unsigned x = x0 + (U + u) * blockDim.x;
+      if (x < g1) {
+        const PayloadDesc& d = p.payloads[locate(p, x)];
+        v[u] = landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
+      }
+    }
+  }
+  if (c == 0) {
+    // Line 4: I[r][s][i] <- the expert ids (-1 where r is not in D), then our step tag.
+    for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
+      const int r = x / W, k = x % W;
+      if (!rank_active(p, r)) continue;
+      int id = k == K ? static_cast<int>(p.step_tag) : (sh.is_target[r] ? ids[k] : -1);
+      // An input id equal to the slot's sentinel (invalid anyway: it is negative) would read as
+      // "not arrived" and stall the receiver: it travels as -1, like every invalid id here.
+      if (id == static_cast<int>(EP_SENTINEL_IDS)) id = -1;
+      st_relaxed_sys(id_slot(p, r, s, i, sh.f) + k, static_cast<unsigned>(id));
+    }
+  }
   __syncthreads();  // (the shared arrays of the next part)
 }
 
@@ -226,13 +247,13 @@ EP_DEVICE unsigned verdict(unsigned* s_state, unsigned tag) {
   return (v >> 2) == tag ? (v & 3) : UNKNOWN;
 }
 EP_DEVICE const uint4* landing_ptr(const A2AParams& p, int r, int i, unsigned x) {
-  const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];
+  const PayloadDesc& d = p.payloads[locate(p, x)];
   return reinterpret_cast<const uint4*>(workspace(p, p.rank) + landing_at(p, d, r, i, x));
 }
 // Copy landing group x of slot (r, i) from the registers that polled it into Wd[s][r][i],
 // and reset it (line 9).
 EP_DEVICE void take_group(const A2AParams& p, int r, int i, unsigned x, uint4 v) {
-  const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];
+  const PayloadDesc& d = p.payloads[locate(p, x)];
   store_received(d, section<unsigned char>(p, p.rank, d.recv_offset) +
                         (static_cast<size_t>(r) * p.runtime_max_tokens_per_rank + i) * d.bytes_per_token, x, v);
   *reinterpret_cast<uint4*>(workspace(p, p.rank) + landing_at(p, d, r, i, x)) = sentinel4();
@@ -248,92 +269,88 @@ EP_DEVICE void repoll(const A2AParams& p, int r, int i, unsigned x0, uint4 (&v)[
     }
 }
 
-// Warp 0, lines 6-7: the expert ids of slot (r, i) (id: lane k's first poll of word k of
-// `word`), then their reset (our part of line 14: our own memory) and the verdict for the
-// block. Returns whether a token came.
-EP_DEVICE bool receive_ids(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag, bool active,
-                           unsigned* word, unsigned id) {
-  const int lane = threadIdx.x, K = p.top_k;
-  if (active && lane < K + 1) {
-    if (id == EP_SENTINEL_IDS) {
-      const bool came = wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
-        seen = id = ld_relaxed_sys(word);
-        return id != EP_SENTINEL_IDS;
-      });
-      if (!came) id = static_cast<unsigned>(-1);
+EP_DEVICE void receive_slot(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag) {
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k, W = K + 1;
+  const bool active = rank_active(p, r);  // an inactive rank sends nothing: its region holds no token
+  const unsigned total = active ? slot_groups(p) : 0;
+  // Round 1: the first poll of every landing group and of the id words, all in flight.
+  uint4 v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const unsigned x = threadIdx.x + u * blockDim.x;
+    v[u] = sentinel4();
+    if (x < total) v[u] = ld_relaxed_sys(landing_ptr(p, r, i, x));
+  }
+  unsigned* const word = id_slot(p, s, r, i, f) + threadIdx.x;
+  unsigned id = static_cast<unsigned>(-1);
+  if (active && threadIdx.x < W) id = ld_relaxed_sys(word);
+  unsigned miss = 0;
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (threadIdx.x + u * blockDim.x < total && any_sentinel(v[u])) miss |= 1u << u;
+
+  // Lines 6-7, warp 0: the ids (and our part of line 14: their reset, to our own memory).
+  int* const out_ids = section<int>(p, s, p.payloads[0].recv_offset) + (static_cast<size_t>(r) * tmax + i) * K;
+  bool has = false;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    if (active && lane < W) {
+      if (id == EP_SENTINEL_IDS) {
+        const bool came = wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
+          seen = id = ld_relaxed_sys(word);
+          return id != EP_SENTINEL_IDS;
+        });
+        if (!came) id = static_cast<unsigned>(-1);
+      }
+      *word = EP_SENTINEL_IDS;
+      if (lane == K && id != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, id);
     }
-    *word = EP_SENTINEL_IDS;
-    if (lane == K && id != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, id);
+    // poison once any rank gave up (protocol.cuh; abort mode only)
+    const int poison = __shfl_sync(0xffffffffu, p.abort_on_timeout && lane == 0 && ld_volatile(abort_word(p, s)) != 0, 0);
+    if (poison) id = static_cast<unsigned>(-1);
+    has = __ballot_sync(0xffffffffu, lane < K && static_cast<int>(id) != -1) != 0;
+    if (lane < K) out_ids[lane] = static_cast<int>(id);
+    if (lane == 0) {
+      *has_slot(p, r, i) = has;
+      atomicExch(s_state, tag << 2 | (has ? TOKEN : NONE));
+    }
   }
-  // poison once any rank gave up (protocol.cuh; abort mode only)
-  const int poison = __shfl_sync(0xffffffffu, p.abort_on_timeout && lane == 0 && ld_volatile(abort_word(p, p.rank)) != 0, 0);
-  if (poison) id = static_cast<unsigned>(-1);
-  const bool has = __ballot_sync(0xffffffffu, lane < K && static_cast<int>(id) != -1) != 0;
-  if (lane < K) received_ids(p, r, i)[lane] = static_cast<int>(id);
-  if (lane == 0) {
-    *has_slot(p, r, i) = has;
-    atomicExch(s_state, tag << 2 | (has ? TOKEN : NONE));
+  // Line 8, every thread: the groups still missing, until they come or the verdict is "none".
+  bool gave_up = false;
+  if (miss && verdict(s_state, tag) != NONE)
+    gave_up = !wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
+      seen = 0;
+      if (verdict(s_state, tag) == NONE) return true;
+      repoll(p, r, i, threadIdx.x, v, miss, seen);
+      return miss == 0;
+    });
+  // true: a token came whole (thread 0 holds warp 0's verdict; a failed wait spoils it)
+  const bool ok = __syncthreads_and(!gave_up && (threadIdx.x != 0 || has));
+  if (threadIdx.x < 32 && has && !ok) {  // (a wait gave up: the slot reads as empty)
+    if (threadIdx.x < K) out_ids[threadIdx.x] = -1;
+    if (threadIdx.x == 0) *has_slot(p, r, i) = 0;
   }
-  return has;
-}
-// Line 8, every thread: the landing groups of round 1 still missing (miss), until they come or
-// the verdict is "no token". False when the wait gave up.
-EP_DEVICE bool await_landing(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag, uint4 (&v)[U],
-                             unsigned miss) {
-  if (!miss || verdict(s_state, tag) == NONE) return true;
-  return wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
-    seen = 0;
-    if (verdict(s_state, tag) == NONE) return true;
-    repoll(p, r, i, threadIdx.x, v, miss, seen);
-    return miss == 0;
-  });
-}
-// Line 9 for a slot whose token came: round 1 from the registers that polled it, then every
-// later round (large payloads) polled until whole; each group copied and reset.
-EP_DEVICE void take_landing(const A2AParams& p, int r, int i, unsigned f, unsigned total, uint4 (&v)[U]) {
-  const auto take = [&](unsigned x, const uint4& value) { take_group(p, r, i, x, value); };
-  store_round(v, threadIdx.x, total, take);
+  if (!ok) return;
+  // Line 9: copy from the polled registers, reset; then any further rounds (large payloads).
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (threadIdx.x + u * blockDim.x < total) take_group(p, r, i, threadIdx.x + u * blockDim.x, v[u]);
   for (unsigned x0 = threadIdx.x + U * blockDim.x; x0 < total; x0 += U * blockDim.x) {
-    unsigned miss = 0, seen = 0;
+    miss = 0;
 #pragma unroll
     for (int u = 0; u < U; ++u)
       if (x0 + u * blockDim.x < total) miss |= 1u << u;
+    unsigned seen = 0;
     repoll(p, r, i, x0, v, miss, seen);
     if (miss)
       wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& sn) {
         repoll(p, r, i, x0, v, miss, sn);
         return miss == 0;
       });
-    store_round(v, x0, total, take);
-  }
-}
-
-// Lines 5-11 for slot i of source r: the first poll of its landing groups and of its ids all
-// in flight, then the ids (warp 0) and the landing groups (every thread) awaited, then taken.
-EP_DEVICE void receive_slot(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag) {
-  const bool active = rank_active(p, r);  // an inactive rank sends nothing: its region holds no token
-  const unsigned total = active ? landing_groups(p) : 0;
-  uint4 v[U];
 #pragma unroll
-  for (int u = 0; u < U; ++u) v[u] = sentinel4();
-  load_round(v, threadIdx.x, total, [&](unsigned x) { return ld_relaxed_sys(landing_ptr(p, r, i, x)); });
-  unsigned* const word = id_slot(p, p.rank, r, i, f) + threadIdx.x;
-  unsigned id = static_cast<unsigned>(-1);
-  if (active && threadIdx.x < p.top_k + 1) id = ld_relaxed_sys(word);
-  unsigned miss = 0;
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (threadIdx.x + u * blockDim.x < total && any_sentinel(v[u])) miss |= 1u << u;
-
-  const bool has = threadIdx.x < 32 && receive_ids(p, s_state, r, i, f, tag, active, word, id);
-  const bool gave_up = !await_landing(p, s_state, r, i, f, tag, v, miss);
-  // true: a token came whole (thread 0 holds warp 0's verdict; a failed wait spoils it)
-  const bool ok = __syncthreads_and(!gave_up && (threadIdx.x != 0 || has));
-  if (threadIdx.x < 32 && has && !ok) {  // (a wait gave up: the slot reads as empty)
-    if (threadIdx.x < p.top_k) received_ids(p, r, i)[threadIdx.x] = -1;
-    if (threadIdx.x == 0) *has_slot(p, r, i) = 0;
+    for (int u = 0; u < U; ++u)
+      if (x0 + u * blockDim.x < total) take_group(p, r, i, x0 + u * blockDim.x, v[u]);
   }
-  if (ok) take_landing(p, r, i, f, total, v);
 }
 
 // ---- combine, line 13: part c of C of M[r][i][s] <- Wc[s][r][i], for a slot that held a token
@@ -344,23 +361,26 @@ EP_DEVICE void push_part(const A2AParams& p, int r, int i, int c, int C) {
   const unsigned groups = (p.combine_bytes + 15) / 16, g0 = groups * c / C, g1 = groups * (c + 1) / C;
   const unsigned char* const src = section<const unsigned char>(p, s, p.off_combine) +
                                    (static_cast<size_t>(r) * tmax + i) * p.combine_bytes;
-  const auto load = [&](unsigned x) { return load_group(src, p.combine_bytes, p.combine_vec, x); };
   uint4 v[U];
-  load_groups(v, g0, g1, load);
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const unsigned x = g0 + threadIdx.x + u * blockDim.x;
+    v[u] = make_uint4(0, 0, 0, 0);
+    if (x < g1) v[u] = load_group(src, p.combine_bytes, p.combine_vec, x);
+  }
   if (!*has_slot(p, r, i)) return;
   uint4* const dst = reinterpret_cast<uint4*>(combine_slot(p, r, i, s));
-  store_rounds(v, g0 + threadIdx.x, g1, load,
-               [&](unsigned x, const uint4& value) { st_relaxed_sys(dst + x, escape4(value, p.combine_kind)); });
-}
-
-// Line 13 by blocks [0, p.combine_push_blocks) (the host's split of the grid): every received
-// slot, in C parts of at least a warp's worth of groups when there are blocks to spare.
-EP_DEVICE void push_received(const A2AParams& p) {
-  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax, pushers = p.combine_push_blocks;
-  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;
-  const int C = max(1, min(pushers / slots, cap));
-  if (static_cast<int>(blockIdx.x) < pushers)
-    for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);
+  for (unsigned x0 = g0 + threadIdx.x;; x0 += U * blockDim.x) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (x0 + u * blockDim.x < g1) st_relaxed_sys(dst + x0 + u * blockDim.x, escape4(v[u], p.combine_kind));
+    if (x0 + U * blockDim.x >= g1) break;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned x = x0 + (U + u) * blockDim.x;
+      if (x < g1) v[u] = load_group(src, p.combine_bytes, p.combine_vec, x);
+    }
+  }
 }
 
 // ---- combine, lines 15-19: slice `part` of token i. Each thread polls its 16-byte group of
@@ -420,7 +440,7 @@ EP_DEVICE void poll_chunk(const A2AParams& p, unsigned f, const Members& m, int 
   }
   if (why) {
     // The step failed. Reported first, so that no polled register is live across the call
-    // (it would spill them); then every member reads as the sentinel, whose all-ones
+    // (live across it, they spilled); then every member reads as the sentinel, whose all-ones
     // words are NaN in every float format: the group's sum is NaN in every lane, where a
     // member whose vector had partly landed left NaN only in its missing lanes.
     Deadline::failed(p, why, EP_PHASE_SENTINEL_COMBINE, peer, f, seen, 0);
@@ -511,7 +531,7 @@ EP_DEVICE void sentinel_dispatch_part(const A2AParams& p) {
   unsigned f, arrival = 0;
   if constexpr (PART != EP_RECEIVE) {
     // C blocks share each token slot's push: the grid, but at least a warp's worth of groups each.
-    const int C = max(1, min(static_cast<int>(gridDim.x) / tmax, static_cast<int>((landing_groups(p) + 31) / 32)));
+    const int C = max(1, min(static_cast<int>(gridDim.x) / tmax, static_cast<int>((slot_groups(p) + 31) / 32)));
 
     // Lines 2-4: token i lands in slot i of our region on each target; every rank gets the
     // expert ids of every one of our T^ slots (-1 where nothing goes), plus our step tag.
@@ -553,14 +573,19 @@ __device__ void sentinel_combine(const A2AParams& p) {
   // block does nothing but this (its release fence stays off every other block's path).
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
 
+  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
   const int G = gridDim.x, reduces = p.local_num_tokens * p.combine_splits, splits = p.combine_splits;
+  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
   // Small batches (the host sizes the grid for it): the reducing blocks are not the pushing
-  // ones, so they collect their sources and start polling at once; blocks [0, pushers) push,
-  // the next `reduces` reduce, the last publishes. Otherwise every block does both.
-  const int pushers = p.combine_push_blocks;
-  const bool apart = pushers < G;
-  push_received(p);  // line 13
-  const int r0 = apart ? static_cast<int>(blockIdx.x) - pushers : static_cast<int>(blockIdx.x);
+  // ones, so they collect their sources and start polling at once; blocks [0, spare) push,
+  // [spare, spare + reduces) reduce, the last publishes. Otherwise both grid-stride.
+  const int spare = G - 1 - reduces;
+  const bool apart = spare >= slots;
+  const int C = max(1, min((apart ? spare : G) / slots, cap));
+  const int push_stride = apart ? spare : G;
+  if (!apart || blockIdx.x < spare)
+    for (int w = blockIdx.x; w < slots * C; w += push_stride) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
+  const int r0 = apart ? static_cast<int>(blockIdx.x) - spare : static_cast<int>(blockIdx.x);
   for (int w = r0; w >= 0 && w < reduces; w += apart ? reduces : G)  // lines 15-19
     reduce_part<T>(p, f, records, w / splits, w % splits, s_src, s_tgt, &s_n);
   if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
@@ -576,7 +601,12 @@ EP_DEVICE void combine_send(const A2AParams& p) {
   if (p.trigger_early) griddep_launch_dependents();  // (the receive half only waits for us to end)
   const unsigned f = read_epoch(p);
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
-  push_received(p);  // line 13: every block but the publishing one (one block alone does both)
+  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
+  const int pushers = max(1, static_cast<int>(gridDim.x) - 1);
+  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
+  const int C = max(1, min(pushers / slots, cap));
+  if (gridDim.x == 1 || static_cast<int>(blockIdx.x) < pushers)
+    for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
   if (!p.trigger_early) griddep_launch_dependents();
 }
 template <typename T>
