@@ -46,6 +46,10 @@ class LayerBase:
         self._step = None
         self._gate_event = None  # run_phases' cross-rank gate (created on first use)
 
+    def drop_step(self) -> None:
+        """Forget a prepared step whose launches were never issued (a peer's prepare failed)."""
+        self._step = None
+
     def close_gate(self) -> None:
         """Release the event the layer's steps wait on (part of close)."""
         if self._gate_event is not None:
@@ -96,7 +100,7 @@ def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None, bet
             prepared.append(layer)
     except BaseException:
         for layer in prepared:  # nothing is launched yet: the step is simply dropped
-            layer._step = None
+            layer.drop_step()
         raise
     phase_gate(layers)          # every rank's routing runs before any dispatch spins
     for layer in layers:        # every rank's dispatch is issued before anything may block

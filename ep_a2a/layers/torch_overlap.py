@@ -156,7 +156,7 @@ class TwoBatchMoe:
                     prepared.append(layer)
         except BaseException:
             for layer in prepared:  # nothing is launched yet: the step is simply dropped
-                layer._step = None
+                layer.drop_step()
             raise
         phase_gate(self.layers_a)  # every rank's routers (both micro-batches: one stream) before any half
         for name, piece in pairs:
