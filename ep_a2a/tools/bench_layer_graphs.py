@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from .bench_layer_profiles import layer_shape, run_seed
+from .bench_layer_profiles import torch_layer_run
 from .bench_layer_baseline import AllGatherBaseline, GemmFloor
 from .bench_report import torch_device_fields
 from .bench_method import per_round
@@ -208,17 +208,7 @@ def run(args, profiles: dict) -> dict:
     from ..moe import local_experts
     from ..testing.layer_oracle import max_relative_error
     from .bench_layer_stages import baseline_stage_times, floor_stage_times, ours_stage_times
-    H, I, E, top_k, ep = layer_shape(args, profiles)
-    dev = torch.device("cuda", args.device)
-    torch.cuda.set_device(dev)
-    seed = run_seed(args)
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    say(f"seed {seed}; {torch.cuda.get_device_name(dev)}; {ep} ranks; hidden {H}, intermediate {I}, {E} experts, "
-        f"top_k {top_k}; graphs of {args.rounds} and {2 * args.rounds} steps, {args.replays} replays")
-    w1 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).to(torch.bfloat16)
+    (H, I, E, top_k, ep), dev, seed, rng, say, w1, w2 = torch_layer_run(args, profiles, "")
     rate = copy_rate_tbps(torch, dev)
     say(f"device-to-device copy: {rate:.2f} TB/s (read + write)")
     rows = []

@@ -29,11 +29,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-import numpy as np
 
 from . import bench_layer
 from .argtypes import check_top_k
-from .bench_layer_profiles import PROFILES, layer_shape, run_seed
+from .bench_layer_profiles import PROFILES, torch_layer_run
 from .result_paths import check_out
 
 MODES = ("overlapped", "sequential", "fused", "gemm_floor")
@@ -80,17 +79,7 @@ def run(args) -> dict:
     from ..layers.torch_overlap import TwoBatchMoe
     from .bench_layer_baseline import GemmFloor
     from .bench_report import torch_device_fields
-    H, I, E, top_k, ep = layer_shape(args, PROFILES)
-    dev = torch.device("cuda", args.device)
-    torch.cuda.set_device(dev)
-    seed = run_seed(args)
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    say = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    say(f"seed {seed}; {torch.cuda.get_device_name(dev)}; {ep} ranks; hidden {H}, intermediate {I}, {E} experts, "
-        f"top_k {top_k}; two micro-batches; graphs of {args.rounds} and {2 * args.rounds} steps, {args.replays} replays")
-    w1 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).to(torch.bfloat16)
+    (H, I, E, top_k, ep), dev, seed, rng, say, w1, w2 = torch_layer_run(args, PROFILES, "two micro-batches; ")
     rows = []
     for protocol in args.protocols:
         opts = dict(max_tokens_per_rank=max(args.tokens), top_k=top_k, num_experts=E, payloads=payload_specs(H, top_k),

@@ -22,3 +22,25 @@ def layer_shape(args, profiles: dict) -> tuple:
 def run_seed(args) -> int:
     """--seed, or a fresh one (printed by the caller, so a run reproduces)."""
     return args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
+
+
+def torch_layer_run(args, profiles: dict, what: str):
+    """What a graphed torch layer benchmark sets up first: (shape, device, seed, rng, say, w1,
+    w2), the random weights of every expert (w_gate_up bf16 [E, 2I, H], w_down bf16 [E, H, I])
+    on --device, after saying the run's seed and shape (`what`: the benchmark's own words)."""
+    import sys
+    import numpy as np
+    import torch
+    H, I, E, top_k, ep = shape = layer_shape(args, profiles)
+    dev = torch.device("cuda", args.device)
+    torch.cuda.set_device(dev)
+    seed = run_seed(args)
+    torch.manual_seed(seed)
+
+    def say(message):
+        print(message, file=sys.stderr, flush=True)
+    say(f"seed {seed}; {torch.cuda.get_device_name(dev)}; {ep} ranks; hidden {H}, intermediate {I}, {E} experts, "
+        f"top_k {top_k}; {what}graphs of {args.rounds} and {2 * args.rounds} steps, {args.replays} replays")
+    w1 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).to(torch.bfloat16)
+    return shape, dev, seed, np.random.default_rng(seed), say, w1, w2
