@@ -96,12 +96,16 @@ EP_DEVICE void store_rounds(V (&v)[U], unsigned x0, unsigned end, const Load& lo
     load_round(v, x0 + U * blockDim.x, end, load);
   }
 }
-// The first round of groups [g0, g1), zero past g1: ptxas then sees every v[u] written.
+// The first round of groups [g0, g1), zero past g1: ptxas then sees every v[u] written
+// (each zeroed just before its load: zeroed all first, the callers compiled differently).
 template <int U, typename Load>
 EP_DEVICE void load_groups(uint4 (&v)[U], unsigned g0, unsigned g1, const Load& load) {
 #pragma unroll
-  for (int u = 0; u < U; ++u) v[u] = make_uint4(0, 0, 0, 0);
-  load_round(v, g0 + threadIdx.x, g1, load);
+  for (int u = 0; u < U; ++u) {
+    const unsigned x = g0 + threadIdx.x + u * blockDim.x;
+    v[u] = make_uint4(0, 0, 0, 0);
+    if (x < g1) v[u] = load(x);
+  }
 }
 
 // Each thread loads a vector of the token once and stores it to every target (the stores

@@ -43,10 +43,6 @@ EP_DEVICE char* combine_slot(const A2AParams& p, int owner, int i, int source) {
 EP_DEVICE unsigned char* has_slot(const A2AParams& p, int r, int i) {
   return section<unsigned char>(p, p.rank, p.off_sentinel_has) + static_cast<size_t>(r) * p.max_tokens_per_rank + i;
 }
-// Wd[s][r][i]'s expert ids: slot i of source r in our dispatch workspace (runtime stride).
-EP_DEVICE int* received_ids(const A2AParams& p, int r, int i) {
-  return section<int>(p, p.rank, p.payloads[0].recv_offset) + (static_cast<size_t>(r) * p.runtime_max_tokens_per_rank + i) * p.top_k;
-}
 
 EP_DEVICE bool any_sentinel(uint4 v) {
   return v.x == EP_SENTINEL_WORD || v.y == EP_SENTINEL_WORD || v.z == EP_SENTINEL_WORD || v.w == EP_SENTINEL_WORD;
@@ -153,42 +149,8 @@ struct Send {
   unsigned f;                // the step, read by counter_thread (see arrive)
   unsigned char is_target[EP_MAX_RANKS];
 };
-// Warp 0, line 2: token i's distinct targets D into sh (part 0 also marks them in
-// is_target and writes the records; token: slot i holds one of our tokens).
-EP_DEVICE void select_send_targets(const A2AParams& p, Send& sh, const int* ids, int i, int c, bool token, int* records) {
-  const int lane = threadIdx.x, K = p.top_k;
-  if (c == 0)
-    for (int r = lane; r < p.ep_size; r += 32) sh.is_target[r] = 0;
-  int t = -1;
-  bool sel_first = false;
-  unsigned firsts = 0;
-  if (token) {
-    const Selection sel = select_targets(p, ids, c == 0);  // (a dropped selection counted once)
-    t = sel.target; sel_first = sel.first; firsts = sel.firsts;
-  }
-  __syncwarp();
-  if (sel_first) {
-    sh.target[__popc(firsts & ((1u << lane) - 1))] = t;
-    if (c == 0) sh.is_target[t] = 1;
-  }
-  if (c == 0 && token && lane < K) records[i * K + lane] = sel_first ? pack_record(i, t) : -1;
-  if (lane == 0) sh.n = __popc(firsts);
-}
-// Line 4, part 0: I[r][s][i] <- the expert ids (-1 where r is not in D), then our step tag.
-EP_DEVICE void send_ids(const A2AParams& p, const Send& sh, const int* ids, int i) {
-  const int K = p.top_k, W = K + 1;
-  for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
-    const int r = x / W, k = x % W;
-    if (!rank_active(p, r)) continue;
-    int id = k == K ? static_cast<int>(p.step_tag) : (sh.is_target[r] ? ids[k] : -1);
-    // An input id equal to the slot's sentinel (invalid anyway: it is negative) would read as
-    // "not arrived" and stall the receiver: it travels as -1, like every invalid id here.
-    if (id == static_cast<int>(EP_SENTINEL_IDS)) id = -1;
-    st_relaxed_sys(id_slot(p, r, p.rank, i, sh.f) + k, static_cast<unsigned>(id));
-  }
-}
 EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int* records, bool first, unsigned& arrival) {
-  const int s = p.rank, K = p.top_k;
+  const int s = p.rank, K = p.top_k, W = K + 1;
   const bool token = i < p.local_num_tokens;
   const unsigned total = token ? landing_groups(p) : 0;
   const unsigned g0 = total * c / C, g1 = total * (c + 1) / C;
@@ -199,7 +161,28 @@ EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int*
   uint4 v[U];
   load_groups(v, g0, g1, load);
   const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + static_cast<size_t>(i) * K;
-  if (threadIdx.x < 32) select_send_targets(p, sh, ids, i, c, token, records);
+  // Line 2, warp 0: token i's distinct targets D (part 0 also marks them in is_target and
+  // writes the records). Inline, like line 4 below: as functions they reshaped the whole
+  // sentinel_dispatch's code.
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    if (c == 0)
+      for (int r = lane; r < p.ep_size; r += 32) sh.is_target[r] = 0;
+    int t = -1;
+    bool sel_first = false;
+    unsigned firsts = 0;
+    if (token) {
+      const Selection sel = select_targets(p, ids, c == 0);  // (a dropped selection counted once)
+      t = sel.target; sel_first = sel.first; firsts = sel.firsts;
+    }
+    __syncwarp();
+    if (sel_first) {
+      sh.target[__popc(firsts & ((1u << lane) - 1))] = t;
+      if (c == 0) sh.is_target[t] = 1;
+    }
+    if (c == 0 && token && lane < K) records[i * K + lane] = sel_first ? pack_record(i, t) : -1;
+    if (lane == 0) sh.n = __popc(firsts);
+  }
   if (first && threadIdx.x == counter_thread()) arrival = arrive(p, sh.f);
   __syncthreads();
   const int n = sh.n;
@@ -210,7 +193,18 @@ EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int*
 #pragma unroll 1  // rolled: unrolled, it held several target pointers live (register pressure)
       for (int j = 0; j < n; ++j) st_relaxed_sys(reinterpret_cast<uint4*>(workspace(p, sh.target[j]) + off), value);
     });
-  if (c == 0) send_ids(p, sh, ids, i);
+  if (c == 0) {
+    // Line 4: I[r][s][i] <- the expert ids (-1 where r is not in D), then our step tag.
+    for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
+      const int r = x / W, k = x % W;
+      if (!rank_active(p, r)) continue;
+      int id = k == K ? static_cast<int>(p.step_tag) : (sh.is_target[r] ? ids[k] : -1);
+      // An input id equal to the slot's sentinel (invalid anyway: it is negative) would read as
+      // "not arrived" and stall the receiver: it travels as -1, like every invalid id here.
+      if (id == static_cast<int>(EP_SENTINEL_IDS)) id = -1;
+      st_relaxed_sys(id_slot(p, r, s, i, sh.f) + k, static_cast<unsigned>(id));
+    }
+  }
   __syncthreads();  // (the shared arrays of the next part)
 }
 
@@ -248,46 +242,6 @@ EP_DEVICE void repoll(const A2AParams& p, int r, int i, unsigned x0, uint4 (&v)[
     }
 }
 
-// Warp 0, lines 6-7: the expert ids of slot (r, i) (id: lane k's first poll of word k of
-// `word`), then their reset (our part of line 14: our own memory) and the verdict for the
-// block. Returns whether a token came.
-EP_DEVICE bool receive_ids(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag, bool active,
-                           unsigned* word, unsigned id) {
-  const int lane = threadIdx.x, K = p.top_k;
-  if (active && lane < K + 1) {
-    if (id == EP_SENTINEL_IDS) {
-      const bool came = wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
-        seen = id = ld_relaxed_sys(word);
-        return id != EP_SENTINEL_IDS;
-      });
-      if (!came) id = static_cast<unsigned>(-1);
-    }
-    *word = EP_SENTINEL_IDS;
-    if (lane == K && id != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, id);
-  }
-  // poison once any rank gave up (protocol.cuh; abort mode only)
-  const int poison = __shfl_sync(0xffffffffu, p.abort_on_timeout && lane == 0 && ld_volatile(abort_word(p, p.rank)) != 0, 0);
-  if (poison) id = static_cast<unsigned>(-1);
-  const bool has = __ballot_sync(0xffffffffu, lane < K && static_cast<int>(id) != -1) != 0;
-  if (lane < K) received_ids(p, r, i)[lane] = static_cast<int>(id);
-  if (lane == 0) {
-    *has_slot(p, r, i) = has;
-    atomicExch(s_state, tag << 2 | (has ? TOKEN : NONE));
-  }
-  return has;
-}
-// Line 8, every thread: the landing groups of round 1 still missing (miss), until they come or
-// the verdict is "no token". False when the wait gave up.
-EP_DEVICE bool await_landing(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag, uint4 (&v)[U],
-                             unsigned miss) {
-  if (!miss || verdict(s_state, tag) == NONE) return true;
-  return wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
-    seen = 0;
-    if (verdict(s_state, tag) == NONE) return true;
-    repoll(p, r, i, threadIdx.x, v, miss, seen);
-    return miss == 0;
-  });
-}
 // Line 9 for a slot whose token came: round 1 from the registers that polled it, then every
 // later round (large payloads) polled until whole; each group copied and reset.
 EP_DEVICE void take_landing(const A2AParams& p, int r, int i, unsigned f, unsigned total, uint4 (&v)[U]) {
@@ -309,28 +263,64 @@ EP_DEVICE void take_landing(const A2AParams& p, int r, int i, unsigned f, unsign
 }
 
 // Lines 5-11 for slot i of source r: the first poll of its landing groups and of its ids all
-// in flight, then the ids (warp 0) and the landing groups (every thread) awaited, then taken.
+// in flight, the ids (warp 0) and the missing groups (every thread) awaited, then taken.
+// Lines 6-8 stay inline: as functions they changed how ptxas kept the polled values.
 EP_DEVICE void receive_slot(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag) {
+  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k, W = K + 1;
   const bool active = rank_active(p, r);  // an inactive rank sends nothing: its region holds no token
   const unsigned total = active ? landing_groups(p) : 0;
+  // Round 1: the first poll of every landing group and of the id words, all in flight.
   uint4 v[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) v[u] = sentinel4();
   load_round(v, threadIdx.x, total, [&](unsigned x) { return ld_relaxed_sys(landing_ptr(p, r, i, x)); });
-  unsigned* const word = id_slot(p, p.rank, r, i, f) + threadIdx.x;
+  unsigned* const word = id_slot(p, s, r, i, f) + threadIdx.x;
   unsigned id = static_cast<unsigned>(-1);
-  if (active && threadIdx.x < p.top_k + 1) id = ld_relaxed_sys(word);
+  if (active && threadIdx.x < W) id = ld_relaxed_sys(word);
   unsigned miss = 0;
 #pragma unroll
   for (int u = 0; u < U; ++u)
     if (threadIdx.x + u * blockDim.x < total && any_sentinel(v[u])) miss |= 1u << u;
 
-  const bool has = threadIdx.x < 32 && receive_ids(p, s_state, r, i, f, tag, active, word, id);
-  const bool gave_up = !await_landing(p, s_state, r, i, f, tag, v, miss);
+  // Lines 6-7, warp 0: the ids (and our part of line 14: their reset, to our own memory).
+  int* const out_ids = section<int>(p, s, p.payloads[0].recv_offset) + (static_cast<size_t>(r) * tmax + i) * K;
+  bool has = false;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    if (active && lane < W) {
+      if (id == EP_SENTINEL_IDS) {
+        const bool came = wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
+          seen = id = ld_relaxed_sys(word);
+          return id != EP_SENTINEL_IDS;
+        });
+        if (!came) id = static_cast<unsigned>(-1);
+      }
+      *word = EP_SENTINEL_IDS;
+      if (lane == K && id != static_cast<unsigned>(-1)) check_step_tag(p, EP_PHASE_SENTINEL_DISPATCH, r, f, id);
+    }
+    // poison once any rank gave up (protocol.cuh; abort mode only)
+    const int poison = __shfl_sync(0xffffffffu, p.abort_on_timeout && lane == 0 && ld_volatile(abort_word(p, s)) != 0, 0);
+    if (poison) id = static_cast<unsigned>(-1);
+    has = __ballot_sync(0xffffffffu, lane < K && static_cast<int>(id) != -1) != 0;
+    if (lane < K) out_ids[lane] = static_cast<int>(id);
+    if (lane == 0) {
+      *has_slot(p, r, i) = has;
+      atomicExch(s_state, tag << 2 | (has ? TOKEN : NONE));
+    }
+  }
+  // Line 8, every thread: the groups still missing, until they come or the verdict is "none".
+  bool gave_up = false;
+  if (miss && verdict(s_state, tag) != NONE)
+    gave_up = !wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& seen) {
+      seen = 0;
+      if (verdict(s_state, tag) == NONE) return true;
+      repoll(p, r, i, threadIdx.x, v, miss, seen);
+      return miss == 0;
+    });
   // true: a token came whole (thread 0 holds warp 0's verdict; a failed wait spoils it)
   const bool ok = __syncthreads_and(!gave_up && (threadIdx.x != 0 || has));
   if (threadIdx.x < 32 && has && !ok) {  // (a wait gave up: the slot reads as empty)
-    if (threadIdx.x < p.top_k) received_ids(p, r, i)[threadIdx.x] = -1;
+    if (threadIdx.x < K) out_ids[threadIdx.x] = -1;
     if (threadIdx.x == 0) *has_slot(p, r, i) = 0;
   }
   if (ok) take_landing(p, r, i, f, total, v);
@@ -349,8 +339,13 @@ EP_DEVICE void push_part(const A2AParams& p, int r, int i, int c, int C) {
   load_groups(v, g0, g1, load);
   if (!*has_slot(p, r, i)) return;
   uint4* const dst = reinterpret_cast<uint4*>(combine_slot(p, r, i, s));
-  store_rounds(v, g0 + threadIdx.x, g1, load,
-               [&](unsigned x, const uint4& value) { st_relaxed_sys(dst + x, escape4(value, p.combine_kind)); });
+  for (unsigned x0 = g0 + threadIdx.x;; x0 += U * blockDim.x) {
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (x0 + u * blockDim.x < g1) st_relaxed_sys(dst + x0 + u * blockDim.x, escape4(v[u], p.combine_kind));
+    if (x0 + U * blockDim.x >= g1) break;
+    load_round(v, x0 + U * blockDim.x, g1, load);
+  }
 }
 
 // Line 13 by blocks [0, p.combine_push_blocks) (the host's split of the grid): every received
