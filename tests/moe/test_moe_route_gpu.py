@@ -86,7 +86,7 @@ def test_route_equals_torch_topk_and_softmax(E, k, renormalize):
         worst = max(worst, _check_against_torch(lg, k, renormalize, f"{seed} T={T} E={E} k={k} renorm={renormalize}"))
         # normal draws, as a router's logits look (ties are possible in principle: checked none)
         lg = torch.from_numpy(rng.standard_normal((T, E), dtype=np.float32) * np.float32(3)).to(dev)
-        if all(torch.unique(row).numel() == E for row in lg):
+        if bool((lg.sort(dim=1).values.diff(dim=1) != 0).all()):
             worst = max(worst, _check_against_torch(lg, k, renormalize, f"{seed} normal T={T} E={E} k={k}",
                                                     how="dispatcher" if T % 2 else "eager"))
     print(f"route E={E} k={k} renormalize={renormalize}: weights at most {worst} ulp from torch's")
