@@ -432,21 +432,21 @@ EP_DEVICE void route_tokens(const T* logits, int* ids, float* weights, int token
     }
     int my_id = 0;        // lane r < top_k: the r-th selection and its logit
     float my_logit = 0.f, top = 0.f;
+    unsigned taken = 0;   // bit i: expert i * 32 + lane selected (a mask, not a write into key[],
+                          // which a dynamic index would move to local memory)
     for (int r = 0; r < top_k; ++r) {
       unsigned best = 0;  // this lane's largest key not taken; its lowest expert on equal keys
       int best_i = 0;
       float best_v = 0.f;
 #pragma unroll
-      for (int i = 0; i < N; ++i)
-        if (key[i] > best) best = key[i], best_i = i, best_v = v[i];
+      for (int i = 0; i < N; ++i) {
+        const unsigned k = (taken >> i) & 1u ? 0u : key[i];
+        if (k > best) best = k, best_i = i, best_v = v[i];
+      }
       const unsigned win = __reduce_max_sync(0xffffffffu, best);  // > 0: top_k <= num_experts
       const unsigned e = __reduce_min_sync(0xffffffffu, best == win ? static_cast<unsigned>(best_i * 32 + lane) : ~0u);
       const float x = __shfl_sync(0xffffffffu, best_v, e & 31);
-      if (lane == static_cast<int>(e & 31)) {
-#pragma unroll
-        for (int i = 0; i < N; ++i)
-          if (i == static_cast<int>(e >> 5)) key[i] = 0u;
-      }
+      if (lane == static_cast<int>(e & 31)) taken |= 1u << (e >> 5);
       if (lane == r) my_id = static_cast<int>(e), my_logit = x;
       if (r == 0) top = x;
     }

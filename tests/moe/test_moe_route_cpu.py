@@ -67,3 +67,35 @@ def test_route_op_refuses_cpu_tensors():
     for call in (lambda: ops.route(logits, ids, w), lambda: ops.OPS["route"](logits, ids, w, False)):
         with pytest.raises(ValueError, match="^logits: must be on a CUDA GPU"):
             call()
+
+
+def test_route_kernel_computes_the_weights_as_torch_does():
+    """The weights follow torch's one-warp softmax only while the kernel is built as torch's
+    kernels are: the accurate expf and an IEEE division (no fast math), the argmax on the
+    warp's redux unit, and every per-lane array in registers (no local memory, at every
+    width up to 32 logits a lane)."""
+    import importlib.util
+    import os
+    import re
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("kernels_build", os.path.join(root, "kernels", "build.py"))
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    try:
+        nvcc = build.find_nvcc()
+    except build.BuildError:
+        pytest.skip("nvcc not found")
+    if not os.path.isfile(build.HEADER):
+        pytest.skip("kernels/generated not made here (run `make cubins`)")
+    src = os.path.join(root, "kernels", "moe_compute.cu")
+    r = subprocess.run([nvcc, "-ptx", "-arch=sm_90", *build.NVCCFLAGS, "-o", "-", src], capture_output=True,
+                       text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    for name in moe.ROUTE_KERNELS:
+        body = re.search(r"\.entry " + name + r"\((.*?)\n}", r.stdout, re.S)
+        assert body, f"no {name} in the PTX"
+        ptx = body.group(1)
+        assert "div.rn.f32" in ptx and "div.approx" not in ptx and "div.full" not in ptx, f"{name}: not an IEEE division"
+        assert "redux.sync.max.u32" in ptx and "redux.sync.min.u32" in ptx, name
+        assert ".local" not in ptx, f"{name}: a per-lane array went to local memory"
