@@ -88,20 +88,7 @@ def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None, bet
     defaults to the largest T_r (at least 1). `between(stage)`, if given, runs after the
     dispatch phase ("dispatch") and after the compute phase ("compute") (the layer
     benchmark marks its stage times there). Returns every layer's combine() result."""
-    if not (len(layers) == len(xs) == len(routers)):
-        raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
-    runtime_max = runtime_max_tokens_per_rank
-    if runtime_max is None:
-        runtime_max = max([1] + [int(x.shape[0]) for x in xs])
-    prepared = []
-    try:
-        for layer, x, router in zip(layers, xs, routers):
-            layer.prepare(x, router, runtime_max)
-            prepared.append(layer)
-    except BaseException:
-        for layer in prepared:  # nothing is launched yet: the step is simply dropped
-            layer.drop_step()
-        raise
+    prepare_all([(layers, xs, routers, runtime_max_tokens_per_rank)])
     phase_gate(layers)          # every rank's routing runs before any dispatch spins
     for layer in layers:        # every rank's dispatch is issued before anything may block
         layer.dispatch()
@@ -113,6 +100,27 @@ def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None, bet
         between("compute")
     phase_gate(layers)          # every rank's expert compute runs before any combine spins
     return [layer.combine() for layer in layers]  # again nothing in between may block
+
+
+def prepare_all(batches) -> None:
+    """Phase 1 of every layer of each (layers, xs, routers, T^ or None) in `batches`: T^
+    defaults to the batch's largest T_r (at least 1). If any prepare fails (or a batch has not
+    one x and one router per layer), the layers prepared already drop their step (nothing is
+    launched yet) and the error propagates."""
+    prepared = []
+    try:
+        for layers, xs, routers, runtime_max in batches:
+            if not (len(layers) == len(xs) == len(routers)):
+                raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
+            if runtime_max is None:
+                runtime_max = max([1] + [int(x.shape[0]) for x in xs])
+            for layer, x, router in zip(layers, xs, routers):
+                layer.prepare(x, router, runtime_max)
+                prepared.append(layer)
+    except BaseException:
+        for layer in prepared:
+            layer.drop_step()
+        raise
 
 
 def phase_gate(layers) -> None:

@@ -31,7 +31,7 @@ Both orders run the same kernels on the same data, so their outputs are equal bi
 """
 from __future__ import annotations
 
-from .base import phase_gate
+from .base import phase_gate, prepare_all
 from .torch import TorchMoeLayer
 
 PIECES = ("dispatch_send", "dispatch_recv", "experts", "combine_send", "combine_recv")
@@ -145,19 +145,7 @@ class TwoBatchMoe:
         mb = {"A": (self.layers_a, xs_a, routers_a), "B": (self.layers_b, xs_b, routers_b)}
         tmax = runtime_max_tokens_per_rank
         tmaxes = tmax if isinstance(tmax, (tuple, list)) else (tmax, tmax)
-        prepared = []
-        try:
-            for (layers, xs, routers), t in zip(mb.values(), tmaxes):
-                if not (len(layers) == len(xs) == len(routers)):
-                    raise ValueError(f"xs, routers: need one per rank ({len(layers)}), got {len(xs)}, {len(routers)}")
-                t = max([1] + [int(x.shape[0]) for x in xs]) if t is None else t
-                for layer, x, router in zip(layers, xs, routers):
-                    layer.prepare(x, router, t)
-                    prepared.append(layer)
-        except BaseException:
-            for layer in prepared:  # nothing is launched yet: the step is simply dropped
-                layer.drop_step()
-            raise
+        prepare_all([(layers, xs, routers, t) for (layers, xs, routers), t in zip(mb.values(), tmaxes)])
         phase_gate(self.layers_a)  # every rank's routers (both micro-batches: one stream) before any half
         for name, piece in pairs:
             for layer in mb[name][0]:
