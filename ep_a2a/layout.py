@@ -104,8 +104,14 @@ RECORD_TARGET_MASK = (1 << RECORD_TARGET_BITS) - 1
 assert MAX_RANKS <= RECORD_TARGET_MASK + 1, "a target rank must fit its record bits"
 
 # FENCE dispatch: 16-byte groups of a token each thread loads in one round, all before the
-# selection (kernels/fence.cu preload_groups; the host splits only tokens that fit).
+# selection (A2AParams.push_groups; the host splits only tokens that fit).
 PRELOAD_GROUPS = 4
+
+
+def ids_per_load(top_k: int) -> int:
+    """Expert ids of whole tokens one warp-wide load reads (A2AParams.ids_per_round: the rounds
+    in which FENCE's split dispatch reads the earlier tokens' ids)."""
+    return 32 // top_k * top_k
 
 
 def record_target(rec):
@@ -174,6 +180,12 @@ class A2AParams(ctypes.Structure):
         ("step_tag", ctypes.c_uint32),               # T^ | mask hash << TAG_TMAX_BITS: what peers must agree on
         ("active", ctypes.c_uint32 * ((MAX_RANKS + 31) // 32)),  # bit r: rank r takes part (active-rank mask)
         ("payloads", PayloadDesc * MAX_PAYLOADS),
+        # Decisions of the host (schedule.py) the kernels take as given, after the payloads so
+        # that every field above keeps its offset:
+        ("push_groups", ctypes.c_int32),          # FENCE dispatch: a token's 16-byte groups, each thread's loaded before the selection; 0: payload by payload
+        ("ids_per_round", ctypes.c_int32),        # FENCE split dispatch: ids of whole tokens one warp-wide load reads (ids_per_load)
+        ("dispatch_cluster", ctypes.c_int32),     # FENCE dispatch: 1 when the grid is one cluster (the cluster barrier replaces the election)
+        ("combine_push_blocks", ctypes.c_int32),  # SENTINEL combine: blocks [0, n) push the received slots (Schedule.combine_push_blocks)
     ]
 
 
@@ -310,6 +322,7 @@ class WorkspaceLayout:
         p.combine_bytes = self.combine_bytes
         p.combine_slot_bytes = align(self.combine_bytes, 16)
         p.max_tokens_per_rank = self.max_tokens_per_rank
+        p.ids_per_round = ids_per_load(self.top_k)
         p.num_payloads = len(self.payload_bytes)
         for q, b in enumerate(self.payload_bytes):
             d = p.payloads[q]

@@ -1,6 +1,7 @@
 """MoE compute on the rank-major dispatch workspace: what the experts of one rank need between
-dispatch and combine.
+dispatch and combine, and the router before dispatch.
 
+    route(logits, topk_ids, topk_weights)     # top-k of the router logits and their softmax weights
     ids, (x, w) = r.dispatch(topk_ids, [hidden, topk_weights], T_hat)    # [ep_size, T^, ...] views
     index = ExpertIndex.for_rank(r)                                       # once, up front
     build_index(ids, w, num_experts=E, ep_size=ep, rank=r.rank, out=index)  # local experts' rows
@@ -47,6 +48,13 @@ _TILE_ROUNDS = 16              # a warp tile is at most 16 rounds of 32 entries 
 _MAX_TABLE = 1 << 16           # [local expert][tile] counts the one-block scan reads (multi-kernel path)
 _THREADS = 256                 # gather / finalize blocks
 ACTIVATION_DTYPES = {"bfloat16": "bf16", "float16": "f16"}  # the gated activation's kernels (moe_swiglu_*)
+# The router (route()): logits in registers, 32 * N per warp with N a power of two up to 32; 1024
+# is also the widest row torch's one-warp softmax takes, whose steps the weights follow.
+ROUTE_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+ROUTE_MAX_EXPERTS = 1024
+ROUTE_MAX_TOP_K = 32           # one selection per lane
+_ROUTE_WARPS = 8
+ROUTE_KERNELS = tuple(f"moe_route_{d}_{n}" for d in ROUTE_DTYPES.values() for n in (1, 2, 4, 8, 16, 32))
 _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_scatter", "moe_gather_rows") + tuple(
     f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in REDUCE_DTYPES.values() for o in REDUCE_DTYPES.values()
 ) + tuple(f"moe_swiglu_{d}" for d in ACTIVATION_DTYPES.values())
@@ -427,3 +435,91 @@ def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int
     name = f"moe_finalize_q8_{REDUCE_DTYPES[x.dtype.name]}_{REDUCE_DTYPES[out.dtype]}"
     index.device.make_current()
     index._launch(name, args, grid, _THREADS, 0, s)
+
+
+# -- the router ---------------------------------------------------------------------------------------
+def route_unsupported(num_experts: int, top_k: int, dtype: str):
+    """Why the fused router does not take these logits (None: it does). dtype: the logits'
+    dtype name (ep_a2a's, which is torch's without the prefix)."""
+    if dtype not in ROUTE_DTYPES:
+        return f"logits dtype {dtype} (the kernel reads {', '.join(ROUTE_DTYPES)})"
+    if not 1 <= num_experts <= ROUTE_MAX_EXPERTS:
+        return f"num_experts={num_experts} (the kernel holds 1..{ROUTE_MAX_EXPERTS} logits per token)"
+    if not 1 <= top_k <= min(ROUTE_MAX_TOP_K, num_experts):
+        return f"top_k={top_k} (the kernel takes 1..min({ROUTE_MAX_TOP_K}, num_experts))"
+    return None
+
+
+class Router:
+    """The fused router kernels of one GPU (moe_route_*), fetched at construction (so never
+    during a graph capture), with their launches kept between calls."""
+
+    def __init__(self, device):
+        self.device = device if isinstance(device, Device) else get_device(int(device))
+        self._module = load("moe_compute", self.device)
+        for name in ROUTE_KERNELS:
+            self._module.function(name)
+        self._launches = {}
+
+    def __call__(self, logits, ids, weights, *, renormalize: bool = True, stream=None) -> None:
+        """route() on this GPU."""
+        s = _stream(stream, 0)
+        dev = self.device.ordinal
+        x = cuda_tensor(logits, "logits", s, dev)
+        if x.ndim != 2:
+            raise ValueError(f"logits: shape must be [tokens, num_experts], got {list(x.shape)}")
+        (T, E), i, w = x.shape, cuda_tensor(ids, "ids", s, dev), cuda_tensor(weights, "weights", s, dev)
+        if i.dtype != int32 or w.dtype != float32:
+            raise ValueError(f"ids, weights: dtypes must be int32 and float32, got {i.dtype.name} and {w.dtype.name}")
+        k = i.shape[1] if i.ndim == 2 else 0
+        if not (i.ndim == 2 and i.shape[0] == T and w.shape == i.shape):
+            raise ValueError(f"ids, weights: shapes must both be [tokens={T}, top_k], got {list(i.shape)} and "
+                             f"{list(w.shape)}")
+        why = route_unsupported(E, k, x.dtype.name)
+        if why is not None:
+            raise ValueError(f"logits: the fused router does not take {why}")
+        if T == 0:
+            return
+        n = 1 << max(0, (E - 1) // 32).bit_length()  # logits per lane: a power of two
+        name = f"moe_route_{ROUTE_DTYPES[x.dtype.name]}_{n}"
+        grid = max(1, min(-(-T // _ROUTE_WARPS), 4 * self.device.sm_count))
+        args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(i.ptr), ctypes.c_uint64(w.ptr), ctypes.c_int32(T),
+                ctypes.c_int32(E), ctypes.c_int32(k), ctypes.c_int32(1 if renormalize else 0)]
+        launch = self._launches.get(name)
+        if launch is None:
+            launch = self._launches[name] = Launch(self.device, self._module.function(name), args, grid,
+                                                   32 * _ROUTE_WARPS)
+        else:
+            for mine, new in zip(launch.args, args):
+                mine.value = new.value
+        launch.grid = grid
+        self.device.make_current()
+        launch(s)
+
+
+_ROUTERS = {}
+
+
+def router_for(device) -> Router:
+    """The Router of a GPU (a Device or an ordinal), made on first use."""
+    ordinal = device.ordinal if isinstance(device, Device) else int(device)
+    r = _ROUTERS.get(ordinal)
+    if r is None:
+        r = _ROUTERS[ordinal] = Router(device)
+    return r
+
+
+def route(logits, ids, weights, *, renormalize: bool = True, stream=None) -> None:
+    """The MoE router: ids[t] = the top_k experts of the largest logits[t] (descending; equal
+    logits: the lower expert first), weights[t] = softmax over those k logits (renormalize=True),
+    or the softmax over all experts' logits at those k (renormalize=False).
+
+    logits: fp32 / bf16 / fp16 [tokens, num_experts <= 1024], contiguous; ids: int32 and
+    weights: fp32 [tokens, top_k], top_k <= min(32, num_experts), written. NaN logits rank
+    above all others (as torch.topk ranks them). The weights take the steps of torch's one-warp
+    softmax (x - max, expf, per-lane then butterfly sums, a division); see docs/layer.md for
+    what is checked against torch.topk + torch.softmax. One warp per token, one launch.
+    stream: where to run (default: the legacy default stream).
+    """
+    x = cuda_tensor(logits, "logits", None if stream is None else _stream(stream, 0))
+    router_for(x.device[1])(x, ids, weights, renormalize=renormalize, stream=stream)

@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .errors import HalvesOrderError
-from .layout import PRELOAD_GROUPS, TAG_REJECT
+from .layout import PRELOAD_GROUPS, TAG_REJECT, ids_per_load
 
 # protocol="auto" uses SENTINEL while runtime_max_tokens_per_rank is at most this, FENCE
 # above (bench/results/ holds the sweeps it comes from). With 8 ranks sharing one GPU a
@@ -51,11 +51,6 @@ def push_groups(bytes_per_token, threads: int) -> int:
     return n if n <= PRELOAD_GROUPS * threads else 0
 
 
-def ids_per_load(top_k: int) -> int:
-    """Expert ids of whole tokens one warp-wide load reads (kernels/fence.cu, ids_per_round)."""
-    return 32 // top_k * top_k
-
-
 MIN_SPLIT_GROUPS = 32  # (512 bytes: fewer per block and the block's own fixed costs dominate)
 MAX_DISPATCH_SPLITS = 8
 # A split dispatch at T^ of at most CLUSTER_TOKENS runs as one cluster of CLUSTER_BLOCKS
@@ -79,7 +74,7 @@ class Schedule:
     max_grid: int        # this rank's share of its GPU: every co-resident rank's blocks must fit
     push_groups: int = 0  # FENCE: 16-byte groups of one token's payloads (ids included) when every
     #                       payload is a whole number of them and a block loads them in one round,
-    #                       else 0 (kernels/fence.cu: preload_groups)
+    #                       else 0 (A2AParams.push_groups: 0 too where an input is not 16-byte aligned)
     clusters: bool = False  # FENCE: small split dispatches may run as one cluster (clusters_fit)
 
     def clusters_fit(self, blocks_per_sm: int, sm_count: int, ranks_on_device: int) -> bool:
@@ -122,6 +117,11 @@ class Schedule:
         """Blocks of the one cluster a FENCE dispatch's grid forms, or 0 (not clustered)."""
         return grid if self._clustered(runtime_max) and splits > 1 and grid == T * splits == CLUSTER_BLOCKS else 0
 
+    def loaded_groups(self, vectors) -> int:
+        """A2AParams.push_groups of a dispatch whose inputs move in vectors of these bytes (ids
+        first): push_groups when every one moves in 16-byte vectors, else 0."""
+        return self.push_groups if all(v == 16 for v in vectors) else 0
+
     def dispatch_want(self, T: int, runtime_max: int, proto: str, splits: int = 1) -> int:
         """Blocks a dispatch would use: a block per token, or per part of one (splits; FENCE:
         at least enough to sanitize the received ids in one pass; SENTINEL: one per (source,
@@ -153,6 +153,20 @@ class Schedule:
         slots = self.fp8_combine and quantize
         blocks = max(T * splits, self.ep_size * runtime_max if slots else 0)
         return (min(blocks, CLUSTER_BLOCKS) if self._clustered(runtime_max) else blocks), splits  # (Schedule.clusters_fit)
+
+    def combine_push_blocks(self, T: int, runtime_max: int, splits: int, grid: int) -> int:
+        """SENTINEL combine: blocks [0, n) push the received slots (A2AParams.combine_push_blocks).
+        The grid's last block publishes the combine flag (combine_want gave it one more); when
+        the blocks before it hold every received slot beside the T * splits reducers, the
+        pushers are those spare blocks and the reducers follow them (n < grid); otherwise every
+        block pushes and then reduces (n = grid)."""
+        spare = grid - 1 - T * splits
+        return spare if spare >= self.ep_size * runtime_max else grid
+
+    def send_push_blocks(self, grid: int) -> int:
+        """SENTINEL combine's send half: every block but the publishing last one pushes (one
+        block alone does both)."""
+        return max(1, grid - 1)
 
     def grid(self, want: int, successor_want: int, prev_early: bool, successor_fills: bool = False) -> tuple:
         """(blocks, trigger early) of the next launch, given whether the previous one triggered
@@ -339,10 +353,11 @@ def plan_half(plan: RankPlan, state: StepState, call: Call) -> Step:
         half = max(1, sch.max_grid // 2)
         grid = max(1, min(want, half if state.triggered_early else sch.max_grid))
         early = sch.pdl and grid <= half  # (its receive half, held to half, may then be placed beside it)
+        fields = _replaced(whole.fields, _half_fields(sch, op, whole.protocol, grid))
         after = dataclasses.replace(whole.state, triggered_early=early, pending=pending,
-                                    sent=(op, whole.fields, whole.sources))
+                                    sent=(op, fields, whole.sources))
         launch = plan.halves[whole.protocol][op][0]
-        return Step(launch, whole.protocol, grid, early, whole.fields, whole.sources, after)
+        return Step(launch, whole.protocol, grid, early, fields, whole.sources, after)
     pending, (_, fields, sources) = state.pending, state.sent
     values = dict(fields)
     if op == "dispatch":
@@ -360,6 +375,18 @@ def plan_half(plan: RankPlan, state: StepState, call: Call) -> Step:
     return Step(plan.halves[proto][op][1], proto, grid, False, fields, sources, after)
 
 
+def _half_fields(sch, op, protocol, grid) -> dict:
+    """The fields a send half writes in place of its whole phase's: its grid is never a cluster,
+    and SENTINEL's combine send half pushes from every block but the publishing one."""
+    if op == "dispatch":
+        return {"dispatch_cluster": 0}
+    return {"combine_push_blocks": sch.send_push_blocks(grid)} if protocol == "sentinel" else {}
+
+
+def _replaced(fields, values) -> tuple:
+    return tuple((name, values.get(name, value)) for name, value in fields)
+
+
 def _grid(plan, state, want, successor_want, successor_fills=False):
     return plan.schedule.grid(want, successor_want, state.triggered_early, successor_fills)
 
@@ -369,20 +396,23 @@ def _dispatch(plan, state, call):
     proto = protocol_for(call.protocol, runtime_max, plan.crossover_tokens)
     timeout = plan.first_timeout_ns if state.steps < plan.first_steps else plan.timeout_ns
     if call.rejected:
-        splits, tag, sources = 1, TAG_REJECT | plan.rank, ()
+        splits, tag, sources, groups, cluster = 1, TAG_REJECT | plan.rank, (), 0, 0
         grid, early = _grid(plan, state, sch.dispatch_want(0, runtime_max, proto), 1)
-        launch = plan.launches[proto][0]
     else:
         sources = tuple((address, vector_bytes(nbytes, address))
                         for address, nbytes in zip(call.addresses, plan.payload_bytes))
-        splits = sch.dispatch_splits(T, runtime_max, [vec for _, vec in sources]) if proto == "fence" else 1
+        vectors = [vec for _, vec in sources]
+        splits = sch.dispatch_splits(T, runtime_max, vectors) if proto == "fence" else 1
+        groups = sch.loaded_groups(vectors)
         quantizing = state.quantizing_combine  # (the combine after us is predicted as the last one)
         successor = sch.combine_want(T, runtime_max, proto, vector_bytes(plan.combine_bytes, 0), quantize=quantizing)[0]
         grid, early = _grid(plan, state, sch.dispatch_want(T, runtime_max, proto, splits), successor, quantizing)
         tag = runtime_max | state.tag_hi
-        launch = plan.cluster if sch.dispatch_cluster(T, runtime_max, splits, grid) else plan.launches[proto][0]
+        cluster = int(bool(sch.dispatch_cluster(T, runtime_max, splits, grid)))
+    launch = plan.cluster if cluster else plan.launches[proto][0]
     fields = (("local_num_tokens", T), ("runtime_max_tokens_per_rank", runtime_max), ("step_tag", tag),
-              ("timeout_ns", timeout), ("dispatch_splits", splits))
+              ("timeout_ns", timeout), ("dispatch_splits", splits), ("push_groups", groups),
+              ("dispatch_cluster", cluster))
     after = StepState(min(state.steps + 1, plan.first_steps), early, state.tag_hi, state.quantizing_combine,
                       Pending(runtime_max, T, proto, splits))
     return Step(launch, proto, grid, early, fields, sources, after)
@@ -403,8 +433,9 @@ def _combine(plan, state, call):
         want, splits = sch.combine_want(T, runtime_max, proto, vec, quantize=not prequantized)
         successor = sch.dispatch_want(T, runtime_max, proto, pending.splits)  # the next step's, if alike
     grid, early = _grid(plan, state, want, successor)
+    pushers = sch.combine_push_blocks(T, runtime_max, splits, grid) if proto == "sentinel" else 0
     fields = (("combine_out", out), ("combine_vec", vec), ("combine_prequantized", int(prequantized)),
-              ("combine_splits", splits))
+              ("combine_splits", splits), ("combine_push_blocks", pushers))
     quantizing = state.quantizing_combine if call.rejected else plan.fp8_combine and not prequantized
     after = StepState(state.steps, early, state.tag_hi, quantizing, None)
     return Step(plan.launches[proto][1], proto, grid, early, fields, (), after)

@@ -9,8 +9,7 @@
 // rounded to nearest even and saturated (x * 448/amax may round just past 448); an all-zero
 // block gets scale 1 and factor 1 (reference._q8_blocks states the edge cases too).
 // Divisions, products and conversions are exactly rounded, so reference.py reproduces every
-// byte. Dequantization is e4m3 -> fp32 (exact) times the
-// scale. EP_Q8_BLOCK (layout.py) = 16 lanes x 8 values.
+// byte. Dequantization is e4m3 -> fp32 (exact) times the scale. EP_Q8_BLOCK = 16 lanes x 8.
 //
 // The pass is bandwidth work on a grid capped at the rank's share of the GPU, so it is
 // written for loads in flight: a half-warp owns one 128-value block, each lane 8 values
@@ -38,8 +37,8 @@ EP_DEVICE void q8_quantize8(const float (&v)[8], bool live, uint2* q, float* sca
 #pragma unroll
   for (int o = Q8_LANES / 2; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
   if (!live) return;
-  // two divisions per block, one multiply per value (a division per value made the pass
-  // ALU-bound). amax == 0, or so small that amax / 448 underflows: scale and factor 1. amax
+  // two divisions per block, one multiply per value (a division per value would make the
+  // pass ALU-bound). amax == 0, or so small that amax / 448 underflows: scale and factor 1. amax
   // below ~1.3e-36: 448 / amax overflows, and x * inf would make NaN of the block's zeros,
   // so such a block divides by the scale instead (uniform over the half-warp).
   const float scale0 = __fdiv_rn(amax, 448.f);

@@ -13,11 +13,10 @@ namespace {
 // F[r][s] of dispatch carries C[r][s] and our step tag too (dispatch_flag, protocol.cuh), so
 // lines 8-10 are one store per peer and line 11's acquire of the flag delivers both.
 
-// cnt[t]. The one-block fast path: a grid of one block (small batches) keeps its slot
-// counters in shared memory and skips the last-block election: the global counter atomics
-// and the election's two dependent gpu-scope round trips sat on the 1-token critical path,
-// and one block's bar.sync alone orders every thread's pushes before the publishing lanes'
-// fence. Warp 0 alone takes the slots and publishes the counts, so it zeroes them itself.
+// cnt[t]. A grid of one block keeps its slot counters in shared memory and elects no last
+// block (its bar.sync orders every thread's pushes before the publishing lanes' fence), which
+// takes the counter atomics and the election's gpu-scope round trips off small batches. Warp
+// 0 alone takes the slots and publishes the counts, so it zeroes them itself.
 struct SlotCounters {
   unsigned* cnt;    // the local section's counters (grids of several blocks), 0 between kernels
   unsigned* local;  // shared memory, one-block grids
@@ -39,26 +38,12 @@ struct SlotCounters {
   }
 };
 
-// A token's payloads as one sequence of 16-byte groups, when every payload moves in 16-byte
-// vectors and the sequence fits in one round of the block (U groups per thread): then each
-// thread loads all its groups of the token before the selection, so that those loads are in
-// flight together with the ids' (at decode batches the chain ids -> selection -> payload 1
-// -> payload 2 ... was one memory round trip per payload). 0 otherwise: payload by payload.
+// A token's payloads as one sequence of p.push_groups 16-byte groups, when the host found
+// that every payload moves in 16-byte vectors and the sequence fits in one round of the block
+// (U groups per thread): then each thread loads all its groups of the token before the
+// selection, so that those loads are in flight together with the ids' (else the chain ids ->
+// selection -> payload 1 -> payload 2 ... costs a memory round trip per payload).
 constexpr int PRELOAD_U = EP_PRELOAD_GROUPS;
-EP_DEVICE unsigned preload_groups(const A2AParams& p) {
-  unsigned n = 0;
-  for (int q = 0; q < p.num_payloads; ++q) {
-    if (p.payloads[q].vec != 16) return 0;
-    n += p.payloads[q].bytes_per_token / 16;
-  }
-  return n <= PRELOAD_U * blockDim.x ? n : 0;
-}
-// Group x of the sequence: its payload (returned), x becomes the group within it.
-EP_DEVICE int payload_of_group(const A2AParams& p, unsigned& x) {
-  int q = 0;
-  while (x >= p.payloads[q].bytes_per_token / 16) x -= p.payloads[q++].bytes_per_token / 16;
-  return q;
-}
 
 // Token i's slot on target t when the token's push is split over blocks (dispatch_splits
 // > 1): every block of the token must pick the same slot, so none can take it from a
@@ -68,9 +53,8 @@ EP_DEVICE int payload_of_group(const A2AParams& p, unsigned& x) {
 // in rounds of whole tokens, one id per lane (e0: the first round's, loaded by the caller
 // together with token i's own ids): read token by token, the dependent loads cost more
 // than the split saved.
-EP_DEVICE int ids_per_round(const A2AParams& p) { return 32 / p.top_k * p.top_k; }
 EP_DEVICE int earlier_selections(const A2AParams& p, int i, const int* s_target, int nt, int e0) {
-  const int lane = threadIdx.x & 31, k = p.top_k, n = i * k, round = ids_per_round(p);
+  const int lane = threadIdx.x & 31, k = p.top_k, n = i * k, round = p.ids_per_round;
   const int* const ids = reinterpret_cast<const int*>(p.payloads[0].src);
   const unsigned same_token_below = ((1u << lane) - 1) & ~((1u << (lane / k * k)) - 1);
   int slot = 0;
@@ -87,6 +71,71 @@ EP_DEVICE int earlier_selections(const A2AParams& p, int i, const int* s_target,
   return slot;
 }
 
+// Token i's targets D and the slot j_t taken on each: warp 0 writes them, the block pushes.
+struct ItemTargets {
+  int target[EP_MAX_TOP_K];  // D, in the order of first selection
+  int slot[EP_MAX_TOP_K];    // j_t
+  int n;
+};
+// Lines 2-4 for a token pushed by one block: each first selection takes its slot from the
+// counter. Returns this lane's record.
+EP_DEVICE int take_slot(const SlotCounters& cnt, const Selection& sel, int j, ItemTargets& sh) {
+  if (!sel.first) return -1;
+  const int slot = cnt.take(sel.target);
+  sh.target[j] = sel.target;
+  sh.slot[j] = slot;
+  return pack_record(slot, sel.target);
+}
+// Lines 2-4 for part `part` of a split token: the slots every block of the token agrees on
+// (earlier_selections); part 0 alone counts the token in C[t].
+EP_DEVICE int agree_slot(const A2AParams& p, const SlotCounters& cnt, const Selection& sel, int j, int nt,
+                         int i, int part, int e0, ItemTargets& sh) {
+  const int lane = threadIdx.x & 31;
+  if (sel.first) sh.target[j] = sel.target;
+  __syncwarp();
+  const int slot = earlier_selections(p, i, sh.target, nt, e0);
+  if (lane < nt) sh.slot[lane] = slot;
+  __syncwarp();
+  if (!sel.first) return -1;
+  if (part == 0) cnt.take(sel.target);  // (only to count: C[t] for the flags)
+  return pack_record(sh.slot[j], sel.target);
+}
+// Warp 0, lines 2-4: token i's distinct targets from its ids (e: this lane's, e0: for
+// earlier_selections), a slot on each, and (part 0) the records combine reads.
+EP_DEVICE void select_slots(const A2AParams& p, const SlotCounters& cnt, int* records, int i, int part, int e, int e0,
+                            ItemTargets& sh) {
+  const int lane = threadIdx.x & 31;
+  const Selection sel = select_targets(p, e, part == 0);
+  const int j = __popc(sel.firsts & ((1u << lane) - 1)), nt = __popc(sel.firsts);
+  const int rec = p.dispatch_splits == 1 ? take_slot(cnt, sel, j, sh) : agree_slot(p, cnt, sel, j, nt, i, part, e0, sh);
+  if (part == 0 && lane < p.top_k) records[i * p.top_k + lane] = rec;
+  if (lane == 0) sh.n = nt;
+}
+// Group x of token i's payloads, from its input rows.
+EP_DEVICE uint4 input_group(const A2AParams& p, int i, unsigned x) {
+  const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
+  return reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token)[x];
+}
+// Lines 5-6 of a preloaded part: every thread's groups, from its registers, to every target.
+EP_DEVICE void push_loaded(const A2AParams& p, const uint4 (&v)[PRELOAD_U], unsigned g0, unsigned g1, const ItemTargets& sh) {
+  const int nt = sh.n;
+  store_round(v, g0 + threadIdx.x, g1, [&](unsigned x, const uint4& value) {
+    const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
+    const Targets tg{p.peer_base, sh.target, sh.slot, nt, static_cast<size_t>(p.rank) * p.runtime_max_tokens_per_rank, d.recv_offset};
+#pragma unroll 1  // (rolled, as in push_vectors)
+    for (int j = 0; j < nt; ++j) reinterpret_cast<uint4*>(tg.dst(j, d.bytes_per_token))[x] = value;
+  });
+}
+// Lines 5-6 payload by payload, in each one's widest vectors (a token that does not preload).
+EP_DEVICE void push_payloads(const A2AParams& p, int i, const ItemTargets& sh) {
+  const int nt = sh.n;
+  for (int q = 0; q < p.num_payloads; ++q) {
+    const PayloadDesc& d = p.payloads[q];
+    const Targets tg{p.peer_base, sh.target, sh.slot, nt, static_cast<size_t>(p.rank) * p.runtime_max_tokens_per_rank, d.recv_offset};
+    push_payload(d.vec, reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, tg, d.bytes_per_token);
+  }
+}
+
 // Lines 2-6: pick a slot on every distinct target rank, push the token. Work item w: token
 // w / S, part w % S of its 16-byte groups (S = dispatch_splits: at small batches a token's
 // pushes from one SM would take most of the dispatch, so its groups are spread over S blocks).
@@ -95,75 +144,27 @@ EP_DEVICE int earlier_selections(const A2AParams& p, int i, const int* s_target,
 // what it reads overlaps those loads.
 template <typename Prologue>
 EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* records, const Prologue& prologue) {
-  __shared__ int s_target[EP_MAX_TOP_K];  // D, in the order of first selection
-  __shared__ int s_slot[EP_MAX_TOP_K];    // j_t
-  __shared__ int s_ntargets;
-  const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
-  const unsigned groups = preload_groups(p);
-  const int S = groups && p.dispatch_splits > 1 ? p.dispatch_splits : 1;  // (the host splits only tokens that preload)
+  __shared__ ItemTargets sh;
+  const unsigned groups = p.push_groups;
+  const int S = p.dispatch_splits;  // (the host splits only tokens whose groups preload)
   const int items = p.local_num_tokens * S;
   const int* const ids = reinterpret_cast<const int*>(p.payloads[0].src);
   for (int w = blockIdx.x; w < items; w += gridDim.x) {
     const int i = w / S, part = w % S;
     const unsigned g0 = groups * part / S, g1 = groups * (part + 1) / S;
     uint4 v[PRELOAD_U];
-    load_groups(v, g0, g1, [&](unsigned x) {
-      const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
-      return reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token)[x];
-    });
+    load_groups(v, g0, g1, [&](unsigned x) { return input_group(p, i, x); });
     const int lane = threadIdx.x & 31;
     int e = -1, e0 = -1;
     if (threadIdx.x < 32) {
       e = load_ids(p, ids + i * p.top_k);
-      e0 = S > 1 && lane < ids_per_round(p) && lane < i * p.top_k ? ids[lane] : -1;  // (earlier_selections)
+      e0 = S > 1 && lane < p.ids_per_round && lane < i * p.top_k ? ids[lane] : -1;  // (earlier_selections)
     }
     if (w == static_cast<int>(blockIdx.x)) prologue();
-    if (threadIdx.x < 32) {
-      const Selection sel = select_targets(p, e, part == 0);
-      const int j = __popc(sel.firsts & ((1u << lane) - 1));
-      const int nt = __popc(sel.firsts);
-      int rec = -1;
-      if (S == 1) {
-        if (sel.first) {
-          const int slot = cnt.take(sel.target);
-          s_target[j] = sel.target;
-          s_slot[j] = slot;
-          rec = pack_record(slot, sel.target);
-        }
-      } else {
-        if (sel.first) s_target[j] = sel.target;
-        __syncwarp();
-        const int slot = earlier_selections(p, i, s_target, nt, e0);
-        if (lane < nt) s_slot[lane] = slot;
-        __syncwarp();
-        if (sel.first) {
-          if (part == 0) cnt.take(sel.target);  // (only to count: C[t] for the flags)
-          rec = pack_record(s_slot[j], sel.target);
-        }
-      }
-      if (part == 0 && lane < p.top_k) records[i * p.top_k + lane] = rec;
-      if (lane == 0) s_ntargets = nt;
-    }
+    if (threadIdx.x < 32) select_slots(p, cnt, records, i, part, e, e0, sh);
     __syncthreads();
-    const int nt = s_ntargets;
-    if (groups) {
-#pragma unroll
-      for (int u = 0; u < PRELOAD_U; ++u) {
-        unsigned x = g0 + threadIdx.x + u * blockDim.x;
-        if (x >= g1) continue;
-        const PayloadDesc& d = p.payloads[payload_of_group(p, x)];
-        const Targets tg{p.peer_base, s_target, s_slot, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
-#pragma unroll 1  // (rolled, as in push_vectors)
-        for (int j = 0; j < nt; ++j) reinterpret_cast<uint4*>(tg.dst(j, d.bytes_per_token))[x] = v[u];
-      }
-    } else {
-      for (int q = 0; q < p.num_payloads; ++q) {
-        const PayloadDesc& d = p.payloads[q];
-        const Targets tg{p.peer_base, s_target, s_slot, nt, static_cast<size_t>(s) * tmax, d.recv_offset};
-        push_payload(d.vec, reinterpret_cast<const char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token,
-                     tg, d.bytes_per_token);
-      }
-    }
+    if (groups) push_loaded(p, v, g0, g1, sh);
+    else push_payloads(p, i, sh);
     __syncthreads();
   }
   if (static_cast<int>(blockIdx.x) >= items) prologue();
@@ -177,7 +178,7 @@ EP_DEVICE void push_tokens(const A2AParams& p, const SlotCounters& cnt, int* rec
 // bar.sync does within one block, without the counter's dependent gpu-scope round trip.
 EP_DEVICE void publish_counts(const A2AParams& p, const SlotCounters& cnt, unsigned f) {
   const FinishedBlocks blocks(p);
-  const bool cluster = gridDim.x > 1 && cluster_blocks() == gridDim.x;
+  const bool cluster = p.dispatch_cluster;
   if (cluster) cluster_barrier();
   const bool elected = !cnt.one_block && !cluster;
   if ((cluster ? cluster_block_rank() == 0 : blocks.elect_last(cnt.one_block)) && threadIdx.x < 32) {
@@ -265,8 +266,8 @@ EP_DEVICE void dispatch_receive(const A2AParams& p) {
 
 #ifndef EP_HALVES
 // Launch bounds (512, 2): at most 64 registers, so 4 blocks of 256 threads fit on an SM (the
-// host sizes grids by the occupancy of every protocol kernel). Without a minimum, ptxas
-// squeezed some kernels to 40 registers with spills to fit 3 blocks of 512.
+// host sizes grids by the occupancy of every protocol kernel) without ptxas trading spills
+// for a third block of 512.
 extern "C" __global__ void __launch_bounds__(512, 2) fence_dispatch(const __grid_constant__ A2AParams p) {
   __shared__ unsigned s_cnt[EP_MAX_RANKS];    // cnt[t] of one-block grids
   __shared__ unsigned s_count[EP_MAX_RANKS];  // C[s][r]: slots source r filled in our region
@@ -328,10 +329,8 @@ struct Sources {
 };
 // Warp 0: where a work item's partial results wait, from rec (its records: written by our
 // dispatch, a kernel before us, so the block's first item is collected while the peers'
-// flags are still polled). The FP8 kernels place their values and their scales from that one
-// load (they loaded the records again for the scales, after the first placement's shared
-// stores and before the flag polls that warp 0, the pollers of the first 32 ranks in
-// wait_steps, makes next). The caller synchronizes the block.
+// flags are still polled). The FP8 kernels place values and scales from that one load of the
+// records. The caller synchronizes the block.
 template <typename T, bool Q8>
 EP_DEVICE void collect_item(const A2AParams& p, int rec, Sources& sh) {
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank;
@@ -350,10 +349,9 @@ EP_DEVICE void collect_item(const A2AParams& p, int rec, Sources& sh) {
   }
 }
 // Every item of the block; the first one's sources are in `sh` already (collect_item).
-// Warp 0 starts copying the records of the block's next item into shared memory before it
-// reduces this one (cp.async: a register held across the reduction cost the FP8 kernels
-// spills on sm_100/103), so that between two items the block waits for its two barriers,
-// not for a load as well.
+// Warp 0 copies the next item's records into shared memory while it reduces this one, so
+// that between two items the block waits for its barriers, not for a load too (cp.async:
+// a register held across the reduction would spill in the FP8 kernels on sm_100/103).
 template <typename T, bool Q8>
 EP_DEVICE void pull_and_reduce(const A2AParams& p, const int* records, Sources& sh) {
   __shared__ int s_next[32];  // lane k < top_k: record k of the next item
@@ -401,9 +399,9 @@ EP_DEVICE void poison_rows(const A2AParams& p) {
 // first, with Q8) and that we read no dispatch data of this step any more; the receive half
 // waits for every rank's (line 20) and pulls and reduces.
 template <typename T, bool Q8, int PART = EP_WHOLE>
-__device__ void fence_combine(const A2AParams& p) {
+__device__ void combine_kernel(const A2AParams& p) {
   const int* const records = section<const int>(p, p.rank, p.off_records);  // (before the wait, as in dispatch)
-  if constexpr (!Q8) warm_params(p);  // (not in the FP8 kernels: it cost them spills on sm_100/103)
+  if constexpr (!Q8) warm_params(p);  // (not in the FP8 kernels: it makes them spill on sm_100/103)
   griddep_wait();
   if (p.trigger_early) griddep_launch_dependents();
   const unsigned f = read_epoch(p);
@@ -423,10 +421,9 @@ __device__ void fence_combine(const A2AParams& p) {
   if (threadIdx.x == 0) s_missing = missing;
   if (!p.trigger_early) griddep_launch_dependents();
   pull_and_reduce<T, Q8>(p, records, sh);                  // lines 22-23
-  // Poison after the reduction, not instead of it, and from shared memory: a value live
-  // across the reduction cost the FP8 kernels spills. A block whose wait gave up poisons;
-  // so does, in abort mode, one that sees the abort word at its end (its inputs may come
-  // from a peer that gave up earlier in the step).
+  // Poison after the reduction, not instead of it, and from shared memory (a value live
+  // across the reduction spills in the FP8 kernels): a block whose wait gave up, or in abort
+  // mode one that sees the abort word at its end (a peer may have given up earlier).
   const bool poison = __syncthreads_or(threadIdx.x == 0 &&
                                        (s_missing || (p.abort_on_timeout && ld_volatile(abort_word(p, p.rank)) != 0)));
   if (poison) poison_rows<T, Q8>(p);
@@ -434,24 +431,24 @@ __device__ void fence_combine(const A2AParams& p) {
 
 #ifndef EP_HALVES
 // 512, 2: as fence_dispatch (the FP8 ones too: their reduction holds 8-byte loads for that).
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_f32(const __grid_constant__ A2AParams p) { fence_combine<float, false>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, true>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, true>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_f32(const __grid_constant__ A2AParams p) { fence_combine<float, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_bf16(const __grid_constant__ A2AParams p) { combine_kernel<__nv_bfloat16, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_f16(const __grid_constant__ A2AParams p) { combine_kernel<__half, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_f32(const __grid_constant__ A2AParams p) { combine_kernel<float, false>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_bf16(const __grid_constant__ A2AParams p) { combine_kernel<__nv_bfloat16, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_f16(const __grid_constant__ A2AParams p) { combine_kernel<__half, true>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_q8_f32(const __grid_constant__ A2AParams p) { combine_kernel<float, true>(p); }
 #else
 // The halves (the name says which; kernels/protocol.cuh: EP_PART).
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, false, EP_SEND>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, false, EP_RECEIVE>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, false, EP_SEND>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, false, EP_RECEIVE>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_f32(const __grid_constant__ A2AParams p) { fence_combine<float, false, EP_SEND>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_f32(const __grid_constant__ A2AParams p) { fence_combine<float, false, EP_RECEIVE>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_q8_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, true, EP_SEND>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_q8_bf16(const __grid_constant__ A2AParams p) { fence_combine<__nv_bfloat16, true, EP_RECEIVE>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_q8_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, true, EP_SEND>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_q8_f16(const __grid_constant__ A2AParams p) { fence_combine<__half, true, EP_RECEIVE>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_q8_f32(const __grid_constant__ A2AParams p) { fence_combine<float, true, EP_SEND>(p); }
-extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_q8_f32(const __grid_constant__ A2AParams p) { fence_combine<float, true, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_bf16(const __grid_constant__ A2AParams p) { combine_kernel<__nv_bfloat16, false, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_bf16(const __grid_constant__ A2AParams p) { combine_kernel<__nv_bfloat16, false, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_f16(const __grid_constant__ A2AParams p) { combine_kernel<__half, false, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_f16(const __grid_constant__ A2AParams p) { combine_kernel<__half, false, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_f32(const __grid_constant__ A2AParams p) { combine_kernel<float, false, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_f32(const __grid_constant__ A2AParams p) { combine_kernel<float, false, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_q8_bf16(const __grid_constant__ A2AParams p) { combine_kernel<__nv_bfloat16, true, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_q8_bf16(const __grid_constant__ A2AParams p) { combine_kernel<__nv_bfloat16, true, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_q8_f16(const __grid_constant__ A2AParams p) { combine_kernel<__half, true, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_q8_f16(const __grid_constant__ A2AParams p) { combine_kernel<__half, true, EP_RECEIVE>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_send_q8_f32(const __grid_constant__ A2AParams p) { combine_kernel<float, true, EP_SEND>(p); }
+extern "C" __global__ void __launch_bounds__(512, 2) fence_combine_recv_q8_f32(const __grid_constant__ A2AParams p) { combine_kernel<float, true, EP_RECEIVE>(p); }
 #endif

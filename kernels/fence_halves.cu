@@ -1,5 +1,5 @@
-// The FENCE kernels' send and receive halves (ep_a2a/halves.py): fence.cu's code, built in a
-// cubin of their own so that the whole kernels' translation unit, and so their register
-// allocation, is the one they had before the halves existed.
+// The FENCE kernels' send and receive halves (ep_a2a/halves.py): fence.cu's code in a cubin of
+// its own, so that the whole kernels' translation unit, and so their register allocation,
+// does not depend on the halves.
 #define EP_HALVES
 #include "fence.cu"

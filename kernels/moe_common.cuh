@@ -70,6 +70,44 @@ EP_DEVICE Selection select_targets(const A2AParams& p, const int* ids_of_token, 
   return select_targets(p, load_ids(p, ids_of_token), count_lost);
 }
 
+// ---- rounds
+// A thread moves vectors (16-byte groups, or push_vectors' W-byte vectors) x0, x0 + blockDim.x, ... (x0 counts threadIdx.x in) in rounds of U
+// held in registers: every load of a round is issued before any of its stores, so that a
+// round's loads are in flight together. load(x) reads vector x; store(x, v) writes it;
+// vectors from `end` on are left alone.
+template <int U, typename V, typename Load>
+EP_DEVICE void load_round(V (&v)[U], unsigned x0, unsigned end, const Load& load) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (x0 + u * blockDim.x < end) v[u] = load(x0 + u * blockDim.x);
+}
+template <int U, typename V, typename Store>
+EP_DEVICE void store_round(const V (&v)[U], unsigned x0, unsigned end, const Store& store) {
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (x0 + u * blockDim.x < end) store(x0 + u * blockDim.x, v[u]);
+}
+// The round in v (loaded early by the caller, at x0), then every later one up to `end`.
+template <int U, typename V, typename Load, typename Store>
+EP_DEVICE void store_rounds(V (&v)[U], unsigned x0, unsigned end, const Load& load, const Store& store) {
+  for (;; x0 += U * blockDim.x) {
+    store_round(v, x0, end, store);
+    if (x0 + U * blockDim.x >= end) break;
+    load_round(v, x0 + U * blockDim.x, end, load);
+  }
+}
+// The first round of groups [g0, g1), zero past g1: ptxas then sees every v[u] written
+// (each zeroed just before its load: zeroed all first, the callers compiled differently).
+template <int U, typename Load>
+EP_DEVICE void load_groups(uint4 (&v)[U], unsigned g0, unsigned g1, const Load& load) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const unsigned x = g0 + threadIdx.x + u * blockDim.x;
+    v[u] = make_uint4(0, 0, 0, 0);
+    if (x < g1) v[u] = load(x);
+  }
+}
+
 // Each thread loads a vector of the token once and stores it to every target (the stores
 // of one token are in flight together); U vectors per thread per round for ILP.
 // The distinct targets of one token: the destination of target j is computed on use from
@@ -86,11 +124,9 @@ struct Targets {
   }
 };
 
-// Register pressure: x[] is zeroed before its guarded load. Left unset where v >= n, ptxas
-// cannot prove it written before read and kept each width's x[] live through the code of
-// the other widths (the five widths of push_payload shared no registers). The loop over
-// targets stays rolled: unrolled, it held several destination pointers at once, and the
-// stores of a token are in flight together anyway.
+// Register pressure: x[] is zeroed before its guarded load, so ptxas sees it written before
+// read and the five widths of push_payload share registers. The loop over targets stays
+// rolled: unrolled, it would hold several destination pointers at once.
 template <int W>
 EP_DEVICE void push_vectors(const char* src, const Targets& tg, unsigned bytes) {
   using T = typename VecT<W>::T;
@@ -100,19 +136,12 @@ EP_DEVICE void push_vectors(const char* src, const Targets& tg, unsigned bytes) 
   for (unsigned base = threadIdx.x; base < n; base += blockDim.x * U) {
     T x[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const unsigned v = base + u * blockDim.x;
-      x[u] = T{};
-      if (v < n) x[u] = s[v];
-    }
+    for (int u = 0; u < U; ++u) x[u] = T{};
+    load_round(x, base, n, [&](unsigned v) { return s[v]; });
 #pragma unroll 1
     for (int j = 0; j < tg.n; ++j) {
-      T* d = reinterpret_cast<T*>(tg.dst(j, bytes));
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const unsigned v = base + u * blockDim.x;
-        if (v < n) d[v] = x[u];
-      }
+      T* const d = reinterpret_cast<T*>(tg.dst(j, bytes));
+      store_round(x, base, n, [&](unsigned v, const T& value) { d[v] = value; });
     }
   }
 }
@@ -127,18 +156,27 @@ EP_DEVICE void push_payload(unsigned vec, const char* src, const Targets& tg, un
   }
 }
 
-// Groups [g0, g1) of a token's 16-byte groups, thread by thread: group g0 + threadIdx.x +
-// u * blockDim.x into v[u] (zero past g1), every load issued before any is used, so that a
-// round of a token's loads is in flight together (FENCE's preloaded push, SENTINEL's send).
-// load(x) reads group x.
-template <int U, typename Load>
-EP_DEVICE void load_groups(uint4 (&v)[U], unsigned g0, unsigned g1, const Load& load) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const unsigned x = g0 + threadIdx.x + u * blockDim.x;
-    v[u] = make_uint4(0, 0, 0, 0);
-    if (x < g1) v[u] = load(x);
-  }
+// A token's payloads [FIRST, num_payloads) as one sequence of 16-byte groups, groups(d) of
+// payload d each, so that a block's threads share them whatever the payloads: FENCE's
+// preloaded push (every payload, its bytes) and SENTINEL's landing slots (payloads 1.., their
+// landing bytes). Returns the payload of group x; x becomes the group within it.
+template <int FIRST, typename Groups>
+EP_DEVICE int payload_of(const A2AParams& p, unsigned& x, const Groups& groups) {
+  int q = FIRST;
+  while (x >= groups(p.payloads[q])) x -= groups(p.payloads[q++]);
+  return q;
+}
+EP_DEVICE int payload_of_group(const A2AParams& p, unsigned& x) {
+  return payload_of<0>(p, x, [](const PayloadDesc& d) { return d.bytes_per_token / 16; });
+}
+EP_DEVICE int payload_of_landing_group(const A2AParams& p, unsigned& x) {
+  return payload_of<1>(p, x, [](const PayloadDesc& d) { return d.landing_bytes / 16; });
+}
+// SENTINEL: the landing groups of one token slot (FENCE's count is the host's: p.push_groups).
+EP_DEVICE unsigned landing_groups(const A2AParams& p) {
+  unsigned n = 0;
+  for (int q = 1; q < p.num_payloads; ++q) n += p.payloads[q].landing_bytes / 16;
+  return n;
 }
 
 template <typename T> EP_DEVICE float to_float(T x);
@@ -197,8 +235,7 @@ EP_DEVICE void with_members(int m, const F& f) {
 }
 
 // The bf16/fp16/fp32 reduction below keeps all 8 members of a group (absent ones predicated
-// off, reading +0): specialized per member count like the FP8 one, it ran slower, its
-// per-member work being one add.
+// off, reading +0): with one add of work per member, specializing per count does not pay.
 // Vectors [v0, v1) of one token (v counted in units of W bytes).
 template <typename T, int W>
 EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned v0, unsigned v1) {
@@ -209,11 +246,8 @@ EP_DEVICE void reduce_vectors(const char* const* src, int n, char* out, unsigned
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] = 0.f;
     for (int c = 0; c < n || c == 0; c += 8) {
-      // An absent member is a zero vector: all-zero bits are +0 in bf16, fp16 and fp32, so it
-      // reads +0 exactly as before. Zeroing (rather than leaving in[k] unset where c + k >= n)
-      // also lets ptxas see each in[k] written before it is read; unset, the vectors of each
-      // width were kept live through the code of the other widths (124 registers in all).
-      // All 8 loads are still issued before the first add.
+      // An absent member is a zero vector, +0 in bf16, fp16 and fp32; zeroed, each in[k] is
+      // seen written before read, so the widths share registers. All 8 loads precede the adds.
       union { V raw; T el[E]; } in[8];
 #pragma unroll
       for (int k = 0; k < 8; ++k) {

@@ -1,4 +1,5 @@
-// MoE compute on the rank-major dispatch workspace of one rank.
+// MoE compute: the router before dispatch, then the experts' side on the rank-major dispatch
+// workspace of one rank.
 //
 // Dispatch leaves ep_size * T^ slots (slot s = source rank * T^ + i), each with top_k expert
 // ids and router weights. The experts compute on expert-major rows, so this file has four
@@ -11,6 +12,7 @@
 //   * the activation between the experts' FC1 and FC2 (SiLU(gate) * up) over the rows placed;
 //   * finalize: sums each slot's weighted expert outputs in k order, in fp32, straight into
 //     the combine input of the workspace.
+// The router (moe_route_*, at the end) runs before dispatch: logits -> top-k ids and weights.
 //
 // The index is a counting sort over the flat entries j = s * top_k + k, cut into warp tiles
 // (contiguous ranges of j). A warp counts its tile's entries per local expert, an exclusive
@@ -387,3 +389,93 @@ EP_FINALIZE_PAIRS(EP_FINALIZE)
                                  hidden);                                                                       \
   }
 EP_FINALIZE_PAIRS(EP_FINALIZE_Q8)
+
+// router: logits [tokens, num_experts] -> ids int32 [tokens, top_k] (descending logit; equal
+// logits: the lower expert first) and weights fp32 [tokens, top_k]: softmax over the k selected
+// logits (renormalize), or the full softmax's probabilities of the k. One warp per token, lane l
+// holding experts l, l + 32, ... (N per lane, in registers); k rounds of a warp argmax.
+//
+// The weights follow torch's one-warp softmax (rows up to 1024) step by step, so that they
+// match torch.softmax's bits where expf and the sums agree: x - max, expf, each lane's sum in
+// its element order from 0, a butterfly over the lanes (lanes past the row hold exact zeros, so
+// a 32-lane butterfly pairs the live lanes as a narrower one does), then a division.
+
+// Unsigned order of a logit: compares as the floats do, -0 as +0, any NaN above everything
+// (torch.topk ranks NaN largest). Every logit's key is above 0 (-inf's is 0x007fffff), so 0
+// marks lanes' padding and experts already taken.
+EP_DEVICE unsigned route_key(float x) {
+  if (x != x) return 0xffffffffu;
+  unsigned b = __float_as_uint(x);
+  if (b == 0x80000000u) b = 0;
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+EP_DEVICE float warp_sum(float s) {
+#pragma unroll
+  for (int d = 16; d > 0; d >>= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+  return s;
+}
+
+template <typename T, int N>
+EP_DEVICE void route_tokens(const T* logits, int* ids, float* weights, int tokens, int num_experts, int top_k,
+                            int renormalize) {
+  const int lane = threadIdx.x & 31, warps = blockDim.x >> 5;
+  for (int t = blockIdx.x * warps + (threadIdx.x >> 5); t < tokens; t += gridDim.x * warps) {
+    const T* row = logits + static_cast<size_t>(t) * num_experts;
+    float v[N];
+    unsigned key[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int e = i * 32 + lane;
+      v[i] = e < num_experts ? to_float<T>(row[e]) : -INFINITY;
+      key[i] = e < num_experts ? route_key(v[i]) : 0u;
+    }
+    int my_id = 0;        // lane r < top_k: the r-th selection and its logit
+    float my_logit = 0.f, top = 0.f;
+    unsigned taken = 0;   // bit i: expert i * 32 + lane selected (a mask, not a write into key[],
+                          // which a dynamic index would move to local memory)
+    for (int r = 0; r < top_k; ++r) {
+      unsigned best = 0;  // this lane's largest key not taken; its lowest expert on equal keys
+      int best_i = 0;
+      float best_v = 0.f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) {
+        const unsigned k = (taken >> i) & 1u ? 0u : key[i];
+        if (k > best) best = k, best_i = i, best_v = v[i];
+      }
+      const unsigned win = __reduce_max_sync(0xffffffffu, best);  // > 0: top_k <= num_experts
+      const unsigned e = __reduce_min_sync(0xffffffffu, best == win ? static_cast<unsigned>(best_i * 32 + lane) : ~0u);
+      const float x = __shfl_sync(0xffffffffu, best_v, e & 31);
+      if (lane == static_cast<int>(e & 31)) taken |= 1u << (e >> 5);
+      if (lane == r) my_id = static_cast<int>(e), my_logit = x;
+      if (r == 0) top = x;
+    }
+    float w;
+    if (renormalize) {
+      const float p = lane < top_k ? expf(my_logit - top) : 0.f;
+      w = p / warp_sum(p);
+    } else {
+      float s = 0.f;
+#pragma unroll
+      for (int i = 0; i < N; ++i) s += expf(v[i] - top);
+      w = expf(my_logit - top) / warp_sum(s);
+    }
+    if (lane < top_k) {
+      ids[static_cast<size_t>(t) * top_k + lane] = my_id;
+      weights[static_cast<size_t>(t) * top_k + lane] = w;
+    }
+  }
+}
+
+// moe_route_<logits dtype>_<N>: num_experts <= 32 * N, 1 <= top_k <= min(32, num_experts) (the
+// host picks N, the smallest power of two that holds the row, and checks the rest).
+#define EP_ROUTE(NAME, T, N)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(256) moe_route_##NAME##_##N(                                    \
+      const T* logits, int* ids, float* weights, int tokens, int num_experts, int top_k, int renormalize) {    \
+    route_tokens<T, N>(logits, ids, weights, tokens, num_experts, top_k, renormalize);                         \
+  }
+#define EP_ROUTE_WIDTHS(NAME, T) \
+  EP_ROUTE(NAME, T, 1) EP_ROUTE(NAME, T, 2) EP_ROUTE(NAME, T, 4) EP_ROUTE(NAME, T, 8) EP_ROUTE(NAME, T, 16) EP_ROUTE(NAME, T, 32)
+EP_ROUTE_WIDTHS(f32, float)
+EP_ROUTE_WIDTHS(bf16, __nv_bfloat16)
+EP_ROUTE_WIDTHS(f16, __half)

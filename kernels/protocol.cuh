@@ -71,19 +71,12 @@ EP_DEVICE void advance_epoch(const A2AParams& p, unsigned f) { *section<unsigned
 EP_DEVICE unsigned* last_combine_sentinel(const A2AParams& p) { return section<unsigned>(p, p.rank, p.off_epoch) + 1; }
 
 // ---- failure record
-// Record why a wait failed where the host can read it even after the context is lost
-// (host-mapped pinned memory); the first failing thread of this rank wins the record.
-// Then either trap (the default: the context is lost, nothing can run on stale data), or,
-// with abort_on_timeout, tell every active peer through its abort word so that all ranks
-// stop waiting at once, and return: the caller carries on without the data it waited for
-// (every index it uses stays within this rank's own workspace), and the host refuses the
-// all-to-all from then on.
-//
-// These paths run only when a step fails. SENTINEL's kernels keep them out of line (EP_COLD):
-// at decode batches their pace is set by fetching instructions, and inlined failure code sits
-// between the hot ones. FENCE keeps them inline (EP_COLD_INLINE), where out of line was
-// slower; so does sm_100/103, where out-of-line calls make the kernels spill.
-// `inline` only for linkage: one definition wherever the header is included.
+// Why a wait failed, in host-mapped memory that outlives a lost context (the first failing
+// thread of the rank writes it). Then trap (the default: nothing runs on stale data), or with
+// abort_on_timeout tell every active peer through its abort word, so that all ranks stop
+// waiting at once, and return without the data (indices stay within our own workspace).
+// Out of line (EP_COLD) in SENTINEL's sm_90 kernels, off the code decode batches fetch; inline
+// in FENCE's (EP_COLD_INLINE) and on sm_100/103, where calls spill. (`inline`: linkage only.)
 #if __CUDA_ARCH__ >= 1000 || defined(EP_COLD_INLINE)
 #define EP_COLD EP_DEVICE
 #else
@@ -128,17 +121,13 @@ EP_DEVICE void check_step_tag(const A2AParams& p, int phase, int peer, unsigned 
 }
 
 // ---- after an abort: outputs that say so
-// In abort mode a failed wait returns without the data, so the step's outputs would be
-// whatever the workspace held. Every kernel therefore asks, once its waits are over, whether
-// any rank gave up (our abort word: set before the giving-up rank publishes anything more,
-// and sticky until the all-to-all is rebuilt), and then writes poison instead of results:
-// -1 for every received expert id (no token arrived), all-ones bytes (NaN in every float
-// format) for every combined row. An engine replaying graphs makes no Python call that
-// would raise; it sees NaN, and MoeAlltoAll.error() says why. One block-uniform answer
-// (thread 0 reads the word) also acts as the block barrier the caller needed anyway. In trap
-// mode the answer is false without a load: there only a peer's rejection makes a wait give
-// up, and the data that did not come poisons by itself (FENCE: a count of 0 and the
-// combine's failed wait; SENTINEL: a slot never written still holds its all-ones sentinel).
+// A failed wait in abort mode leaves the outputs as the workspace held them, so once its
+// waits are over every kernel asks whether any rank gave up (our abort word, sticky) and
+// writes poison instead: -1 expert ids, all-ones (NaN) combined rows, which an engine
+// replaying graphs sees without a Python call (MoeAlltoAll.error() says why). The answer is
+// block-uniform, a barrier too. In trap mode it is false without a load: only a rejection
+// ends a wait there, and missing data poisons itself (FENCE: count 0 and the combine's
+// failed wait; SENTINEL: an unwritten slot still holds its all-ones sentinel).
 EP_DEVICE bool block_sees_abort(const A2AParams& p) {
   return __syncthreads_or(p.abort_on_timeout && threadIdx.x == 0 && ld_volatile(abort_word(p, p.rank)) != 0);
 }
@@ -179,7 +168,7 @@ EP_DEVICE unsigned flag_reached(const ulonglong2& v, unsigned f) {
 // Returns true when the caller must stop waiting (never on a trap-mode timeout: that traps).
 // A wait whose loop keeps many values in registers asks `expired` and, once it has let go of
 // them, reports through `failed` itself (SENTINEL's combine poll): a call with those values
-// live made ptxas spill them.
+// live makes ptxas spill them.
 struct Deadline {
   uint64_t end = 0;
   unsigned polls = 0;
@@ -293,22 +282,16 @@ EP_DEVICE void publish_combine_flag(const A2AParams& p, unsigned f) {
 }
 
 // ---- protocol switch (protocol="auto")
-// SENTINEL combine waits only on the ranks our tokens went to, so a rank that received
-// nothing from us may still be reading its dispatch workspace for step f. A FENCE dispatch
-// of the next step writes straight into that workspace. So every SENTINEL combine publishes
-// its combine flag, and a FENCE dispatch that follows a SENTINEL step waits for every rank's
-// flag first. After a FENCE step our own combine already waited for every rank's flag. Each
-// combine leaves its protocol in last_combine_sentinel for the dispatch after it (the next
-// kernel of this stream reads it after griddep_wait, so the kernel boundary orders it).
+// A SENTINEL combine waits only on the ranks our tokens went to, so another rank may still
+// read its dispatch workspace for step f when our FENCE dispatch of f + 1 writes into it.
+// So every SENTINEL combine publishes its combine flag, and a FENCE dispatch after a SENTINEL
+// step (last_combine_sentinel, ordered by the kernel boundary) waits for every rank's flag.
 //
-// The SENTINEL combine publishes at its start, from one warp, with no election: what the
-// flag promises is that this rank no longer touches what a peer's FENCE dispatch writes
-// (its dispatch workspace: recv sections, dispatch flags, step tags). Every such access of
-// this step was made by an earlier kernel of this stream (the SENTINEL dispatch, MoE
-// compute), all performed once griddep_wait returned; the release fence orders them before
-// the flag all the same. The combine itself reads only what no FENCE dispatch of a peer
-// writes: its records, the has bytes (layout.py, written by our SENTINEL dispatch alone, in
-// place of the received ids), its own partial results and the combine slots.
+// The flag is published at the combine's start, by one warp without an election: it promises
+// only that we no longer touch what a peer's FENCE dispatch writes, which earlier kernels of
+// this stream alone did (performed once griddep_wait returned; the release fence orders them
+// anyway). Nor does the combine: it reads its records, the has bytes (never the received
+// ids), its own partial results and the combine slots.
 EP_DEVICE void sentinel_combine_begins(const A2AParams& p, unsigned f) {  // warp 0 of one block
   publish_combine_flag(p, f);
   if (threadIdx.x == 0) *last_combine_sentinel(p) = 1;

@@ -1,12 +1,11 @@
-// Every inline PTX instruction and every volatile access of the kernels, as tiny helpers
-// named by what they do and in which memory order: ld_<order>_<scope>, st_<order>_<scope>,
-// fence_<order>_<scope>, atomic_<op>_<order>_<scope>. Nothing else in kernels/ writes asm
-// or casts to volatile, so every ordering decision is visible at its call.
+// Every inline PTX instruction and volatile access of the kernels, as tiny helpers named by
+// operation, memory order and scope (ld_acquire_sys, fence_acq_rel_gpu, ...), so that every
+// ordering decision is visible at its call. A fence_ name is always a PTX fence; the FENCE
+// protocol's steps are named by their role, its kernels alone by the protocol.
 //
-// Scopes: peers may be other GPUs (NVLink) or other ranks on this GPU mapped through other
-// virtual addresses; `.sys` covers both. `.gpu` suffices for counters only this rank's
-// blocks touch, and for the protocols' flags when every rank lives on this GPU
-// (protocol.cuh: the peer-scope helpers pick one or the other per launch).
+// Scopes: `.sys` covers peers on other GPUs and ranks of this GPU mapped at other addresses;
+// `.gpu` suffices for counters only this rank's blocks touch, and for the flags when every
+// rank lives on this GPU (protocol.cuh's peer-scope helpers pick per launch).
 #pragma once
 #include <stdint.h>
 
@@ -139,16 +138,9 @@ EP_DEVICE void griddep_launch_dependents() {
 #endif
 }
 
-// Thread block clusters (sm_90+): the blocks of this block's cluster, its rank among them,
-// and a barrier of every thread of the cluster whose arrival releases and whose wait
-// acquires at cluster scope (every thread of the cluster calls it, warps converged).
-EP_DEVICE uint32_t cluster_blocks() {
-  uint32_t n = 1;
-#if __CUDA_ARCH__ >= 900
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(n));
-#endif
-  return n;
-}
+// Thread block clusters (sm_90+): this block's rank in its cluster, and a barrier of every
+// thread of the cluster whose arrival releases and whose wait acquires at cluster scope
+// (every thread of the cluster calls it, warps converged).
 EP_DEVICE uint32_t cluster_block_rank() {
   uint32_t r = 0;
 #if __CUDA_ARCH__ >= 900

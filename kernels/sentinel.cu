@@ -20,10 +20,8 @@
 // write, issued only after its poll saw the message, reaches the same place later: it
 // follows the reset in coherence order and is never overwritten by it.
 //
-// Latency (decode batches): every thread issues all its loads of a round before the first
-// use (polls, payload and partial-result loads), re-polls only the vectors still missing,
-// and one token's push is spread over many blocks; the expert-id slot and the landing
-// slot of a (source, slot) pair are polled together.
+// Latency: a round's loads are all issued before their first use, only missing vectors are
+// re-polled, and a (source, slot) pair's id slot and landing slot are polled together.
 #include "moe_common.cuh"
 
 namespace {
@@ -72,11 +70,9 @@ EP_DEVICE void store_word(unsigned char* dst, unsigned bytes, unsigned vec, unsi
   if (vec >= 4 && o + 4 <= bytes) { *reinterpret_cast<unsigned*>(dst + o) = v; return; }
   for (unsigned b = 0; b < 4 && o + b < bytes; ++b) dst[o + b] = static_cast<unsigned char>(v >> (8 * b));
 }
-// Code size. Rows that do not move in 16-byte vectors, and KIND_RAW16 payloads, take the
-// out-of-line paths below (EP_COLD, protocol.cuh); the 16-byte path stays inline. Inlined at
-// every unrolled use, their byte loops made the kernels several times larger, and at decode
-// batches fetching that code, not memory, sets the pace. On sm_100/103 the calls cost
-// sentinel_dispatch spills under its 64 registers (ptxas), so there they stay inline.
+// Code size: rows that do not move in 16-byte vectors, and KIND_RAW16 payloads, take the
+// out-of-line paths below (EP_COLD, protocol.cuh), since their byte loops inlined at every
+// unrolled use would multiply the code that decode batches spend their time fetching.
 
 // Words 4g..4g+3 of a row of `bytes` bytes (zero past its end), whatever its alignment.
 EP_COLD uint4 load_group_any(const unsigned char* src, unsigned bytes, unsigned vec, unsigned g) {
@@ -97,18 +93,7 @@ EP_DEVICE void store_group(unsigned char* dst, unsigned bytes, unsigned vec, uns
 }
 
 // ---- landing groups: the 16-byte vectors of one token slot's landing slots, payloads 1..,
-// counted as one sequence so that the threads of a block share them whatever the payloads.
-EP_DEVICE unsigned slot_groups(const A2AParams& p) {
-  unsigned n = 0;
-  for (int q = 1; q < p.num_payloads; ++q) n += p.payloads[q].landing_bytes / 16;
-  return n;
-}
-// Group x of the sequence: its payload q (returned), x becomes the group within it.
-EP_DEVICE int locate(const A2AParams& p, unsigned& x) {
-  int q = 1;
-  while (x >= p.payloads[q].landing_bytes / 16) x -= p.payloads[q++].landing_bytes / 16;
-  return q;
-}
+// as one sequence (moe_common.cuh: landing_groups, payload_of_landing_group).
 // Landing group g of payload d, from the token's row: escaped words, or (KIND_RAW16) data
 // words 2g, 2g + 1 as four 16-bit halves, so that no landing word can equal the sentinel.
 EP_COLD uint4 landing_value_any(const PayloadDesc& d, const unsigned char* row, unsigned g) {
@@ -141,14 +126,11 @@ EP_DEVICE size_t landing_at(const A2AParams& p, const PayloadDesc& d, int source
 }
 
 // The step counter moves once every block of the dispatch has read it. One thread of each
-// block (counter_thread) reads it for the block (the others get it through shared memory)
-// and then counts the block in: the release orders that read before the increment, so the
-// last block to arrive, which acquires (sentinel_dispatch's end), moves the counter after
-// every read. Counting at the start, not at the end, keeps the election's round trip off the
-// end of the kernel: nobody waits for the result until the block's work is done. The thread
-// is the last warp's first: that warp selects no targets and, at decode batches and 256
-// threads, loads no payload groups, so its release waits for the counter read alone, not for
-// a selection's stores (as thread 0's did).
+// block (counter_thread) reads it for the block and then counts the block in: the release
+// orders that read before the increment, so the last block to arrive, which acquires
+// (sentinel_dispatch's end), moves the counter after every read. Counting at the start keeps
+// the election's round trip off the end of the kernel. The thread is the last warp's first,
+// which selects no targets, so its release waits for the counter read, not for stores.
 EP_DEVICE unsigned counter_thread() { return blockDim.x - 32; }
 // By counter_thread: the step f into `f`, then the block counted in; returns the blocks
 // counted before it.
@@ -170,14 +152,18 @@ struct Send {
 EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int* records, bool first, unsigned& arrival) {
   const int s = p.rank, K = p.top_k, W = K + 1;
   const bool token = i < p.local_num_tokens;
-  const unsigned total = token ? slot_groups(p) : 0;
+  const unsigned total = token ? landing_groups(p) : 0;
   const unsigned g0 = total * c / C, g1 = total * (c + 1) / C;
-  uint4 v[U];
-  load_groups(v, g0, g1, [&](unsigned x) {
-    const PayloadDesc& d = p.payloads[locate(p, x)];
+  const auto load = [&](unsigned x) {
+    const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];
     return landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
-  });
+  };
+  uint4 v[U];
+  load_groups(v, g0, g1, load);
   const int* ids = reinterpret_cast<const int*>(p.payloads[0].src) + static_cast<size_t>(i) * K;
+  // Line 2, warp 0: token i's distinct targets D (part 0 also marks them in is_target and
+  // writes the records). Inline, like line 4 below: as functions they reshaped the whole
+  // sentinel_dispatch's code.
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
     if (c == 0)
@@ -200,26 +186,13 @@ EP_DEVICE void send_part(const A2AParams& p, Send& sh, int i, int c, int C, int*
   if (first && threadIdx.x == counter_thread()) arrival = arrive(p, sh.f);
   __syncthreads();
   const int n = sh.n;
-  for (unsigned x0 = g0 + threadIdx.x; n > 0; x0 += U * blockDim.x) {
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      unsigned x = x0 + u * blockDim.x;
-      if (x >= g1) continue;
-      const PayloadDesc& d = p.payloads[locate(p, x)];  // (x becomes the group within d)
+  if (n > 0)  // (later rounds: large payloads only)
+    store_rounds(v, g0 + threadIdx.x, g1, load, [&](unsigned x, const uint4& value) {
+      const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];  // (x becomes the group within d)
       const size_t off = landing_at(p, d, s, i, x);
 #pragma unroll 1  // rolled: unrolled, it held several target pointers live (register pressure)
-      for (int j = 0; j < n; ++j) st_relaxed_sys(reinterpret_cast<uint4*>(workspace(p, sh.target[j]) + off), v[u]);
-    }
-    if (x0 + U * blockDim.x >= g1) break;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {  // the next round (large payloads only)
-      unsigned x = x0 + (U + u) * blockDim.x;
-      if (x < g1) {
-        const PayloadDesc& d = p.payloads[locate(p, x)];
-        v[u] = landing_value(d, reinterpret_cast<const unsigned char*>(d.src) + static_cast<size_t>(i) * d.bytes_per_token, x);
-      }
-    }
-  }
+      for (int j = 0; j < n; ++j) st_relaxed_sys(reinterpret_cast<uint4*>(workspace(p, sh.target[j]) + off), value);
+    });
   if (c == 0) {
     // Line 4: I[r][s][i] <- the expert ids (-1 where r is not in D), then our step tag.
     for (int x = threadIdx.x; x < p.ep_size * W; x += blockDim.x) {
@@ -247,13 +220,13 @@ EP_DEVICE unsigned verdict(unsigned* s_state, unsigned tag) {
   return (v >> 2) == tag ? (v & 3) : UNKNOWN;
 }
 EP_DEVICE const uint4* landing_ptr(const A2AParams& p, int r, int i, unsigned x) {
-  const PayloadDesc& d = p.payloads[locate(p, x)];
+  const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];
   return reinterpret_cast<const uint4*>(workspace(p, p.rank) + landing_at(p, d, r, i, x));
 }
 // Copy landing group x of slot (r, i) from the registers that polled it into Wd[s][r][i],
 // and reset it (line 9).
 EP_DEVICE void take_group(const A2AParams& p, int r, int i, unsigned x, uint4 v) {
-  const PayloadDesc& d = p.payloads[locate(p, x)];
+  const PayloadDesc& d = p.payloads[payload_of_landing_group(p, x)];
   store_received(d, section<unsigned char>(p, p.rank, d.recv_offset) +
                         (static_cast<size_t>(r) * p.runtime_max_tokens_per_rank + i) * d.bytes_per_token, x, v);
   *reinterpret_cast<uint4*>(workspace(p, p.rank) + landing_at(p, d, r, i, x)) = sentinel4();
@@ -269,18 +242,38 @@ EP_DEVICE void repoll(const A2AParams& p, int r, int i, unsigned x0, uint4 (&v)[
     }
 }
 
+// Line 9 for a slot whose token came: round 1 from the registers that polled it, then every
+// later round (large payloads) polled until whole; each group copied and reset.
+EP_DEVICE void take_landing(const A2AParams& p, int r, int i, unsigned f, unsigned total, uint4 (&v)[U]) {
+  const auto take = [&](unsigned x, const uint4& value) { take_group(p, r, i, x, value); };
+  store_round(v, threadIdx.x, total, take);
+  for (unsigned x0 = threadIdx.x + U * blockDim.x; x0 < total; x0 += U * blockDim.x) {
+    unsigned miss = 0, seen = 0;
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (x0 + u * blockDim.x < total) miss |= 1u << u;
+    repoll(p, r, i, x0, v, miss, seen);
+    if (miss)
+      wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& sn) {
+        repoll(p, r, i, x0, v, miss, sn);
+        return miss == 0;
+      });
+    store_round(v, x0, total, take);
+  }
+}
+
+// Lines 5-11 for slot i of source r: the first poll of its landing groups and of its ids all
+// in flight, the ids (warp 0) and the missing groups (every thread) awaited, then taken.
+// Lines 6-8 stay inline: as functions they changed how ptxas kept the polled values.
 EP_DEVICE void receive_slot(const A2AParams& p, unsigned* s_state, int r, int i, unsigned f, unsigned tag) {
   const int s = p.rank, tmax = p.runtime_max_tokens_per_rank, K = p.top_k, W = K + 1;
   const bool active = rank_active(p, r);  // an inactive rank sends nothing: its region holds no token
-  const unsigned total = active ? slot_groups(p) : 0;
+  const unsigned total = active ? landing_groups(p) : 0;
   // Round 1: the first poll of every landing group and of the id words, all in flight.
   uint4 v[U];
 #pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const unsigned x = threadIdx.x + u * blockDim.x;
-    v[u] = sentinel4();
-    if (x < total) v[u] = ld_relaxed_sys(landing_ptr(p, r, i, x));
-  }
+  for (int u = 0; u < U; ++u) v[u] = sentinel4();
+  load_round(v, threadIdx.x, total, [&](unsigned x) { return ld_relaxed_sys(landing_ptr(p, r, i, x)); });
   unsigned* const word = id_slot(p, s, r, i, f) + threadIdx.x;
   unsigned id = static_cast<unsigned>(-1);
   if (active && threadIdx.x < W) id = ld_relaxed_sys(word);
@@ -330,27 +323,7 @@ EP_DEVICE void receive_slot(const A2AParams& p, unsigned* s_state, int r, int i,
     if (threadIdx.x < K) out_ids[threadIdx.x] = -1;
     if (threadIdx.x == 0) *has_slot(p, r, i) = 0;
   }
-  if (!ok) return;
-  // Line 9: copy from the polled registers, reset; then any further rounds (large payloads).
-#pragma unroll
-  for (int u = 0; u < U; ++u)
-    if (threadIdx.x + u * blockDim.x < total) take_group(p, r, i, threadIdx.x + u * blockDim.x, v[u]);
-  for (unsigned x0 = threadIdx.x + U * blockDim.x; x0 < total; x0 += U * blockDim.x) {
-    miss = 0;
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (x0 + u * blockDim.x < total) miss |= 1u << u;
-    unsigned seen = 0;
-    repoll(p, r, i, x0, v, miss, seen);
-    if (miss)
-      wait_until(p, EP_PHASE_SENTINEL_DISPATCH, r, f, 0, [&](unsigned& sn) {
-        repoll(p, r, i, x0, v, miss, sn);
-        return miss == 0;
-      });
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (x0 + u * blockDim.x < total) take_group(p, r, i, x0 + u * blockDim.x, v[u]);
-  }
+  if (ok) take_landing(p, r, i, f, total, v);
 }
 
 // ---- combine, line 13: part c of C of M[r][i][s] <- Wc[s][r][i], for a slot that held a token
@@ -361,13 +334,9 @@ EP_DEVICE void push_part(const A2AParams& p, int r, int i, int c, int C) {
   const unsigned groups = (p.combine_bytes + 15) / 16, g0 = groups * c / C, g1 = groups * (c + 1) / C;
   const unsigned char* const src = section<const unsigned char>(p, s, p.off_combine) +
                                    (static_cast<size_t>(r) * tmax + i) * p.combine_bytes;
+  const auto load = [&](unsigned x) { return load_group(src, p.combine_bytes, p.combine_vec, x); };
   uint4 v[U];
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const unsigned x = g0 + threadIdx.x + u * blockDim.x;
-    v[u] = make_uint4(0, 0, 0, 0);
-    if (x < g1) v[u] = load_group(src, p.combine_bytes, p.combine_vec, x);
-  }
+  load_groups(v, g0, g1, load);
   if (!*has_slot(p, r, i)) return;
   uint4* const dst = reinterpret_cast<uint4*>(combine_slot(p, r, i, s));
   for (unsigned x0 = g0 + threadIdx.x;; x0 += U * blockDim.x) {
@@ -375,12 +344,18 @@ EP_DEVICE void push_part(const A2AParams& p, int r, int i, int c, int C) {
     for (int u = 0; u < U; ++u)
       if (x0 + u * blockDim.x < g1) st_relaxed_sys(dst + x0 + u * blockDim.x, escape4(v[u], p.combine_kind));
     if (x0 + U * blockDim.x >= g1) break;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const unsigned x = x0 + (U + u) * blockDim.x;
-      if (x < g1) v[u] = load_group(src, p.combine_bytes, p.combine_vec, x);
-    }
+    load_round(v, x0 + U * blockDim.x, g1, load);
   }
+}
+
+// Line 13 by blocks [0, p.combine_push_blocks) (the host's split of the grid): every received
+// slot, in C parts of at least a warp's worth of groups when there are blocks to spare.
+EP_DEVICE void push_received(const A2AParams& p) {
+  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax, pushers = p.combine_push_blocks;
+  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;
+  const int C = max(1, min(pushers / slots, cap));
+  if (static_cast<int>(blockIdx.x) < pushers)
+    for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);
 }
 
 // ---- combine, lines 15-19: slice `part` of token i. Each thread polls its 16-byte group of
@@ -440,7 +415,7 @@ EP_DEVICE void poll_chunk(const A2AParams& p, unsigned f, const Members& m, int 
   }
   if (why) {
     // The step failed. Reported first, so that no polled register is live across the call
-    // (live across it, they spilled); then every member reads as the sentinel, whose all-ones
+    // (it would spill them); then every member reads as the sentinel, whose all-ones
     // words are NaN in every float format: the group's sum is NaN in every lane, where a
     // member whose vector had partly landed left NaN only in its missing lanes.
     Deadline::failed(p, why, EP_PHASE_SENTINEL_COMBINE, peer, f, seen, 0);
@@ -531,7 +506,7 @@ EP_DEVICE void sentinel_dispatch_part(const A2AParams& p) {
   unsigned f, arrival = 0;
   if constexpr (PART != EP_RECEIVE) {
     // C blocks share each token slot's push: the grid, but at least a warp's worth of groups each.
-    const int C = max(1, min(static_cast<int>(gridDim.x) / tmax, static_cast<int>((slot_groups(p) + 31) / 32)));
+    const int C = max(1, min(static_cast<int>(gridDim.x) / tmax, static_cast<int>((landing_groups(p) + 31) / 32)));
 
     // Lines 2-4: token i lands in slot i of our region on each target; every rank gets the
     // expert ids of every one of our T^ slots (-1 where nothing goes), plus our step tag.
@@ -573,19 +548,14 @@ __device__ void sentinel_combine(const A2AParams& p) {
   // block does nothing but this (its release fence stays off every other block's path).
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
 
-  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
   const int G = gridDim.x, reduces = p.local_num_tokens * p.combine_splits, splits = p.combine_splits;
-  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
   // Small batches (the host sizes the grid for it): the reducing blocks are not the pushing
-  // ones, so they collect their sources and start polling at once; blocks [0, spare) push,
-  // [spare, spare + reduces) reduce, the last publishes. Otherwise both grid-stride.
-  const int spare = G - 1 - reduces;
-  const bool apart = spare >= slots;
-  const int C = max(1, min((apart ? spare : G) / slots, cap));
-  const int push_stride = apart ? spare : G;
-  if (!apart || blockIdx.x < spare)
-    for (int w = blockIdx.x; w < slots * C; w += push_stride) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
-  const int r0 = apart ? static_cast<int>(blockIdx.x) - spare : static_cast<int>(blockIdx.x);
+  // ones, so they collect their sources and start polling at once; blocks [0, pushers) push,
+  // the next `reduces` reduce, the last publishes. Otherwise every block does both.
+  const int pushers = p.combine_push_blocks;
+  const bool apart = pushers < G;
+  push_received(p);  // line 13
+  const int r0 = apart ? static_cast<int>(blockIdx.x) - pushers : static_cast<int>(blockIdx.x);
   for (int w = r0; w >= 0 && w < reduces; w += apart ? reduces : G)  // lines 15-19
     reduce_part<T>(p, f, records, w / splits, w % splits, s_src, s_tgt, &s_n);
   if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
@@ -601,12 +571,7 @@ EP_DEVICE void combine_send(const A2AParams& p) {
   if (p.trigger_early) griddep_launch_dependents();  // (the receive half only waits for us to end)
   const unsigned f = read_epoch(p);
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
-  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
-  const int pushers = max(1, static_cast<int>(gridDim.x) - 1);
-  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;  // a warp's worth of groups per part at least
-  const int C = max(1, min(pushers / slots, cap));
-  if (gridDim.x == 1 || static_cast<int>(blockIdx.x) < pushers)
-    for (int w = blockIdx.x; w < slots * C; w += pushers) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);  // line 13
+  push_received(p);  // line 13: every block but the publishing one (one block alone does both)
   if (!p.trigger_early) griddep_launch_dependents();
 }
 template <typename T>

@@ -14,7 +14,10 @@ built with combine_quant="fp8", finalize writes the partial results as FP8 (e4m3
 
 Router (route()): logits fp32 [T, num_experts] -> the top_k largest logits -> softmax over
 those k (= softmax over all experts, top_k, then renormalize to sum 1). With
-renormalize=False the weights are the full softmax's probabilities of the k experts.
+renormalize=False the weights are the full softmax's probabilities of the k experts. One
+ep_a2a kernel per rank (moe.route, the ep_a2a::route op) where it takes the shapes
+(num_experts <= 1024, top_k <= 32, fp32 / bf16 / fp16 contiguous logits), else torch.topk
+and torch.softmax; layer.routing then holds views valid until the layer's next step.
 forward() also takes the routing ready-made: (expert ids int [T, top_k], weights [T, top_k];
 -1 = no expert; repeated experts count once per selection).
 
@@ -83,6 +86,36 @@ def grouped_mm_support(device) -> tuple:
     return result
 
 
+_VIEW_PROBED = {}
+
+
+def grouped_mm_takes_offset_views(device) -> bool:
+    """Whether grouped_mm accepts offsets whose data pointer is 4 bytes past a 16-byte boundary
+    (the index's offsets[1:], read in place instead of copied each step) and gives the bits it
+    gives with aligned offsets. torch's source says it does: its checks on offs are 1-D and
+    int32 (alignment is checked on the matrices only), and the kernel that reads them
+    (prepare_grouped_gemm_data) loads single int32 values. Probed once per device anyway
+    (synchronizes), so that another torch costs a copy per step, never a wrong result."""
+    import torch
+    device = torch.device(device)
+    if device not in _VIEW_PROBED:
+        fn, ok = grouped_mm_support(device)[0], False
+        if fn is not None:
+            try:
+                g = torch.Generator(device=device).manual_seed(2)
+                a = torch.randn(48, 64, device=device, generator=g).to(torch.bfloat16)
+                b = torch.randn(3, 32, 64, device=device, generator=g).to(torch.bfloat16).transpose(1, 2)
+                full = torch.tensor([0, 7, 7, 40], dtype=torch.int32, device=device)
+                view = full[1:]
+                if view.data_ptr() % 16 == 4:
+                    got, want = fn(a, b, offs=view), fn(a, b, offs=view.clone())
+                    ok = bool(torch.equal(got[:40].view(torch.int16), want[:40].view(torch.int16)))
+            except Exception:  # (a torch that refuses the view: the layer copies the offsets)
+                ok = False
+        _VIEW_PROBED[device] = ok
+    return _VIEW_PROBED[device]
+
+
 class TorchMoeLayer(LayerBase):
     """The MoE layer of one rank: its local experts' weights and every buffer one step needs.
 
@@ -131,9 +164,23 @@ class TorchMoeLayer(LayerBase):
             self._h = torch.empty(cap, 2 * I, **bf)
             self._y = torch.empty(cap, H, **bf)
         self._out = torch.empty(a.max_tokens_per_rank, H, **bf)
+        # the fused router's outputs (made once: the kernels are fetched now, never in a capture)
+        from ..moe import route_unsupported
+        self.route_reason = route_unsupported(self.num_experts, self.top_k, "float32")
+        self._fused_route = self.route_reason is None
+        self._route_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+        self._route_rows = a.max_tokens_per_rank
+        if self._fused_route:
+            ep_ops.torch_router(self.device.index)
+            self._route_ids = torch.empty(a.max_tokens_per_rank, self.top_k, dtype=torch.int32, device=self.device)
+            self._route_w = torch.empty(a.max_tokens_per_rank, self.top_k, dtype=torch.float32, device=self.device)
+        self._route_views = {}
         self._offsets = self.tix.offsets  # int32 [E_local + 1] on the device
-        self._offs = torch.empty(L, dtype=torch.int32, device=self.device)
         self._ends = self._offsets[1:]
+        # FC1 and FC2 read the end offsets in place where grouped_mm takes that view (4 bytes past
+        # a 16-byte boundary), else from a copy made each step (one more graph node per rank)
+        self._offs = self._ends if self.gemm == "grouped" and grouped_mm_takes_offset_views(self.device) else \
+            torch.empty(L, dtype=torch.int32, device=self.device)
         # Per-step host work made once: the buffers' views per T^ (or T) and the events that
         # order this rank's stream after the caller's and back (Stream.wait_stream would make
         # an event each call).
@@ -160,8 +207,18 @@ class TorchMoeLayer(LayerBase):
 
     # -- phases ------------------------------------------------------------------------------------
     def route(self, logits):
-        """(ids int32 [T, top_k], weights fp32 [T, top_k]) of the router on this rank's stream."""
+        """(ids int32 [T, top_k], weights fp32 [T, top_k]) of the router on this rank's stream:
+        ep_a2a's fused router (one kernel, moe.route) into the layer's routing buffers (views
+        valid until the next step), or torch.topk + softmax where it does not take the logits
+        (route_reason says why: num_experts > 1024, top_k > 32, another dtype, non-contiguous)."""
         import torch
+        T = logits.shape[0]
+        if self._fused_route and logits.dtype in self._route_dtypes and logits.is_contiguous() and T <= self._route_rows:
+            views = self._route_views.get(T)
+            if views is None:
+                views = self._route_views[T] = (self._route_ids[:T], self._route_w[:T])
+            with torch.cuda.stream(self.stream), torch.no_grad():
+                return self._ops.route(logits, views[0], views[1], self.renormalize)
         with torch.cuda.stream(self.stream), torch.no_grad():
             top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
             if self.renormalize:
@@ -229,8 +286,9 @@ class TorchMoeLayer(LayerBase):
                 views = self._rows_views[cap] = (self._xg[:cap], self._act[:cap])
             xg, act = views
             if self.gemm == "grouped":
-                offs = self._offs
-                offs.copy_(self._ends)  # end row of each local expert, on the device (16-byte aligned copy)
+                offs = self._offs  # end row of each local expert, on the device
+                if offs is not self._ends:
+                    offs.copy_(self._ends)  # (a torch whose grouped_mm did not take the view)
                 h = self.fc1(xg, offs)
                 if not h.is_contiguous():  # (padded rows: grouped_mm aligns them to 16 bytes)
                     h = h.contiguous()

@@ -3,6 +3,7 @@ on torch's current stream, usable eagerly, under torch.compile(fullgraph=True) a
 torch.cuda.graph capture.
 
     from ep_a2a.ops import torch as ep_ops
+    ep_ops.route(logits, topk_ids, topk_w)          # the router: top-k ids int32 and weights fp32, one kernel
     tr = ep_ops.bind(a2a.ranks[0])                  # once per rank; tr.prepare([T_hat, ...]) before compiling
     ids, (x, w) = ep_ops.dispatch(tr, topk_ids, [hidden, topk_w], T_hat)   # torch views of the workspace
     ix = ep_ops.expert_index(tr)                    # once: an ExpertIndex with torch views
@@ -58,14 +59,16 @@ from ..driver.stream import is_capturing, stream_handle
 from ..errors import StateError
 from ..interop.torch_tensor import TensorSlot
 from ..moe import ExpertIndex, activation as moe_activation, build_index as moe_build_index, finalize as moe_finalize, \
-    gather_rows as moe_gather_rows
+    gather_rows as moe_gather_rows, router_for
 from ..validate import check_expert_ids_on_host
-from .torch_views import INDEXES, RANKS, TorchIndex, TorchRank, bind, current_stream_handle, lookup, register_ops
+from .torch_views import INDEXES, RANKS, StreamUse, TorchIndex, TorchRank, bind, current_stream_handle, lookup, \
+    register_ops
 
-__all__ = ["bind", "dispatch", "combine", "combine_input", "expert_index", "build_index", "gather_rows", "activation",
+__all__ = ["route", "bind", "dispatch", "combine", "combine_input", "expert_index", "build_index", "gather_rows", "activation",
            "finalize", "TorchRank", "TorchIndex", "SCHEMAS", "copies"]
 
 SCHEMAS = {
+    "route": "route(Tensor logits, Tensor(a!) ids, Tensor(b!) weights, bool renormalize=True, int stream=-1) -> ()",
     "dispatch": "dispatch(int rank, Tensor token_selected_experts, Tensor[] payloads, int runtime_max_tokens_per_rank, "
                 "Tensor(a!) recv_expert_ids, Tensor(b!)[] recv_payloads, int stream=-1) -> ()",
     "combine": "combine(int rank, Tensor partial, Tensor? scales, Tensor dispatched, int runtime_max_tokens_per_rank, "
@@ -216,7 +219,42 @@ def finalize_fp8_impl(index, row_of, row_weight, fc2_out, values, scales, dtype,
         ix.streams.hold(s, (fc2_out, values, scales))
 
 
-IMPLS = {"dispatch": dispatch_impl, "combine": combine_impl, "build_index": build_index_impl,
+class TorchRouter:
+    """What the route op keeps per GPU: the moe.Router (its kernels fetched, launches kept), the
+    argument slots and the stream choice."""
+
+    def __init__(self, ordinal: int):
+        self.router = router_for(ordinal)
+        self.slots = {n: TensorSlot(n) for n in ("logits", "ids", "weights")}
+        self.streams = StreamUse(self.router.device, ordinal)
+
+
+_ROUTERS = {}
+
+
+def torch_router(ordinal: int) -> TorchRouter:
+    """The route op's state for cuda:`ordinal`, made on first use (it loads the kernels: make
+    it before a graph capture, as TorchMoeLayer does)."""
+    r = _ROUTERS.get(ordinal)
+    if r is None:
+        r = _ROUTERS[ordinal] = TorchRouter(ordinal)
+    return r
+
+
+def route_impl(logits, ids, weights, renormalize=True, stream=-1):
+    ordinal = logits.get_device()
+    if ordinal < 0:
+        raise ValueError(f"logits: must be on a CUDA GPU, got {logits.device}")
+    r = _ROUTERS.get(ordinal) or torch_router(ordinal)
+    s, explicit = r.streams.pick(stream)
+    slots = r.slots
+    r.router(slots["logits"].fill(logits), slots["ids"].fill(ids), slots["weights"].fill(weights),
+             renormalize=renormalize, stream=s)
+    if explicit:
+        r.streams.hold(s, (logits, ids, weights))
+
+
+IMPLS = {"route": route_impl, "dispatch": dispatch_impl, "combine": combine_impl, "build_index": build_index_impl,
          "gather_rows": gather_rows_impl, "activation": activation_impl, "finalize": finalize_impl,
          "finalize_fp8": finalize_fp8_impl}
 
@@ -261,6 +299,16 @@ def _all_plain(tensors) -> bool:
 
 def _stream_arg(stream) -> int:
     return -1 if stream is None else stream_handle(stream)
+
+
+def route(logits, ids, weights, renormalize: bool = True, stream=None) -> tuple:
+    """moe.route on torch tensors, on torch's current stream (or `stream`): ids int32 and
+    weights fp32 [tokens, top_k] written with the top-k experts of logits (fp32 / bf16 / fp16
+    [tokens, num_experts <= 1024], contiguous) and their softmax weights; returns (ids, weights)."""
+    op = route_impl if plain_eager() and type(logits) is _Tensor and type(ids) is _Tensor and type(weights) is _Tensor \
+        else OPS["route"]
+    op(logits, ids, weights, bool(renormalize), _stream_arg(stream))
+    return ids, weights
 
 
 def _binding(rank) -> TorchRank:

@@ -20,8 +20,10 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 # (class, pattern) in order, the first match wins; matched on the lower-cased name. Our own
 # kernels are extern "C" (no namespace, no template): the protocols' dispatch / combine (any
-# split of them into halves keeps the words) and the expert index, gather and finalize.
+# split of them into halves keeps the words), the fused router, and the expert index, gather,
+# activation and finalize.
 _CLASSES = (
+    ("route", re.compile(r"^moe_route")),
     ("dispatch", re.compile(r"^(fence|sentinel)\w*dispatch")),
     ("combine", re.compile(r"^(fence|sentinel)\w*combine")),
     ("index", re.compile(r"^moe_index")),
@@ -44,11 +46,12 @@ _CLASSES = (
 # Stage of each class, per implementation. Ours: the paper's stages of the layer. Baseline:
 # its collectives are the stage boundaries (router | all-gather | compute | reduce-scatter).
 OURS_STAGES = ("router", "dispatch", "index", "gather", "fc1", "activation", "fc2", "finalize", "combine")
-OURS_MAP = {"topk": "router", "softmax": "router", "copy": "router", "dispatch": "dispatch", "index": "index",
-            "gather": "gather", "memcpy": "fc1", "silu": "activation", "mul": "activation", "finalize": "finalize",
+OURS_MAP = {"route": "router", "topk": "router", "softmax": "router", "copy": "router", "dispatch": "dispatch",
+            "index": "index", "gather": "gather", "memcpy": "fc1", "silu": "activation", "mul": "activation", "finalize": "finalize",
             "combine": "combine"}  # gemm: fc1 / fc2 by order
 BASELINE_STAGES = ("router", "allgather", "compute", "reducescatter")
-BASELINE_MAP = {"topk": "router", "memcpy": "allgather", "reduce": "reducescatter", "copy": "reducescatter"}
+BASELINE_MAP = {"route": "router", "topk": "router", "memcpy": "allgather", "reduce": "reducescatter",
+                "copy": "reducescatter"}
 # (every other class of the baseline is its compute: select, gather, GEMMs, activation, weighted reduce)
 FLOOR_STAGES = ("fc1", "fc2")
 FLOOR_MAP = {}

@@ -234,3 +234,53 @@ def test_grouped_gemm_used_on_hopper():
         pytest.skip("grouped_mm's bf16 kernels need sm_90+")
     fn, reason = grouped_mm_support(dev)
     assert fn is not None, f"torch {torch.__version__}: {reason} (the layer falls back to the per-expert loop)"
+
+
+def test_offsets_read_in_place_on_hopper():
+    """grouped_mm takes the index's offsets[1:] (4 bytes past a 16-byte boundary) as they are,
+    with the bits of aligned offsets: the layer then copies nothing before FC1."""
+    from ep_a2a.layers.torch import grouped_mm_support, grouped_mm_takes_offset_views
+    dev = _cuda()
+    if grouped_mm_support(dev)[0] is None:
+        pytest.skip(f"no grouped GEMM: {grouped_mm_support(dev)[1]}")
+    assert grouped_mm_takes_offset_views(dev), f"torch {torch.__version__}: grouped_mm refused an offsets view"
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_layer_router_is_the_fused_kernel(renormalize):
+    """TorchMoeLayer.route runs ep_a2a's router (one kernel) and gives torch.topk's ids and
+    torch.softmax's weights (within the router test's bound) on logits without ties; non-
+    contiguous logits take torch's path with the same result; the FC1 offsets are read in place."""
+    import ep_a2a
+    from ep_a2a.layers.torch import TorchMoeLayer, payload_specs
+    from ep_a2a.testing.layer_oracle import distinct_logits
+    dev = _cuda()
+    rng, seed = fresh_rng()
+    E, top_k, H, I, tmax = 64, 8, 128, 64, 32
+    group = ep_a2a.LocalGroup([0])
+    a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E,
+                             payloads=payload_specs(H, top_k), combine_hidden_size=H, combine_dtype="bfloat16")
+    w1 = torch.zeros(E, 2 * I, H, dtype=torch.bfloat16, device=dev)
+    w2 = torch.zeros(E, H, I, dtype=torch.bfloat16, device=dev)
+    layer = TorchMoeLayer(a2a.ranks[0], w1, w2, renormalize=renormalize)
+    try:
+        assert layer.route_reason is None, layer.route_reason
+        if layer.gemm == "grouped":
+            assert layer.buffers[2] is layer._ends, "the grouped GEMMs should read the offsets in place"
+        for T in (1, 4, tmax):
+            lg = torch.from_numpy(distinct_logits(rng, T, E)).to(dev)
+            ids, w = layer.route(lg)
+            assert ids.data_ptr() == layer._route_ids.data_ptr(), "the fused router writes the layer's buffers"
+            top, want_ids = torch.topk(lg, top_k, dim=-1)
+            want_w = torch.softmax(top, -1) if renormalize else torch.softmax(lg, -1).gather(1, want_ids)
+            torch.cuda.synchronize()
+            assert torch.equal(ids, want_ids.int()), f"{seed} T={T}"
+            ulps = (w.view(torch.int32).long() - want_w.view(torch.int32).long()).abs().max()
+            assert int(ulps) <= 2, f"{seed} T={T}: weights {int(ulps)} ulp from torch's"
+            if T > 1:  # (non-contiguous logits: torch's path)
+                ids_t, w_t = layer.route(lg.t().contiguous().t())
+                assert ids_t.data_ptr() != layer._route_ids.data_ptr() and torch.equal(ids_t, want_ids.int()), seed
+    finally:
+        layer.close()
+        a2a.close()
+        group.close()

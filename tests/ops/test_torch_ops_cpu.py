@@ -15,7 +15,8 @@ from ep_a2a.validate import token_tensor  # noqa: E402
 
 MUTATED = {"dispatch": {"recv_expert_ids", "recv_payloads"}, "combine": {"out"},
            "build_index": {"counts", "offsets", "rows", "row_weight", "row_of"}, "gather_rows": {"out"},
-           "finalize": {"out"}, "finalize_fp8": {"values", "scales"}, "activation": {"out"}}
+           "finalize": {"out"}, "finalize_fp8": {"values", "scales"}, "activation": {"out"},
+           "route": {"ids", "weights"}}
 
 
 def test_every_op_is_registered_with_its_schema_and_declares_what_it_mutates():
@@ -35,6 +36,7 @@ def _args(name, fake_like):
     t = fake_like
     i32, f32 = torch.int32, torch.float32
     return {
+        "route": (t((3, 8), f32), t((3, 2), i32), t((3, 2), f32), True),
         "dispatch": (1, t((3, 2), i32), [t((3, 8), f32)], 4, t((2, 4, 2), i32), [t((2, 4, 8), f32)]),
         "combine": (1, t((2, 4, 8), f32), None, t((2, 4, 2), i32), 4, t((3, 8), f32)),
         "build_index": (2, t((2, 4, 2), i32), t((2, 4, 2), f32), t((3,), i32), t((4,), i32), t((16,), i32),
@@ -56,6 +58,8 @@ def test_fake_implementations_run_under_fake_tensors():
 
 def test_an_unknown_handle_is_named_before_anything_runs():
     for name, op in ops.OPS.items():
+        if name == "route":  # (no handle: the route op finds its GPU from the logits)
+            continue
         what = "rank" if name in ("dispatch", "combine") else "index"
         with pytest.raises(ValueError, match=f"^{what}: no ep_a2a torch binding has handle"):
             op(*_args(name, lambda shape, dt: torch.zeros(shape, dtype=dt)))
@@ -63,6 +67,7 @@ def test_an_unknown_handle_is_named_before_anything_runs():
 
 def _step(d):
     """Every op once, on CPU tensors in a dict: what a compiled MoE step calls."""
+    ops.OPS["route"](d["logits"], d["ids"], d["w"], True)
     ops.OPS["dispatch"](1, d["ids"], [d["x"]], 4, d["rv"], [d["rx"]])
     ops.OPS["build_index"](2, d["rv"], d["rw"], d["counts"], d["offsets"], d["rows"], d["roww"], d["rowof"])
     ops.OPS["gather_rows"](2, d["rows"], d["offsets"], d["rx"], d["xg"])
@@ -75,7 +80,7 @@ def _step(d):
 def _tensors():
     z = lambda *s, dt=torch.float32: torch.zeros(*s, dtype=dt)  # noqa: E731
     i = torch.int32
-    return dict(ids=z(3, 2, dt=i), x=z(3, 8), rv=z(2, 4, 2, dt=i), rx=z(2, 4, 8), rw=z(2, 4, 2), counts=z(3, dt=i),
+    return dict(logits=z(3, 8), w=z(3, 2), ids=z(3, 2, dt=i), x=z(3, 8), rv=z(2, 4, 2, dt=i), rx=z(2, 4, 8), rw=z(2, 4, 2), counts=z(3, dt=i),
                 offsets=z(4, dt=i), rows=z(16, dt=i), roww=z(16), rowof=z(8, 2, dt=i), xg=z(16, 8), cin=z(2, 4, 8),
                 out=z(3, 8))
 
@@ -93,13 +98,13 @@ def test_compile_fullgraph_traces_every_op_functionalized():
             graphs.append(g)
             return g.forward
         return aot_module_simplified(gm, example_inputs, fw_compiler=keep)
-    with pytest.raises(ValueError, match="no ep_a2a torch binding"):
+    with pytest.raises(ValueError, match="logits: must be on a CUDA GPU"):
         torch.compile(_step, backend=backend, fullgraph=True)(_tensors())
     assert len(graphs) == 1
     code = graphs[0].code
-    for name in ("dispatch", "build_index", "gather_rows", "finalize", "combine"):
+    for name in ("route", "dispatch", "build_index", "gather_rows", "finalize", "combine"):
         assert f"torch.ops.ep_a2a.{name}.default" in code, (name, code)
-    assert code.count("auto_functionalized") >= 5, code
+    assert code.count("auto_functionalized") >= 6, code
 
 
 def test_inductor_hands_the_ops_the_tensors_they_mutate():
@@ -118,6 +123,7 @@ def test_inductor_hands_the_ops_the_tensors_they_mutate():
     d = _tensors()
 
     def step():
+        check.route.default(d["logits"], d["ids"], d["w"], True)
         check.dispatch.default(1, d["ids"], [d["x"]], 4, d["rv"], [d["rx"]])
         check.build_index.default(2, d["rv"], d["rw"], d["counts"], d["offsets"], d["rows"], d["roww"], d["rowof"])
         check.gather_rows.default(2, d["rows"], d["offsets"], d["rx"], d["xg"])
@@ -133,6 +139,7 @@ def test_inductor_hands_the_ops_the_tensors_they_mutate():
         raise
     ptrs = {k: v.data_ptr() for k, v in d.items()}
     got = dict(seen)
+    assert got["route"] == [ptrs["logits"], ptrs["ids"], ptrs["w"]], "route got copies of its outputs"
     assert got["dispatch"] == [ptrs["ids"], ptrs["rv"], ptrs["x"], ptrs["rx"]], "dispatch got copies of its outputs"
     assert got["build_index"][2:] == [ptrs[k] for k in ("counts", "offsets", "rows", "roww", "rowof")]
     assert got["gather_rows"][-1] == ptrs["xg"] and got["finalize"][-1] == ptrs["cin"]

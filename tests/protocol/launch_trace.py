@@ -109,11 +109,12 @@ class _Workspace:
 
 
 def make_rank(events, protocol, combine_quant, pdl, ranks_on_device, local):
-    """A MoeAlltoAll of EP ranks of which this process holds one (rank 3), built as on a GPU
-    with the driver replaced (patch_driver); what its construction launched is dropped."""
+    """A MoeAlltoAll of EP ranks of which this process holds one (rank 3, or the last of fewer),
+    built as on a GPU with the driver replaced (patch_driver); what its construction launched
+    is dropped."""
     dev = types.SimpleNamespace(ordinal=0, sm_count=132, compute_capability=(9, 0), make_current=lambda: None,
                                 synchronize=lambda: None)
-    rank = types.SimpleNamespace(rank=3, device=dev, stream=types.SimpleNamespace(handle=7, synchronize=lambda: None),
+    rank = types.SimpleNamespace(rank=min(3, EP - 1), device=dev, stream=types.SimpleNamespace(handle=7, synchronize=lambda: None),
                                  ranks_on_device=ranks_on_device)
     group = types.SimpleNamespace(ep_size=EP, is_local=local, ranks=[rank], agree=lambda values, what: None,
                                   bootstrap=types.SimpleNamespace(barrier=lambda: None))
