@@ -71,13 +71,13 @@ ACTIVE_KEY = "active-alltoall"
 DROPPED_KEY = "active-dropped"   # selections each rank of it dropped by the reference, since its build
 
 
-@step_kind("active", weight=1.0)
 def active_num_experts(ep: int, top_k: int) -> int:
     """Experts of the active-rank kind's all-to-all: an uneven split over the ranks (2 ep + 1),
     and at least top_k + 1, so that every top_k of TOP_K is valid with few ranks too."""
     return max(2 * ep + 1, top_k + 1)
 
 
+@step_kind("active", weight=1.0)
 def active_step(soak, rng, verify) -> Outcome:
     from ..testing import reference as ref
     from ..testing.formats import payload_formats

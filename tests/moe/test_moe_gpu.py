@@ -346,7 +346,7 @@ def test_dispatch_index_gather_finalize_combine(ep, top_k, tmax, protocol, cdtyp
     from ep_a2a.moe import ExpertIndex, build_index, finalize, gather_rows
     rng, seed = fresh_rng()
     H = 384 if fp8 else 128  # (fp8: three 128-value blocks a row, so the block offsets count)
-    E = max(4 * ep + 1, 5)  # ep 3 with top_k 22: every token picks every expert (several per rank)
+    E = max(4 * ep + 1, top_k, 5)  # ep 3 with top_k 22: every token picks every expert (several per rank)
     group = ep_a2a.LocalGroup([0] * ep)
     a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E,
                              payloads=payload_formats(H, top_k)["bf16"], combine_hidden_size=H,

@@ -349,3 +349,16 @@ def test_the_active_kind_builds_a_valid_all_to_all_for_every_rank_count_and_top_
         for top_k in TOP_K:
             n = active_num_experts(ep, top_k)
             assert n > top_k and n >= 2 * ep + 1, (ep, top_k, n)
+
+
+def test_every_registered_kind_is_a_step_function():
+    """Each kind's registered function takes (soak, rng, verify) (a decorator once sat on a
+    helper above the step it was meant for, and the soak failed at its first draw of it)."""
+    import inspect
+    from ep_a2a.tools import stress_kinds
+    import ep_a2a.tools.stress  # noqa: F401  (registers every kind)
+    assert {"eager", "fp8", "active", "graph", "halves"} <= set(stress_kinds.KINDS)
+    for name, kind in stress_kinds.KINDS.items():
+        if name == "boom":
+            continue
+        assert list(inspect.signature(kind.run).parameters) == ["soak", "rng", "verify"], name
