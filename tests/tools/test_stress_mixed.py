@@ -230,7 +230,7 @@ def test_a_short_mixed_soak_passes(tmp_path, capsys):
     assert rc == 0, f"seed {seed}:\n{text.out[-4000:]}\n{text.err[-4000:]}"
     res = json.loads(out.read_text())
     assert res["verdict"] == "PASS" and res["mismatches"] == 0 and res["errors"] == 0
-    want = {"eager", "fp8", "active", "graph"} | ({"torch"} if not res["kinds_skipped"] else set())
+    want = {"eager", "fp8", "active", "graph", "halves"} | ({"torch"} if not res["kinds_skipped"] else set())
     assert set(res["kinds"]) == want, res["kinds"]
     assert len(res["samples"]) >= 3 and res["steps_checked"] > 0
     assert set(res["protocols"]) == {"fence", "sentinel"}
