@@ -63,7 +63,7 @@ from ..moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
 from ..validate import check_dispatch_inputs, check_expert_ids_on_host, check_partial_shape, check_runtime_max, require, token_tensor
 from . import jax_ffi
 from .jax_calls import RanksByDevice, buffer_ptr
-from .jax_halves import JaxHalves, SendTicket, TraceOrder  # noqa: F401 (SendTicket: the halves' ticket type)
+from .jax_halves import HalvesCalls, JaxHalves, SendTicket, TraceOrder
 from .jax_plan import CopyOp, Group, encode, fake, pair_params, recorded, steady_pair, step_launch
 
 _PROBE_PTR = 256  # the address of the trace-time stand-ins (aligned for every dtype; never read)
@@ -124,11 +124,10 @@ def _on_gpu(buf) -> None:
                            f"{DLDeviceType(buf.__dlpack_device__()[0]).name} (put the arrays on a GPU)")
 
 
-class JaxAlltoAll(JaxHalves):
+class JaxAlltoAll:
     """The jit-callable dispatch and combine of a MoeAlltoAll's ranks in this process (module
     docstring). indexes: rank -> ExpertIndex for dispatch_to_experts (default: made on first
     use, one per rank, closed by close())."""
-    Dispatched = Dispatched  # (what dispatch_recv returns too: jax_halves.py)
 
     def __init__(self, a2a, indexes: dict = None):
         self.a2a, self.o = a2a, a2a.options
@@ -141,7 +140,8 @@ class JaxAlltoAll(JaxHalves):
         # the native path (jax_ffi.py): launch plans made while tracing, run by an FFI handler
         self.native = jax_ffi.native_or_warn()
         self._plans, self._combines = [], {}  # registered plans; dispatch site -> its combine's planned steps
-        self._halves, self._order = {}, TraceOrder()  # send site -> the step's planned halves; the trace's order
+        self._order = TraceOrder()  # the trace's order of calls, whole and halves
+        self._halves = JaxHalves(self._halves_calls())
         a2a.on_close(self._release_plans)  # (a plan holds the ranks' streams and records: never past them)
 
     @classmethod
@@ -155,8 +155,34 @@ class JaxAlltoAll(JaxHalves):
         self.per_device = len(self.rank_numbers)
         self._indexes, self._own_indexes, self._sites = {}, [], 0
         self.native, self._plans, self._combines = False, [], {}
-        self._halves, self._order = {}, TraceOrder()
+        self._order = TraceOrder()
+        self._halves = JaxHalves(self._halves_calls())
         return self
+
+    def _halves_calls(self) -> HalvesCalls:
+        return HalvesCalls(self, self.o, self.a2a, self.native, self._order, self._site, self._native,
+                           self._check_dispatch, self._check_ticket, self._check_partials, Dispatched)
+
+    # -- the halves (jax_halves.py) -----------------------------------------------------------------
+    def dispatch_send(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None) -> SendTicket:
+        """dispatch()'s send half (its arguments): issues every store and flag and waits on no
+        peer; returns the ticket dispatch_recv takes."""
+        return self._halves.dispatch_send(token_selected_experts, payloads, runtime_max_tokens_per_rank)
+
+    def dispatch_recv(self, ticket: SendTicket) -> Dispatched:
+        """The receive half of dispatch_send's `ticket`: waits for every peer, then returns what
+        dispatch() returns, for combine_send."""
+        return self._halves.dispatch_recv(ticket)
+
+    def combine_send(self, partial, dispatched: Dispatched) -> SendTicket:
+        """combine()'s send half (`dispatched` from dispatch_recv): stages and publishes (FENCE)
+        or pushes (SENTINEL) the partial results; returns the ticket combine_recv takes."""
+        return self._halves.combine_send(partial, dispatched)
+
+    def combine_recv(self, ticket: SendTicket):
+        """The receive half of combine_send's `ticket`: waits for every peer, reduces; returns
+        what combine() returns."""
+        return self._halves.combine_recv(ticket)
 
     def _release_plans(self) -> None:
         """Release the launch plans (a jitted call of one after this gets a clean FFI error)."""

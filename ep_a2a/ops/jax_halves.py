@@ -25,6 +25,8 @@ There is no Python fallback for the halves: without the native library they rais
 """
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import jax
 import numpy as np
 
@@ -111,14 +113,36 @@ class SendTicket:
         return f"<{self.op} send half {self.site} (T^={self.tmax})>"
 
 
-class JaxHalves:
-    """JaxAlltoAll's halves (a mixin: ops/jax.py holds the argument checks and the FFI call)."""
+class HalvesCalls(NamedTuple):
+    """What the halves take from their JaxAlltoAll (ops/jax.py), handed over when it is made:
+    the halves keep their own state (the planned steps per send site) and reach the rest only
+    through these."""
+    owner: object                 # the JaxAlltoAll: tickets and Dispatched name it
+    options: object               # its config.Options
+    a2a: object                   # its MoeAlltoAll (None: traced_only)
+    native: bool                  # whether the native FFI path is in use
+    order: TraceOrder             # the trace's order, shared with the whole calls
+    site: Callable                # () -> a new call site number
+    call: Callable                # (ops_for, outs, *args) -> results: one FFI call
+    check_dispatch: Callable      # dispatch()'s argument checks
+    check_ticket: Callable        # combine()'s check of a Dispatched
+    check_partials: Callable      # combine()'s check of the partial results
+    dispatched: type              # the Dispatched class
 
-    def _halves_ready(self, name: str) -> None:
-        if self.a2a is None:
+
+class JaxHalves:
+    """The send and receive halves of one JaxAlltoAll's dispatch and combine (module
+    docstring); JaxAlltoAll.dispatch_send and the others call these."""
+
+    def __init__(self, calls: HalvesCalls):
+        self.calls = calls
+        self.planned = {}  # send site -> per GPU ordinal, per rank: (the step's four halves, their blocks)
+
+    def _ready(self, name: str) -> None:
+        if self.calls.a2a is None:
             raise RuntimeError(f"JaxAlltoAll.{name}: this JaxAlltoAll was made by traced_only(); the halves "
                                "plan their launches while tracing and need a MoeAlltoAll")
-        if not self.native:
+        if not self.calls.native:
             raise RuntimeError(f"JaxAlltoAll.{name}: the halves run only on the native path (libep_a2a_jax.so "
                                f"through the XLA FFI), which is not in use: {jax_ffi.why()}. There is no Python "
                                "fallback for the halves: use dispatch() and combine(), or build the library")
@@ -126,7 +150,7 @@ class JaxHalves:
     def _send_ticket(self, ticket, op: str, name: str) -> SendTicket:
         if not isinstance(ticket, SendTicket):
             raise TypeError(f"JaxAlltoAll.{name}: expected the ticket {op}_send returned, got {type(ticket).__name__}")
-        if ticket.ops is not self:
+        if ticket.ops is not self.calls.owner:
             raise HalvesOrderError(f"JaxAlltoAll.{name}: the ticket is another all-to-all's (each micro-batch "
                                    "receives its own send halves)")
         if ticket.op != op:
@@ -137,21 +161,22 @@ class JaxHalves:
     def dispatch_send(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None) -> SendTicket:
         """dispatch()'s send half (its arguments): issues every store and flag and waits on no
         peer; returns the ticket dispatch_recv takes."""
-        tmax, ids_l, pays_l, single, tokens = self._check_dispatch(token_selected_experts, payloads,
-                                                                   runtime_max_tokens_per_rank)
-        self._halves_ready("dispatch_send")
-        site = self._site()
-        self._order.check("dispatch_send", DISPATCH_SEND, site)
-        ticket = self._native(self._dispatch_send_ops(site, tmax, tokens), _TICKET, ids_l, pays_l)
-        self._order.done(DISPATCH_SEND, site)
-        return SendTicket(ticket, ops=self, op="dispatch", tmax=tmax, num_tokens=tokens, single=single, site=site)
+        c = self.calls
+        tmax, ids_l, pays_l, single, tokens = c.check_dispatch(token_selected_experts, payloads,
+                                                               runtime_max_tokens_per_rank)
+        self._ready("dispatch_send")
+        site = c.site()
+        c.order.check("dispatch_send", DISPATCH_SEND, site)
+        ticket = c.call(self._dispatch_send_ops(site, tmax, tokens), _TICKET, ids_l, pays_l)
+        c.order.done(DISPATCH_SEND, site)
+        return SendTicket(ticket, ops=c.owner, op="dispatch", tmax=tmax, num_tokens=tokens, single=single, site=site)
 
     def _dispatch_send_ops(self, site, tmax, tokens):
         """ops_for of a dispatch send (operands ids[n] then payloads[n][P]; result: the ticket).
         Plans the step's four halves per rank, the combine output as result i of the combine
         receive's call (operand 0 there is its ticket)."""
-        P, planned = len(self.o.payloads), {}
-        self._halves[site] = planned
+        P, planned = len(self.calls.options.payloads), {}
+        self.planned[site] = planned
 
         def ops_for(dev, n_in):
             n, ops, steps_of = len(dev.ranks), [], []
@@ -172,7 +197,7 @@ class JaxHalves:
         its planned launch per rank, launched without PDL (the call's fork came between),
         after extra(dev, i, r, n_in) ops (combine send: the staging copy) or before them
         (dispatch receive: the copies out of the workspace)."""
-        planned = self._halves.get(site)
+        planned = self.planned.get(site)
         if planned is None:
             raise RuntimeError("the send half of this ticket was traced by another JaxAlltoAll or not at all")
 
@@ -189,10 +214,11 @@ class JaxHalves:
     def dispatch_recv(self, ticket: SendTicket):
         """The receive half of dispatch_send's `ticket`: waits for every peer, then returns what
         dispatch() returns (a Dispatched: copies of the received views), for combine_send."""
+        c = self.calls
         t = self._send_ticket(ticket, "dispatch", "dispatch_recv")
-        self._halves_ready("dispatch_recv")
-        self._order.check("dispatch_recv", DISPATCH_RECEIVE, t.site)
-        a, n, P, tmax = self.o, len(t.num_tokens), len(self.o.payloads), t.tmax
+        self._ready("dispatch_recv")
+        c.order.check("dispatch_recv", DISPATCH_RECEIVE, t.site)
+        a, n, P, tmax = c.options, len(t.num_tokens), len(c.options.payloads), t.tmax
         shapes = [jax.ShapeDtypeStruct((a.ep_size, tmax) + tuple(s.shape), jax.numpy.dtype(s.dtype)) for s in a.payloads]
         outs = ([jax.ShapeDtypeStruct((a.ep_size, tmax, a.top_k), np.int32)] * n, [shapes] * n, _TICKET)
 
@@ -200,38 +226,40 @@ class JaxHalves:
             ids_v, pays_v = r.dispatch_views(tmax)
             return [CopyOp(i, fake(n_in + i), ids_v.ptr, ids_v.nbytes)] + \
                 [CopyOp(i, fake(n_in + n + i * P + q), v.ptr, v.nbytes) for q, v in enumerate(pays_v)]
-        ids_o, pays_o, tk = self._native(self._half_ops(t.site, 1, copies), outs, t.ticket)
-        self._order.done(DISPATCH_RECEIVE, t.site)
-        return self.Dispatched(ids_o[0] if t.single else ids_o, pays_o[0] if t.single else pays_o, tk, ops=self,
-                          kind="dispatch_recv", tmax=tmax, num_tokens=t.num_tokens, site=t.site)
+        ids_o, pays_o, tk = c.call(self._half_ops(t.site, 1, copies), outs, t.ticket)
+        c.order.done(DISPATCH_RECEIVE, t.site)
+        return c.dispatched(ids_o[0] if t.single else ids_o, pays_o[0] if t.single else pays_o, tk, ops=c.owner,
+                            kind="dispatch_recv", tmax=tmax, num_tokens=t.num_tokens, site=t.site)
 
     # -- combine ----------------------------------------------------------------------------------
     def combine_send(self, partial, dispatched) -> SendTicket:
         """combine()'s send half: partial as combine() takes it, `dispatched` from dispatch_recv.
         Stages the partial results into the workspace and publishes them (FENCE) or pushes them
         to their owners (SENTINEL); returns the ticket combine_recv takes."""
-        tmax, single = self._check_ticket(dispatched, "dispatch_recv")
-        parts = self._check_partials(partial, tmax, single)
-        self._halves_ready("combine_send")
-        self._order.check("combine_send", COMBINE_SEND, dispatched.site)
-        nbytes = self.o.ep_size * tmax
+        c = self.calls
+        tmax, single = c.check_ticket(dispatched, "dispatch_recv")
+        parts = c.check_partials(partial, tmax, single)
+        self._ready("combine_send")
+        c.order.check("combine_send", COMBINE_SEND, dispatched.site)
+        nbytes = c.options.ep_size * tmax
 
         def stage(dev, i, r, n_in):
             return [CopyOp(i, r.plan.combine_input, fake(i), nbytes * r.plan.combine_bytes)]
-        tk = self._native(self._half_ops(dispatched.site, 2, stage), _TICKET, parts, dispatched.ticket)
-        self._order.done(COMBINE_SEND, dispatched.site)
-        return SendTicket(tk, ops=self, op="combine", tmax=tmax, num_tokens=dispatched.num_tokens, single=single,
+        tk = c.call(self._half_ops(dispatched.site, 2, stage), _TICKET, parts, dispatched.ticket)
+        c.order.done(COMBINE_SEND, dispatched.site)
+        return SendTicket(tk, ops=c.owner, op="combine", tmax=tmax, num_tokens=dispatched.num_tokens, single=single,
                           site=dispatched.site)
 
     def combine_recv(self, ticket: SendTicket):
         """The receive half of combine_send's `ticket`: waits for every peer, reduces; returns
         what combine() returns ([local tokens, hidden] per rank)."""
+        c = self.calls
         t = self._send_ticket(ticket, "combine", "combine_recv")
-        self._halves_ready("combine_recv")
-        self._order.check("combine_recv", COMBINE_RECEIVE, t.site)
-        a = self.o
+        self._ready("combine_recv")
+        c.order.check("combine_recv", COMBINE_RECEIVE, t.site)
+        a = c.options
         outs = [jax.ShapeDtypeStruct((T, a.combine_hidden_size), jax.numpy.dtype(a.combine_dtype.name))
                 for T in t.num_tokens]
-        res = self._native(self._half_ops(t.site, 3), outs, t.ticket)
-        self._order.done(COMBINE_RECEIVE, t.site)
+        res = c.call(self._half_ops(t.site, 3), outs, t.ticket)
+        c.order.done(COMBINE_RECEIVE, t.site)
         return res[0] if t.single else res
