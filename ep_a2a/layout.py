@@ -185,7 +185,7 @@ class A2AParams(ctypes.Structure):
         ("push_groups", ctypes.c_int32),          # FENCE dispatch: a token's 16-byte groups, each thread's loaded before the selection; 0: payload by payload
         ("ids_per_round", ctypes.c_int32),        # FENCE split dispatch: ids of whole tokens one warp-wide load reads (ids_per_load)
         ("dispatch_cluster", ctypes.c_int32),     # FENCE dispatch: 1 when the grid is one cluster (the cluster barrier replaces the election)
-        ("combine_push_blocks", ctypes.c_int32),  # SENTINEL combine's send half: blocks [0, n) push the received slots (Schedule.send_push_blocks)
+        ("combine_push_blocks", ctypes.c_int32),  # SENTINEL combine: blocks [0, n) push the received slots (Schedule.combine_push_blocks)
     ]
 
 

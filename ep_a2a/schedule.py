@@ -154,6 +154,15 @@ class Schedule:
         blocks = max(T * splits, self.ep_size * runtime_max if slots else 0)
         return (min(blocks, CLUSTER_BLOCKS) if self._clustered(runtime_max) else blocks), splits  # (Schedule.clusters_fit)
 
+    def combine_push_blocks(self, T: int, runtime_max: int, splits: int, grid: int) -> int:
+        """SENTINEL combine: blocks [0, n) push the received slots (A2AParams.combine_push_blocks).
+        The grid's last block publishes the combine flag (combine_want gave it one more); when
+        the blocks before it hold every received slot beside the T * splits reducers, the
+        pushers are those spare blocks and the reducers follow them (n < grid); otherwise every
+        block pushes and then reduces (n = grid)."""
+        spare = grid - 1 - T * splits
+        return spare if spare >= self.ep_size * runtime_max else grid
+
     def send_push_blocks(self, grid: int) -> int:
         """SENTINEL combine's send half: every block but the publishing last one pushes (one
         block alone does both)."""
@@ -424,9 +433,7 @@ def _combine(plan, state, call):
         want, splits = sch.combine_want(T, runtime_max, proto, vec, quantize=not prequantized)
         successor = sch.dispatch_want(T, runtime_max, proto, pending.splits)  # the next step's, if alike
     grid, early = _grid(plan, state, want, successor)
-    # SENTINEL's whole combine splits its grid into pushers and reducers itself (sentinel.cu:
-    # read from the block, the split slowed its reduce loop); only its send half reads the field
-    pushers = 0
+    pushers = sch.combine_push_blocks(T, runtime_max, splits, grid) if proto == "sentinel" else 0
     fields = (("combine_out", out), ("combine_vec", vec), ("combine_prequantized", int(prequantized)),
               ("combine_splits", splits), ("combine_push_blocks", pushers))
     quantizing = state.quantizing_combine if call.rejected else plan.fp8_combine and not prequantized

@@ -348,10 +348,10 @@ EP_DEVICE void push_part(const A2AParams& p, int r, int i, int c, int C) {
   }
 }
 
-// Line 13 by blocks [0, pushers): every received slot, in C parts of at least a warp's worth
-// of groups when there are blocks to spare.
-EP_DEVICE void push_received(const A2AParams& p, int pushers) {
-  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
+// Line 13 by blocks [0, p.combine_push_blocks) (the host's split of the grid): every received
+// slot, in C parts of at least a warp's worth of groups when there are blocks to spare.
+EP_DEVICE void push_received(const A2AParams& p) {
+  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax, pushers = p.combine_push_blocks;
   const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;
   const int C = max(1, min(pushers / slots, cap));
   if (static_cast<int>(blockIdx.x) < pushers)
@@ -550,19 +550,12 @@ __device__ void sentinel_combine(const A2AParams& p) {
 
   const int G = gridDim.x, reduces = p.local_num_tokens * p.combine_splits, splits = p.combine_splits;
   // Small batches (the host sizes the grid for it): the reducing blocks are not the pushing
-  // ones, so they collect their sources and start polling at once; blocks [0, spare) push,
-  // the next `reduces` reduce, the last publishes. Otherwise every block does both. The split
-  // follows from the grid here, not from a field: read from the block, it changed the
-  // register allocation of the reduce loop and slowed large batches.
-  const int tmax = p.runtime_max_tokens_per_rank, slots = p.ep_size * tmax;
-  const int spare = G - 1 - reduces;
-  const bool apart = spare >= slots;
-  const int cap = static_cast<int>((p.combine_bytes + 15) / 16 + 31) / 32;
-  const int C = max(1, min((apart ? spare : G) / slots, cap));
-  const int push_stride = apart ? spare : G;
-  if (!apart || blockIdx.x < spare)  // line 13, as push_received
-    for (int w = blockIdx.x; w < slots * C; w += push_stride) push_part(p, (w / C) / tmax, (w / C) % tmax, w % C, C);
-  const int r0 = apart ? static_cast<int>(blockIdx.x) - spare : static_cast<int>(blockIdx.x);
+  // ones, so they collect their sources and start polling at once; blocks [0, pushers) push,
+  // the next `reduces` reduce, the last publishes. Otherwise every block does both.
+  const int pushers = p.combine_push_blocks;
+  const bool apart = pushers < G;
+  push_received(p);  // line 13
+  const int r0 = apart ? static_cast<int>(blockIdx.x) - pushers : static_cast<int>(blockIdx.x);
   for (int w = r0; w >= 0 && w < reduces; w += apart ? reduces : G)  // lines 15-19
     reduce_part<T>(p, f, records, w / splits, w % splits, s_src, s_tgt, &s_n);
   if (!p.trigger_early) griddep_launch_dependents();  // no block waits on a peer any more
@@ -578,7 +571,7 @@ EP_DEVICE void combine_send(const A2AParams& p) {
   if (p.trigger_early) griddep_launch_dependents();  // (the receive half only waits for us to end)
   const unsigned f = read_epoch(p);
   if (blockIdx.x == gridDim.x - 1 && threadIdx.x < 32) sentinel_combine_begins(p, f);  // protocol.cuh
-  push_received(p, p.combine_push_blocks);  // line 13: every block but the publishing one (one block alone does both)
+  push_received(p);  // line 13: every block but the publishing one (one block alone does both)
   if (!p.trigger_early) griddep_launch_dependents();
 }
 template <typename T>
