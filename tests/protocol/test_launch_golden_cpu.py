@@ -3,8 +3,10 @@ stream and parameter-block bytes of every launch, and every copy, memset and ret
 over a sweep of protocols (fence, sentinel, auto), T^ and T, FP8 combine, PDL, ranks per GPU,
 repeated calls (the fast path), staged partials, outs, streams, dispatch-only steps,
 active-rank changes and a rejected step (launch_trace.py records it; the golden file holds
-05ee552's trace, its parameter blocks with the four host decisions A2AParams gained after it
-appended: push_groups, ids_per_round, dispatch_cluster, combine_push_blocks)."""
+05ee552's trace as 05ee552 recorded it, its parameter blocks hashed over 05ee552's 1,168
+bytes; the four host decisions A2AParams gained after it, appended, are checked below
+against the rules 05ee552's kernels applied: push_groups, ids_per_round, dispatch_cluster,
+combine_push_blocks)."""
 import json
 import random
 
