@@ -86,9 +86,12 @@ def run_phases(layers, xs, routers, runtime_max_tokens_per_rank: int = None, bet
     """One MoE step of every in-process rank, phase by phase (see the module docstring).
     xs[r]: [T_r, hidden]; routers[r]: logits [T_r, num_experts] or (ids, weights); T^
     defaults to the largest T_r (at least 1). `between(stage)`, if given, runs after the
-    dispatch phase ("dispatch") and after the compute phase ("compute") (the layer
-    benchmark marks its stage times there). Returns every layer's combine() result."""
+    prepare phase ("prepare"), the dispatch phase ("dispatch") and the compute phase
+    ("compute") (the layer benchmarks mark their stage times there). Returns every layer's
+    combine() result."""
     prepare_all([(layers, xs, routers, runtime_max_tokens_per_rank)])
+    if between:
+        between("prepare")
     phase_gate(layers)          # every rank's routing runs before any dispatch spins
     for layer in layers:        # every rank's dispatch is issued before anything may block
         layer.dispatch()

@@ -137,6 +137,8 @@ def _measure(torch, run, streams, iters: int, warmup: int) -> dict:
         marks = iter(evs[1:3])
 
         def between(stage):
+            if stage == "prepare":  # (its device work is the router's: inside the dispatch stage here)
+                return
             _join(torch, ts, streams)
             next(marks).record(ts)
             _fork(torch, ts, streams)

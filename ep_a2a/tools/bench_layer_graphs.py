@@ -170,28 +170,16 @@ def _eager_host_us(torch, run, iters: int) -> float:
 
 
 def eager_host_phases_us(torch, layers, xs, logits, T: int, iters: int) -> dict:
-    """Median host µs per rank of each phase of an eager step, issued in run_phases' order
-    (prepare includes the router; the gates are in dispatch and combine): where the eager
-    layer's host time goes."""
-    from ..layers.base import phase_gate
+    """Median host µs per rank of each phase of an eager step (run_phases, timed at its
+    `between` marks; prepare includes the router, the gates are in dispatch and combine):
+    where the eager layer's host time goes."""
+    from ..layers.base import run_phases
     names = ("prepare", "dispatch", "compute", "combine")
     samples = {k: [] for k in names}
     for _ in range(iters):
         torch.cuda.synchronize()
         t = [time.perf_counter()]
-        for layer, x, lg in zip(layers, xs, logits):
-            layer.prepare(x, lg, T)
-        t.append(time.perf_counter())
-        phase_gate(layers)
-        for layer in layers:
-            layer.dispatch()
-        t.append(time.perf_counter())
-        for layer in layers:
-            layer.compute()
-        t.append(time.perf_counter())
-        phase_gate(layers)
-        for layer in layers:
-            layer.combine()
+        run_phases(layers, xs, logits, T, between=lambda stage: t.append(time.perf_counter()))
         t.append(time.perf_counter())
         for layer in layers:
             torch.cuda.current_stream(layer.device).wait_stream(layer.stream)
