@@ -194,6 +194,12 @@ def main(argv=None) -> int:
     if args.mixed:
         from .stress_mixed import run
         return run(args, facts)
+    return run_classic(args, facts)
+
+
+def run_classic(args, facts: dict) -> int:
+    """The soak of one kind of step (dispatch + combine over random formats, protocols and
+    sizes): until --steps or --minutes, checked against the reference every --check-every."""
     import ep_a2a
     from ..testing.harness import run_step
 
@@ -231,23 +237,7 @@ def main(argv=None) -> int:
                 fig["first_failures"].append(f"step {step} ({d}): {type(e).__name__}: {e}")
                 print(f"ERROR at step {step} (seed {seed}, {d}): {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 break
-            db, cb = step_bytes(a2a, d["tokens"])
-            fig["steps"] += 1
-            fig["dispatch_bytes"] += db
-            fig["combine_bytes"] += cb
-            fig["protocols"][proto] = fig["protocols"].get(proto, 0) + 1
-            name = "/".join(d["key"]) + ("/epilogue-fp8" if prequantize else "")
-            fig["formats"][name] = fig["formats"].get(name, 0) + 1
-            if verify:
-                fig["steps_checked"] += 1
-                fig["bytes_checked"] += rep.dispatch_bytes_checked
-                if rep.combine_rows_checked != sum(d["tokens"]):
-                    rep.mismatches.append(f"combine checked {rep.combine_rows_checked} rows of {sum(d['tokens'])}")
-            if rep.mismatches:
-                fig["mismatches"] += len(rep.mismatches)
-                if len(fig["first_failures"]) < 20:
-                    fig["first_failures"].append(f"step {step} ({d}): {rep.mismatches[:3]}")
-                print(f"MISMATCH at step {step} (seed {seed}, {d}): {rep.mismatches[:3]}", file=sys.stderr, flush=True)
+            _tally(fig, a2a, d, rep, proto, prequantize, verify, step, seed)
             step += 1
             now = time.monotonic()
             if now >= next_report:
@@ -269,6 +259,36 @@ def main(argv=None) -> int:
 
     fig["bytes_moved"] = fig["dispatch_bytes"] + fig["combine_bytes"]
     fig.update(wall_s=round(wall, 3), setup_s=round(setup_s, 3))
+    _report(fig, wall, setup_s, seed)
+    _write_json(args, fig, facts)
+    ok = fig["mismatches"] == 0 and fig["errors"] == 0
+    print("OK" if ok else f"FAILED (reproduce with --seed {seed})", flush=True)
+    return exits.OK if ok else exits.FAILED
+
+
+def _tally(fig: dict, a2a, d: dict, rep, proto: str, prequantize: bool, verify: bool, step: int, seed: int) -> None:
+    """Adds one step's figures to the classic soak's tally; a mismatch is printed at once."""
+    db, cb = step_bytes(a2a, d["tokens"])
+    fig["steps"] += 1
+    fig["dispatch_bytes"] += db
+    fig["combine_bytes"] += cb
+    fig["protocols"][proto] = fig["protocols"].get(proto, 0) + 1
+    name = "/".join(d["key"]) + ("/epilogue-fp8" if prequantize else "")
+    fig["formats"][name] = fig["formats"].get(name, 0) + 1
+    if verify:
+        fig["steps_checked"] += 1
+        fig["bytes_checked"] += rep.dispatch_bytes_checked
+        if rep.combine_rows_checked != sum(d["tokens"]):
+            rep.mismatches.append(f"combine checked {rep.combine_rows_checked} rows of {sum(d['tokens'])}")
+    if rep.mismatches:
+        fig["mismatches"] += len(rep.mismatches)
+        if len(fig["first_failures"]) < 20:
+            fig["first_failures"].append(f"step {step} ({d}): {rep.mismatches[:3]}")
+        print(f"MISMATCH at step {step} (seed {seed}, {d}): {rep.mismatches[:3]}", file=sys.stderr, flush=True)
+
+
+def _report(fig: dict, wall: float, setup_s: float, seed: int) -> None:
+    """The classic soak's summary lines."""
     print(f"steps run      {fig['steps']}\n"
           f"steps checked  {fig['steps_checked']} ({fig['bytes_checked'] / 1e6:.1f} MB of dispatched bytes compared)\n"
           f"bytes moved    {fig['bytes_moved'] / 1e9:.3f} GB logical (dispatch {fig['dispatch_bytes'] / 1e9:.3f}, "
@@ -278,10 +298,6 @@ def main(argv=None) -> int:
           f"errors         {fig['errors']}\n"
           f"wall time      {wall:.1f} s (+{setup_s:.1f} s setup)\n"
           f"seed           {seed}", flush=True)
-    _write_json(args, fig, facts)
-    ok = fig["mismatches"] == 0 and fig["errors"] == 0
-    print("OK" if ok else f"FAILED (reproduce with --seed {seed})", flush=True)
-    return exits.OK if ok else exits.FAILED
 
 
 def device_facts(ordinal: int) -> dict:

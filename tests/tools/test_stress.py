@@ -56,3 +56,27 @@ def test_logical_bytes_follow_the_paper():
     assert d == 9 * 4 * (7168 + 224) and c == 9 * 4 * 7168 * 2
     d, c = stress.logical_bytes([2], 16, 6, payload_formats(100, 6)["nvfp4"], 100, 4)
     assert d == 2 * 6 * (50 + 7) and c == 2 * 6 * 100 * 4
+
+
+def test_the_classic_tally_counts_checks_and_mismatches(capsys):
+    """stress._tally: one step's figures into the tally, a combine that checked fewer rows
+    than the step had is a mismatch, printed at once."""
+    import types
+    from ep_a2a import PayloadSpec
+    a2a = types.SimpleNamespace(ep_size=2, top_k=2, payload_specs=[PayloadSpec("x", (16,), "bfloat16")],
+                                combine_hidden_size=16, combine_dtype=np.dtype(np.float32))
+    fig = dict(steps=0, steps_checked=0, dispatch_bytes=0, combine_bytes=0, bytes_checked=0, mismatches=0,
+               protocols={}, formats={}, first_failures=[])
+    d = dict(tokens=[3, 1], key=("bf16", "fence"))
+    ok = types.SimpleNamespace(dispatch_bytes_checked=100, combine_rows_checked=4, mismatches=[])
+    stress._tally(fig, a2a, d, ok, "fence", False, True, 0, 7)
+    short = types.SimpleNamespace(dispatch_bytes_checked=50, combine_rows_checked=3, mismatches=[])
+    stress._tally(fig, a2a, d, short, "sentinel", True, True, 1, 7)
+    db, cb = stress.step_bytes(a2a, d["tokens"])
+    assert db > 0 and cb > 0
+    assert fig["steps"] == fig["steps_checked"] == 2 and fig["bytes_checked"] == 150
+    assert (fig["dispatch_bytes"], fig["combine_bytes"]) == (2 * db, 2 * cb)
+    assert fig["protocols"] == {"fence": 1, "sentinel": 1}
+    assert fig["formats"] == {"bf16/fence": 1, "bf16/fence/epilogue-fp8": 1}
+    assert fig["mismatches"] == 1 and "combine checked 3 rows of 4" in fig["first_failures"][0]
+    assert "MISMATCH at step 1 (seed 7" in capsys.readouterr().err
