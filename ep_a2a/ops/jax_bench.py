@@ -10,6 +10,8 @@ count and path (native: the FFI handler, python: the buffer_callback fallback) i
            hides behind the GPU as long as it is the faster)
   host     wall - device: what one jitted call costs beyond its GPU work (JAX's dispatch,
            XLA's thunks, our handler or callback, the final synchronization)
+  jax      wall of a jitted call of one elementwise op per rank on the same arrays: JAX's
+           own dispatch and synchronization, which host includes and no handler can remove
 
     python -m ep_a2a.ops.jax_bench --tokens 1 16 128 --ranks 8 --out bench.json
 """
@@ -33,6 +35,17 @@ def _chain(ops, tmax: int, steps: int):
             d = ops.dispatch(ids, [[x, w] for x, w in zip(xs, ws)], tmax)
             xs = ops.combine([p[0] for p in d.payloads], d)
         return xs
+    return jax.jit(run)
+
+
+def _trivial(n: int):
+    """The same arguments as _chain's step, one elementwise op per rank's hidden states: a
+    jitted call whose host cost is JAX's alone."""
+    import jax
+    import jax.numpy as jnp
+
+    def run(ids, xs, ws):
+        return [(x.astype(jnp.float32) * 1.0001).astype(x.dtype) for x in xs]
     return jax.jit(run)
 
 
@@ -73,9 +86,14 @@ def measure(a2a, path: str, T: int, hidden: int, iters: int, chain: int, rng) ->
             out = one(ids, xs, ws)
         jax.block_until_ready(out)
         pipelined = (time.perf_counter() - t0) / iters * 1e6
+        trivial = _trivial(n)
+        for _ in range(3):
+            jax.block_until_ready(trivial(ids, xs, ws))
+        jax_us = _median_us(lambda: jax.block_until_ready(trivial(ids, xs, ws)), iters)
     device = (wall_many - wall) / chain
     return {"tokens": T, "path": path, "ranks": n, "wall_us": wall, "pipelined_us": pipelined,
-            "device_us": device, "host_us": wall - device, "host_us_per_rank": (wall - device) / n}
+            "device_us": device, "host_us": wall - device, "host_us_per_rank": (wall - device) / n,
+            "jax_us": jax_us, "host_beyond_jax_us_per_rank": (wall - device - jax_us) / n}
 
 
 def parse_args(argv=None):
@@ -90,6 +108,20 @@ def parse_args(argv=None):
     ap.add_argument("--paths", nargs="+", default=["native", "python"], choices=("native", "python"))
     ap.add_argument("--out", help="write the results as JSON here")
     return ap.parse_args(argv)
+
+
+def table(rows) -> list:
+    """The summary table's lines, a row per token count and path."""
+    lines = [f"{'T':>5} {'path':>7} {'wall':>9} {'pipelined':>10} {'device':>9} {'host':>9} {'host/rank':>10} "
+             f"{'jax':>7} {'beyond jax/rank':>16}"]
+    for r in rows:
+        if "skipped" in r:
+            lines.append(f"{r['tokens']:>5} {r['path']:>7}  skipped: {r['skipped']}")
+            continue
+        lines.append(f"{r['tokens']:>5} {r['path']:>7} {r['wall_us']:>9.1f} {r['pipelined_us']:>10.1f} "
+                     f"{r['device_us']:>9.1f} {r['host_us']:>9.1f} {r['host_us_per_rank']:>10.2f} {r['jax_us']:>7.1f} "
+                     f"{r['host_beyond_jax_us_per_rank']:>16.2f}")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -121,13 +153,7 @@ def main(argv=None) -> int:
             json.dump(result, f, indent=1)
     print(f"\n{name}, {args.ranks} in-process ranks, hidden {args.hidden}, top_k {args.top_k}; us per jitted "
           f"dispatch+combine call of every rank")
-    print(f"{'T':>5} {'path':>7} {'wall':>9} {'pipelined':>10} {'device':>9} {'host':>9} {'host/rank':>10}")
-    for r in rows:
-        if "skipped" in r:
-            print(f"{r['tokens']:>5} {r['path']:>7}  skipped: {r['skipped']}")
-            continue
-        print(f"{r['tokens']:>5} {r['path']:>7} {r['wall_us']:>9.1f} {r['pipelined_us']:>10.1f} {r['device_us']:>9.1f} "
-              f"{r['host_us']:>9.1f} {r['host_us_per_rank']:>10.2f}")
+    print("\n".join(table(rows)))
     return 0
 
 
