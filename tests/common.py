@@ -43,3 +43,33 @@ def run_processes(target, args_of_rank, n, timeout, join=30, messages=None):
             if p.is_alive():
                 p.kill()
     return got, procs
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
+
+def kernels_build():
+    """kernels/build.py as a module (its nvcc flags, generated header and nvcc lookup)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("kernels_build", os.path.join(ROOT, "kernels", "build.py"))
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    return build
+
+
+def kernel_ptx(source: str, arch: str = "sm_90") -> str:
+    """kernels/<source> compiled to PTX with the build's flags; skips the test where nvcc or
+    the generated header is missing."""
+    import subprocess
+    import pytest
+    build = kernels_build()
+    try:
+        nvcc = build.find_nvcc()
+    except build.BuildError:
+        pytest.skip("nvcc not found")
+    if not os.path.isfile(build.HEADER):
+        pytest.skip("kernels/generated not made here (run `make cubins`)")
+    r = subprocess.run([nvcc, "-ptx", f"-arch={arch}", *build.NVCCFLAGS, "-o", "-", os.path.join(ROOT, "kernels", source)],
+                       capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    return r.stdout

@@ -6,12 +6,11 @@ import re
 
 import numpy as np
 import pytest
-from common import fresh_rng
+from common import ROOT, fresh_rng, kernel_ptx, kernels_build
 
 from ep_a2a import moe
 from ep_a2a.testing import moe_reference as mref, reference as ref
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def _random_ids(rng, shape, num_experts):
@@ -247,25 +246,10 @@ def test_activation_kernel_computes_silu_as_torch_does():
     accurate) and nvcc's default contraction. The build's flags say so, and the PTX holds the
     accurate division and the expf whose last step fuses with the + 1 into one FMA, what
     x / (1 + expf(-x)) compiles to under those defaults."""
-    import importlib.util
-    import subprocess
-    spec = importlib.util.spec_from_file_location("kernels_build", os.path.join(ROOT, "kernels", "build.py"))
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
-    flags = " ".join(build.NVCCFLAGS)
+    flags = " ".join(kernels_build().NVCCFLAGS)
     for bad in ("fast_math", "ftz=true", "prec-div=false", "prec-sqrt=false", "fmad=false"):
         assert bad not in flags, f"kernels/build.py NVCCFLAGS has {bad}: moe_swiglu would no longer match torch"
-    try:
-        nvcc = build.find_nvcc()
-    except build.BuildError:
-        pytest.skip("nvcc not found")
-    if not os.path.isfile(build.HEADER):
-        pytest.skip("kernels/generated not made here (run `make cubins`)")
-    src = os.path.join(ROOT, "kernels", "moe_compute.cu")
-    r = subprocess.run([nvcc, "-ptx", "-arch=sm_90", *build.NVCCFLAGS, "-o", "-", src], capture_output=True,
-                       text=True, check=False)
-    assert r.returncode == 0, r.stderr
-    body = re.search(r"\.entry moe_swiglu_bf16\((.*?)\n}", r.stdout, re.S)
+    body = re.search(r"\.entry moe_swiglu_bf16\((.*?)\n}", kernel_ptx("moe_compute.cu"), re.S)
     assert body, "no moe_swiglu_bf16 in the PTX"
     ptx = body.group(1)
     assert "div.rn.f32" in ptx and "div.approx" not in ptx and "div.full" not in ptx, "the division is not IEEE"

@@ -3,6 +3,7 @@ fallback rule), the kernels in the cubin, host arrays refused before any device 
 route op's CPU refusal, and the stage split placing the kernel in the router stage."""
 import numpy as np
 import pytest
+from common import kernel_ptx
 
 from ep_a2a import moe
 from ep_a2a.tools.bench_layer_stages import OURS_MAP, kernel_class
@@ -74,26 +75,10 @@ def test_route_kernel_computes_the_weights_as_torch_does():
     kernels are: the accurate expf and an IEEE division (no fast math), the argmax on the
     warp's redux unit, and every per-lane array in registers (no local memory, at every
     width up to 32 logits a lane)."""
-    import importlib.util
-    import os
     import re
-    import subprocess
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("kernels_build", os.path.join(root, "kernels", "build.py"))
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
-    try:
-        nvcc = build.find_nvcc()
-    except build.BuildError:
-        pytest.skip("nvcc not found")
-    if not os.path.isfile(build.HEADER):
-        pytest.skip("kernels/generated not made here (run `make cubins`)")
-    src = os.path.join(root, "kernels", "moe_compute.cu")
-    r = subprocess.run([nvcc, "-ptx", "-arch=sm_90", *build.NVCCFLAGS, "-o", "-", src], capture_output=True,
-                       text=True, check=False)
-    assert r.returncode == 0, r.stderr
+    ptx_text = kernel_ptx("moe_compute.cu")
     for name in moe.ROUTE_KERNELS:
-        body = re.search(r"\.entry " + name + r"\((.*?)\n}", r.stdout, re.S)
+        body = re.search(r"\.entry " + name + r"\((.*?)\n}", ptx_text, re.S)
         assert body, f"no {name} in the PTX"
         ptx = body.group(1)
         assert "div.rn.f32" in ptx and "div.approx" not in ptx and "div.full" not in ptx, f"{name}: not an IEEE division"
