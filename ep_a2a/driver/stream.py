@@ -72,6 +72,11 @@ class Event(Owned):
         self._e = call(_drv.cuEventCreate, flags)
         self._opened()
 
+    @property
+    def handle(self):
+        """The CUevent, for native code that records or waits on it (the JAX FFI handler)."""
+        return self._e
+
     def record(self, stream: int) -> "Event":
         call(_drv.cuEventRecord, self._e, stream)
         return self

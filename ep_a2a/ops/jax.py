@@ -484,10 +484,8 @@ class JaxAlltoAll:
         groups = []
         for dev in self.by_device.devices.values():
             ranks = dev.ranks
-            joins = dev._joins or [None] * len(ranks)
-            fork = dev._fork._e if dev._fork is not None else None  # (the CUevent: the handler records it)
-            members = [(r.rank, r.default_stream, j._e if j is not None else None, r.record_page.host_ptr)
-                       for r, j in zip(ranks, joins)]
+            fork, joins = dev.native_events()  # (the handler records and waits on them)
+            members = [(r.rank, r.default_stream, j, r.record_page.host_ptr) for r, j in zip(ranks, joins)]
             groups.append(Group(dev.device.ordinal, fork, members, ops_for(dev, len(flat_in))))
         first_steps = self.a2a.ranks[0].plan.first_steps
         plan = jax_ffi.Plan(encode(groups, len(flat_in) + len(flat_out), first_steps))

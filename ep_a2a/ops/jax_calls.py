@@ -99,6 +99,13 @@ class DeviceRanks:
             for ev, s in zip(self._joins, self.streams):
                 ev.record(s).wait_on(xla_stream)
 
+    def native_events(self) -> tuple:
+        """(the fork CUevent, [each rank's join CUevent]) for the native handler, which records
+        and waits on them as run() does; (None, [None] * ranks) for a rank alone on its GPU."""
+        if self._fork is None:
+            return None, [None] * len(self.ranks)
+        return self._fork.handle, [j.handle for j in self._joins]
+
     def close(self) -> None:
         for ev in ([self._fork] if self._fork else []) + self._joins:
             ev.close()
