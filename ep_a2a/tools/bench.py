@@ -173,7 +173,7 @@ class Bench:
     def gather(self, values) -> np.ndarray:
         return gather(self.bootstrap, values)
 
-    def _inputs(self, T: int):
+    def inputs(self, T: int):
         from ..testing.formats import random_payload, routing
         from ..interop.arrays import copy_from_numpy, from_numpy
         from ..testing.reference import from_float32
@@ -187,17 +187,17 @@ class Bench:
             if self.epilogue_fp8:  # what a quantizing MoE epilogue leaves (moe.finalize into fp8=True)
                 # random finite e4m3 bytes and scales: quantizing normals in NumPy takes minutes at
                 # 4096 tokens, and the timing does not depend on the values
-                q = self._combine_input(ar, T)
+                q = self.combine_input(ar, T)
                 codes = self.rng.integers(0, 256, q.values.shape, dtype=np.uint8)
                 codes[(codes & 0x7F) == 0x7F] -= 1  # 0x7F / 0xFF are NaN: 0x7E / 0xFE (+-448) instead
                 copy_from_numpy(q.values, codes)
                 copy_from_numpy(q.scales, self.rng.uniform(2.0 ** -10, 2.0 ** -6, q.scales.shape).astype(np.float32))
             else:
-                copy_from_numpy(self._combine_input(ar, T), from_float32(
+                copy_from_numpy(self.combine_input(ar, T), from_float32(
                     self.rng.standard_normal((self.ep, T, self.hidden)).astype(np.float32), "bfloat16"))
         return ins, ids
 
-    def _combine_input(self, r, T: int):
+    def combine_input(self, r, T: int):
         """The combine input of rank r: its bf16 partial results, or (--combine-quant
         fp8-epilogue) the FP8 ones an epilogue wrote, so combine skips its quantize pass."""
         return r.combine_input(T, fp8=self.epilogue_fp8)
@@ -262,7 +262,7 @@ class Bench:
             for g in gs:
                 g.close()
 
-    def _time_body(self, body, streams=None) -> float:
+    def time_body(self, body, streams=None) -> float:
         """µs per round of `body` (two graph lengths, see _time_rounds)."""
         return self._time_rounds(body, streams)[0]
 
@@ -282,7 +282,7 @@ class Bench:
                 r.dispatch(x_ids, pays, T)
                 st.mark(i)
             for i, r in enumerate(ranks):
-                r.combine(self._combine_input(r, T), T)
+                r.combine(self.combine_input(r, T), T)
                 st.mark(i)
         g = None
         try:
@@ -324,7 +324,7 @@ class Bench:
             for _ in range(2):
                 for k, s in zip(self._flag_rounds, self.streams):
                     k(s)
-        us = self._time_body(body)
+        us = self.time_body(body)
         if to_numpy(self._flag_mem)[-1]:
             raise RuntimeError("barrier floor: a rank's flag never arrived (ep_flag_round gave up)")
         return us
@@ -335,7 +335,7 @@ class Bench:
         from ..interop.arrays import empty
         src, dst = empty((nbytes,), "uint8", self.dev), empty((nbytes,), "uint8", self.dev)
         s0 = self.streams[0]
-        return self._time_body(lambda: copy_dtod_async(dst.ptr, src.ptr, nbytes, s0), self.streams[:1])
+        return self.time_body(lambda: copy_dtod_async(dst.ptr, src.ptr, nbytes, s0), self.streams[:1])
 
     def _peer_copy_floor(self, nbytes: int):
         """(µs, bytes) of every local rank copying `nbytes` (at most a workspace) out of the
@@ -352,12 +352,12 @@ class Bench:
         def body():
             for dst, src, s in jobs:
                 copy_dtod_async(dst.ptr, src, n, s)
-        return self._time_body(body, [s for _, _, s in jobs]), float(n * len(jobs))
+        return self.time_body(body, [s for _, _, s in jobs]), float(n * len(jobs))
 
     def measure(self, T: int) -> dict:
         from ..testing.reference import expert_owner, targets_of
         a = self.a2a
-        ins, ids = self._inputs(T)
+        ins, ids = self.inputs(T)
         ranks = a.ranks
 
         def dispatch_all():
@@ -369,7 +369,7 @@ class Bench:
             for (x_ids, pays), r in zip(ins, ranks):
                 r.dispatch(x_ids, pays, T)
             for r in ranks:
-                r.combine(self._combine_input(r, T), T)
+                r.combine(self.combine_input(r, T), T)
 
         def empty_like(rt: bool):
             def body():
@@ -388,13 +388,13 @@ class Bench:
         split = ranks[0].last_protocol == "fence"
         m = {}  # name -> this process's figure; reduced over processes below
         m["rt"], m["rt_overhead"] = self._time_rounds(roundtrip)
-        m["empty_rt"], m["empty_d"] = self._time_body(empty_like(True)), self._time_body(empty_like(False))
+        m["empty_rt"], m["empty_d"] = self.time_body(empty_like(True)), self.time_body(empty_like(False))
         stamped = self._stamped(ins, T) if self.args.stamps else None
         nan = float("nan")
         m["st_d"], m["st_c"], m["st_step"] = ((stamped["dispatch_us"], stamped["combine_us"], stamped["smallest_step_ns"])
                                               if stamped else (nan, nan, nan))
         if split:
-            m["d"] = self._time_body(dispatch_all)
+            m["d"] = self.time_body(dispatch_all)
         barrier_us = self._barrier_floor() if self._flag_rounds else None
 
         # bytes: what dispatch writes (one copy per distinct target) and reads (once per token)
@@ -413,8 +413,8 @@ class Bench:
         # byte floors: exactly those bytes, per phase, for this process's ranks
         floors = ByteFloors(self.group.ranks, targets, per_token, pulled, self.hidden * 2, pdl=not self.args.no_pdl)
         try:
-            m["bf_d"], m["bf_c"] = self._time_body(floors.dispatch), self._time_body(floors.combine)
-            m["bf_turn"] = self._time_body(floors.round_trip)
+            m["bf_d"], m["bf_c"] = self.time_body(floors.dispatch), self.time_body(floors.combine)
+            m["bf_turn"] = self.time_body(floors.round_trip)
         finally:
             floors.close()
         # the 1:1 copy floor: this process copies the bytes its ranks' dispatches write
@@ -475,8 +475,8 @@ class Bench:
         from ..testing.hooks import dry_run
         a, ranks = self.a2a, self.a2a.ranks
         iters = iters or (20 if self.shared_gpu else 200)  # time-sliced steps cost ms each
-        ins, _ = self._inputs(T)
-        cin = [self._combine_input(r, T) for r in ranks]
+        ins, _ = self.inputs(T)
+        cin = [self.combine_input(r, T) for r in ranks]
 
         def step():
             eager_step(ranks, ins, cin, T)

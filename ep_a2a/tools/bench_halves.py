@@ -49,14 +49,14 @@ class Busy:
 
 def measure(b, busy: Busy, T: int) -> dict:
     """One (protocol, T) row: fused and halves round trips, floors, the compute sweep."""
-    ins, ids = b._inputs(T)
+    ins, ids = b.inputs(T)
     ranks, n = b.a2a.ranks, len(b.a2a.ranks)
 
     def fused():
         for (x_ids, pays), r in zip(ins, ranks):
             r.dispatch(x_ids, pays, T)
         for r in ranks:
-            r.combine(b._combine_input(r, T), T)
+            r.combine(b.combine_input(r, T), T)
 
     def halves(compute: bool):
         def body():
@@ -67,7 +67,7 @@ def measure(b, busy: Busy, T: int) -> dict:
             for r in ranks:
                 r.dispatch_recv()
             for r in ranks:
-                r.combine_send(b._combine_input(r, T), T)
+                r.combine_send(b.combine_input(r, T), T)
             for i in range(n) if compute else ():
                 busy(i)
             for r in ranks:
@@ -83,8 +83,8 @@ def measure(b, busy: Busy, T: int) -> dict:
     fused()
     halves(False)()
     b.a2a.synchronize()
-    rt = b._time_body(fused)
-    split = b._time_body(halves(False))
+    rt = b.time_body(fused)
+    split = b.time_body(halves(False))
     # the bytes-in-turn floor of these bytes (as bench.Bench.measure)
     owner = expert_owner(b.num_experts, b.ep)
     per_token = sum(sp.bytes_per_token for sp in b.specs) + 4 * b.top_k
@@ -92,16 +92,16 @@ def measure(b, busy: Busy, T: int) -> dict:
     pulled = b.hidden + b.hidden // Q8_BLOCK * 4 if b.args.combine_quant else b.hidden * 2
     floors = ByteFloors(b.group.ranks, targets, per_token, pulled, b.hidden * 2, pdl=not b.args.no_pdl)
     try:
-        turn = b._time_body(floors.round_trip)
+        turn = b.time_body(floors.round_trip)
     finally:
         floors.close()
     busy.iters = CALIBRATION_ITERS
-    per_iter = b._time_body(compute_alone) / CALIBRATION_ITERS  # µs per iteration of two kernels in turn
+    per_iter = b.time_body(compute_alone) / CALIBRATION_ITERS  # µs per iteration of two kernels in turn
     sweep = []
     for frac in b.args.halves_ratios:
         busy.iters = int(round(frac * rt / per_iter)) if frac else 0
-        c = b._time_body(compute_alone) if frac else 0.0
-        step = b._time_body(halves(True)) if frac else split
+        c = b.time_body(compute_alone) if frac else 0.0
+        step = b.time_body(halves(True)) if frac else split
         sweep.append(dict(target_ratio=frac, busy_iters=busy.iters, compute_us=c, step_us=step,
                           exposed_us=step - c, exposed_minus_bytes_floor_us=step - c - turn,
                           exposed_over_fused=ratio(step - c, rt)))
