@@ -237,7 +237,7 @@ class RankAlltoAll:
     def dropped_selections(self) -> int:
         """Selections this rank dropped since it was built because their expert's rank was
         inactive (set_active_ranks). Synchronizes this rank's GPU."""
-        self._check_open()
+        self.check_open()
         self.synchronize()
         dropped = np.zeros(1, np.uint32)
         copy_dtoh(dropped.ctypes.data, self.base + self.a2a.layout.off_dropped, 4)
@@ -266,7 +266,7 @@ class RankAlltoAll:
         itself (moe.finalize) spares combine that pass and the bf16 round trip through HBM.
         """
         a2a = self.a2a
-        self._check_open()
+        self.check_open()
         check_runtime_max(runtime_max_tokens_per_rank, a2a.max_tokens_per_rank)
         runtime_max = int(runtime_max_tokens_per_rank)
         if check_bool(fp8, "fp8"):
@@ -292,7 +292,7 @@ class RankAlltoAll:
         slot j of region s holds the j-th token source s sent here; slots past its count
         carry expert id -1. The views stay valid until the next dispatch.
         """
-        self._check_open()
+        self.check_open()
         if self.state.pending is not None:
             raise StateError(f"rank {self.rank}: dispatch called twice without combine")
         if not self.is_active:
@@ -409,7 +409,7 @@ class RankAlltoAll:
     def dispatch_records(self, num_tokens: int) -> Tensor:
         """The (target rank, slot) record (layout.record_target / record_slot) the last dispatch left
         for combine: int32 [num_tokens, top_k], -1 where a selection has no slot; until the next dispatch."""
-        self._check_open()
+        self.check_open()
         most = self.a2a.max_tokens_per_rank
         if not (type(num_tokens) is int and 0 <= num_tokens <= most):
             raise ValueError(f"num_tokens: must be an int in 0..{most}, got {num_tokens!r}")
@@ -425,7 +425,7 @@ class RankAlltoAll:
         the epilogue has written it (then combine does not quantize). Returns `out` or a
         [local_num_tokens, hidden] view of an internal buffer valid until the next combine.
         """
-        self._check_open()
+        self.check_open()
         if self.state.pending is None:
             raise StateError(f"rank {self.rank}: combine called without a dispatch before it")
         rep = self._repeat_combine
@@ -506,7 +506,7 @@ class RankAlltoAll:
         fields since that call: the geometry compare is skipped, everything else a repeat
         checks is not. Returns the views, or None where the call does not repeat `record`
         (the caller then makes the full call, which says why)."""
-        self._check_open()
+        self.check_open()
         if (record is not self._repeat_dispatch or self.mid_step or not self.is_active
                 or not record.same_call(runtime_max_tokens_per_rank, stream)):
             return None
@@ -517,7 +517,7 @@ class RankAlltoAll:
         """combine() again with the Tensors of the call that left `record`, vouched for as in
         dispatch_same. Returns `out` (as combine does), or None where the call does not
         repeat `record` (the caller then makes the full call)."""
-        self._check_open()
+        self.check_open()
         pending = self.state.pending
         if (record is not self._repeat_combine or pending is None or pending.tokens != record.call.tokens
                 or not record.same_call(runtime_max_tokens_per_rank, stream)):
@@ -551,7 +551,7 @@ class RankAlltoAll:
         self._repeat_dispatch = self._repeat_combine = None
 
     # -- checks ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
         if self.params is None:
             raise StateError(f"rank {self.rank}: this all-to-all is closed")
         if self.rejected:

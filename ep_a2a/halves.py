@@ -67,7 +67,7 @@ class Halves:
         """dispatch()'s send half: the same arguments; returns the handle whose receive()
         returns dispatch()'s views."""
         rank = self.rank
-        rank._check_open()
+        rank.check_open()
         check_order(rank.plan, rank.state, DISPATCH_SEND)
         if not rank.is_active:
             raise StateError(f"rank {rank.rank}: not an active rank (set_active_ranks)")
@@ -83,7 +83,7 @@ class Halves:
         """combine()'s send half: the same arguments (the output `out` is written by the
         receive half); returns the handle whose receive() returns combine()'s output."""
         rank = self.rank
-        rank._check_open()
+        rank.check_open()
         check_order(rank.plan, rank.state, COMBINE_SEND)
         call, handle, out_t, stage = rank.combine_call(partial, runtime_max_tokens_per_rank, stream, out)
         if stage:
@@ -99,7 +99,7 @@ class Halves:
     def receive(self, op: str, handle: Handle = None):
         """The receive half of `op` (`handle`: the send's, or None for the one due)."""
         rank = self.rank
-        rank._check_open()
+        rank.check_open()
         if handle is not None and handle is not self.due:
             state = "was received already" if handle.received else "is not the send half due on this rank"
             raise HalvesOrderError(f"rank {rank.rank}: {handle!r} {state}")
