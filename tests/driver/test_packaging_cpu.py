@@ -1,6 +1,5 @@
 """CPU suite: the build rules (kernels/build.py), the bare-interpreter header step, the
 driver-version check and the one version number."""
-import importlib.util
 import json
 import os
 import re
@@ -12,11 +11,10 @@ import pytest
 
 import ep_a2a
 from ep_a2a.driver import module
+from common import kernels_build
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
-_spec = importlib.util.spec_from_file_location("kernel_build_under_test", ROOT / "kernels" / "build.py")
-kbuild = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(kbuild)
+kbuild = kernels_build()
 
 
 def test_header_generates_with_a_bare_interpreter(tmp_path):

@@ -3,42 +3,18 @@ are the eager halves' for the same step (kernel, grid, parameter block byte for 
 driver replaced as in tests/protocol/launch_trace.py); a traced step of two micro-batches
 names every XLA buffer where the kernels read it; out-of-order halves are refused while
 tracing with HalvesOrderError, per trace; without the native library the halves say why."""
-import importlib.util
-import pathlib
 import random
 
 import pytest
 
 from ep_a2a.errors import HalvesOrderError
 from ep_a2a.layout import A2AParams
-from ep_a2a.ops import jax_ffi, jax_plan
+from ep_a2a.ops import jax_plan
 from ep_a2a.schedule import StepState
 from ep_a2a.testing import hooks
+from jax_plan_cases import CONFIGS, block, launched, random_step, record_plans, require_library, trace
 
-_spec = importlib.util.spec_from_file_location(
-    "launch_trace_for_halves", pathlib.Path(__file__).resolve().parents[1] / "protocol" / "launch_trace.py")
-trace = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace)
-
-CONFIGS = [(proto, q, pdl, rod) for proto in ("fence", "sentinel", "auto") for q in (None, "fp8")
-           for pdl in (True, False) for rod in (8, 1) if not (q and proto != "fence")]
 HALVES = ("dispatch_send", "dispatch_recv", "combine_send", "combine_recv")
-
-
-def _block(data: bytes, **fields) -> bytes:
-    p = A2AParams.from_buffer_copy(data)
-    for k, v in fields.items():
-        setattr(p, k, v)
-    return bytes(p)
-
-
-def _eager_halves(r, ids, pays, tmax, out):
-    """(kernel, grid, block) of one eager step of halves on a fresh rank, as launched."""
-    seen = []
-    with hooks.dry_run(lambda launch, stream: seen.append((launch.function, launch.grid, bytes(launch.args[0])))):
-        r.dispatch_send(ids, pays, tmax).receive()
-        r.combine_send(r.combine_input(tmax), tmax, out=out).receive()
-    return seen
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(map(str, c)))
@@ -47,13 +23,12 @@ def test_planned_halves_equal_eager_halves(monkeypatch, cfg):
     events = []
     trace.patch_driver(monkeypatch.setattr, events)
     for _ in range(4):
-        tmax = rng.choice([1, 2, 4, 16, 64, 128, 1024])
-        T = rng.randint(0, tmax)
-        with hooks.dry_run():
-            a2a, r = trace.make_rank(events, *cfg, local=True)
-        ids, pays = trace._tensors(rng.randrange(4), T, rng.choice([0, 0, 4]))
-        out = trace.Tensor((1 << 39) + rng.choice([0, 2, 16]), (T, trace.H), "bfloat16", device=(2, 0))
-        eager = _eager_halves(r, ids, pays, tmax, out)
+        a2a, r, tmax, T, ids, pays, out = random_step(rng, events, cfg)
+
+        def halves():
+            r.dispatch_send(ids, pays, tmax).receive()
+            r.combine_send(r.combine_input(tmax), tmax, out=out).receive()
+        eager = launched(halves)
         steps = jax_plan.steady_halves(r.plan, r.state.tag_hi, a2a.protocol, T, tmax, [ids.ptr] + [p.ptr for p in pays],
                                        out.ptr)
         blocks = jax_plan.half_params(r.plan, steps)
@@ -65,9 +40,9 @@ def test_planned_halves_equal_eager_halves(monkeypatch, cfg):
         first = r.plan.first_timeout_ns  # (the eager step is a first step: the handler patches this in)
         # (the dispatch halves' blocks hold the previous combine's fields: this step's, in a jitted loop)
         for k in (0, 1):
-            assert _block(blocks[k], timeout_ns=first) == _block(eager[k][2], **dict(steps[2].fields)), HALVES[k]
+            assert block(blocks[k], timeout_ns=first) == block(eager[k][2], **dict(steps[2].fields)), HALVES[k]
         for k in (2, 3):
-            assert _block(blocks[k], timeout_ns=first) == eager[k][2], HALVES[k]
+            assert block(blocks[k], timeout_ns=first) == eager[k][2], HALVES[k]
         a2a.close()
 
 
@@ -89,23 +64,16 @@ def test_half_blocks_keep_only_their_own_calls_buffers(monkeypatch):
     a2a.close()
 
 
-def _lib():
-    if jax_ffi.library() is None:
-        pytest.skip(f"native JAX library absent: {jax_ffi._why}")
-
-
 @pytest.fixture
 def two(monkeypatch):
     """Two all-to-alls (two micro-batches) of one rank each with the driver replaced, their
     JaxAlltoAlls on the native path, and the plans each call encoded (groups, per call)."""
     pytest.importorskip("jax")
-    _lib()
+    require_library()
     from ep_a2a.ops import jax as ops_jax
-    events, made = [], []
+    events = []
     trace.patch_driver(monkeypatch.setattr, events)
-    monkeypatch.setattr(jax_plan, "handle_of", lambda o: o if isinstance(o, int) else 0x1000 + len(str(o)))
-    real_encode = ops_jax.encode
-    monkeypatch.setattr(ops_jax, "encode", lambda groups, *a: made.append(groups) or real_encode(groups, *a))
+    made = record_plans(monkeypatch, ops_jax)
     proto = random.choice(["fence", "sentinel"])
     with hooks.dry_run():
         (a, ra), (b, rb) = (trace.make_rank(events, proto, None, True, 8, local=True) for _ in range(2))

@@ -5,7 +5,6 @@ testing.hooks.dry_run); their encoding names every XLA buffer where the kernels 
 the native library (native/ffi/ep_a2a_ffi.cc) loads with ctypes, exports its handlers and
 reads the plans (parse only: no GPU)."""
 import ctypes
-import importlib.util
 import pathlib
 import random
 
@@ -15,31 +14,8 @@ import pytest
 from ep_a2a.layout import A2AParams, PayloadDesc
 from ep_a2a.ops import jax_ffi, jax_plan
 from ep_a2a.testing import hooks
-
-_spec = importlib.util.spec_from_file_location(
-    "launch_trace_for_plan", pathlib.Path(__file__).resolve().parents[1] / "protocol" / "launch_trace.py")
-trace = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace)
-
-CONFIGS = [(proto, q, pdl, rod) for proto in ("fence", "sentinel", "auto") for q in (None, "fp8")
-           for pdl in (True, False) for rod in (8, 1) if not (q and proto != "fence")]
-
-
-def _eager_step(r, ids, pays, tmax, out):
-    """Blocks of one eager dispatch + combine of a fresh rank, as launched."""
-    seen = []
-    with hooks.dry_run(lambda launch, stream: seen.append((launch.function, launch.grid, bytes(launch.args[0])))):
-        r.dispatch(ids, pays, tmax)
-        r.combine(r.combine_input(tmax), tmax, out=out)
-    return seen
-
-
-def _block(data: bytes, **fields) -> bytes:
-    p = A2AParams.from_buffer_copy(data)
-    for k, v in fields.items():
-        setattr(p, k, v)
-    return bytes(p)
-
+from common import ROOT, kernels_build
+from jax_plan_cases import CONFIGS, block, launched, random_step, record_plans, require_library, trace
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_planned_blocks_equal_eager_launches(monkeypatch, cfg):
@@ -47,21 +23,20 @@ def test_planned_blocks_equal_eager_launches(monkeypatch, cfg):
     events = []
     trace.patch_driver(monkeypatch.setattr, events)
     for _ in range(4):
-        tmax = rng.choice([1, 2, 4, 16, 64, 128, 1024])
-        T = rng.randint(0, tmax)
-        with hooks.dry_run():
-            a2a, r = trace.make_rank(events, *cfg, local=True)
-        ids, pays = trace._tensors(rng.randrange(4), T, rng.choice([0, 0, 4]))
-        out = trace.Tensor((1 << 39) + rng.choice([0, 2, 16]), (T, trace.H), "bfloat16", device=(2, 0))
-        eager = _eager_step(r, ids, pays, tmax, out)
+        a2a, r, tmax, T, ids, pays, out = random_step(rng, events, cfg)
+
+        def step():
+            r.dispatch(ids, pays, tmax)
+            r.combine(r.combine_input(tmax), tmax, out=out)
+        eager = launched(step)
         d, c = jax_plan.steady_pair(r.plan, r.state.tag_hi, a2a.protocol, T, tmax, [ids.ptr] + [p.ptr for p in pays], out.ptr, False)
         d_bytes, c_bytes = jax_plan.pair_params(r.plan, d, c)
         first = r.plan.first_timeout_ns  # (the eager step is a first step: the handler patches this in)
         (fd, gd, bd), (fc, gc, bc) = eager
         assert (d.launch.function, d.grid) == (fd, gd) and (c.launch.function, c.grid) == (fc, gc)
         # (the dispatch's block holds the previous combine's fields: this step's, in a jitted loop)
-        assert _block(d_bytes, timeout_ns=first) == _block(bd, **dict(c.fields))
-        assert _block(c_bytes, timeout_ns=first) == _block(bc, trigger_early=0)
+        assert block(d_bytes, timeout_ns=first) == block(bd, **dict(c.fields))
+        assert block(c_bytes, timeout_ns=first) == block(bc, trigger_early=0)
         a2a.close()
 
 
@@ -83,15 +58,8 @@ def test_encode_patches_every_buffer_where_the_kernel_reads_it():
     assert jax_plan.buffer_of(1 << 40) is None and jax_plan.buffer_of(jax_plan.fake(511, 5)) == (511, 5)
 
 
-def _lib():
-    lib = jax_ffi.library()
-    if lib is None:
-        pytest.skip(f"native JAX library absent: {jax_ffi._why}")
-    return lib
-
-
 def test_library_exports_the_handlers_and_has_no_python_abi():
-    lib = _lib()
+    lib = require_library()
     for name in jax_ffi.SYMBOLS:
         assert hasattr(lib, name), name
     assert lib.ep_a2a_ffi_plan_version() == jax_plan.VERSION
@@ -102,7 +70,7 @@ def test_library_exports_the_handlers_and_has_no_python_abi():
 
 
 def test_library_reads_plans_and_refuses_malformed_ones():
-    _lib()
+    require_library()
     rng = np.random.default_rng()
     p = A2AParams()
     p.payloads[0].src = jax_plan.fake(0)
@@ -129,10 +97,8 @@ def test_build_script_builds_the_library_for_this_jaxlib(tmp_path):
     import json
     import subprocess
     import sys
-    root = pathlib.Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("ep_a2a_build_for_test", root / "kernels" / "build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+    root = pathlib.Path(ROOT)
+    build = kernels_build()
     version, include = build.find_jaxlib()
     if version is None:
         pytest.skip("no jaxlib in this python")
@@ -154,13 +120,11 @@ def test_traced_step_plans_what_the_native_handler_runs(monkeypatch):
     into the results, and whose combine stages operand 0 and writes result 0."""
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
-    _lib()
+    require_library()
     from ep_a2a.ops import jax as ops_jax
-    events, made = [], []
+    events = []
     trace.patch_driver(monkeypatch.setattr, events)
-    monkeypatch.setattr(jax_plan, "handle_of", lambda o: o if isinstance(o, int) else 0x1000 + len(str(o)))
-    real_encode = ops_jax.encode
-    monkeypatch.setattr(ops_jax, "encode", lambda groups, *a: made.append(groups) or real_encode(groups, *a))
+    made = record_plans(monkeypatch, ops_jax)
     rng = random.Random()
     with hooks.dry_run():
         a2a, r = trace.make_rank(events, rng.choice(["fence", "sentinel"]), None, True, 8, local=True)
@@ -206,15 +170,13 @@ def test_traced_moe_pair_plans_index_gather_and_finalize(monkeypatch, quant):
     import types
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
-    _lib()
+    require_library()
     import ep_a2a.moe as moe
     from ep_a2a.ops import jax as ops_jax
-    events, made = [], []
+    events = []
     trace.patch_driver(monkeypatch.setattr, events)
     monkeypatch.setattr(moe, "Device", types.SimpleNamespace)
-    monkeypatch.setattr(jax_plan, "handle_of", lambda o: o if isinstance(o, int) else 0x1000 + len(str(o)))
-    real_encode = ops_jax.encode
-    monkeypatch.setattr(ops_jax, "encode", lambda groups, *a: made.append(groups) or real_encode(groups, *a))
+    made = record_plans(monkeypatch, ops_jax)
     rng = random.Random()
     with hooks.dry_run():
         a2a, r = trace.make_rank(events, "fence", quant, True, 8, local=True)
@@ -252,7 +214,7 @@ def test_traced_moe_pair_plans_index_gather_and_finalize(monkeypatch, quant):
 
 def test_a_released_plan_id_is_never_reused():
     """A compiled program naming a released plan must find none, never a newer plan."""
-    _lib()
+    require_library()
     p = A2AParams()
     g = jax_plan.Group(0, 0, [(0, 0x60, 0, 0x80)], [jax_plan.LaunchOp(0, 0x1000, 1, 256, 0, 1, False, [bytes(p)])])
     words = jax_plan.encode([g], 1, 4)
