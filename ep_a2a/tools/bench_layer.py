@@ -307,12 +307,9 @@ def result_file(res: dict, args) -> str:
 
 
 def main(argv=None) -> int:
-    import importlib.util
     args = parse_args(argv)
     prog = "ep_a2a.bench_layer"
-    if importlib.util.find_spec(args.framework) is None:
-        return exits.missing(prog, f"{args.framework} is not installed: the layer benchmark drives it")
-    missing = exits.require_gpu(prog)
+    missing = exits.require_framework_and_gpu(prog, args.framework, "the layer benchmark drives it")
     if missing is not None:
         return missing
     if args.framework == "jax":

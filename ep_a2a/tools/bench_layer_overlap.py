@@ -202,14 +202,11 @@ def table(rows) -> str:
 
 def main(argv=None) -> int:
     """The command (ep_a2a/bench_layer.py calls it for --overlap): exits as bench_layer does."""
-    import importlib.util
     from . import exits
     from .result_paths import output_path, write_json
     args = parse_args(argv)
     prog = "ep_a2a.bench_layer"
-    if importlib.util.find_spec("torch") is None:
-        return exits.missing(prog, "torch is not installed: the layer benchmark drives it")
-    missing = exits.require_gpu(prog)
+    missing = exits.require_framework_and_gpu(prog, "torch", "the layer benchmark drives it")
     if missing is not None:
         return missing
     import torch

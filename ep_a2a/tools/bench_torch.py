@@ -196,15 +196,12 @@ def main(argv=None) -> int:
     """The standalone table: its own all-to-all (bench's layout: payloads of the bf16 format,
     validation off, PDL on), deepseek-v3 shapes unless told otherwise."""
     import datetime
-    import importlib.util
     import secrets
     import types
     import numpy as np
     args = parse_args(argv)
     prog = "ep_a2a.tools.bench_torch"
-    if importlib.util.find_spec("torch") is None:
-        return exits.missing(prog, "torch is not installed: this benchmark times the torch ops")
-    missing = exits.require_gpu(prog)
+    missing = exits.require_framework_and_gpu(prog, "torch", "this benchmark times the torch ops")
     if missing is not None:
         return missing
     import ep_a2a

@@ -41,3 +41,13 @@ def require_gpu(prog: str) -> int | None:
     """None where a CUDA GPU is usable; otherwise MISSING, after saying why in one line."""
     why = gpu_missing()
     return None if why is None else missing(prog, f"no usable CUDA GPU here ({why}): nothing to run")
+
+
+def require_framework_and_gpu(prog: str, module: str, role: str) -> int | None:
+    """None where `module` (the framework a tool drives) is installed and a CUDA GPU is
+    usable; otherwise MISSING, after saying which one is lacking (`role`: why the tool needs
+    the framework)."""
+    import importlib.util
+    if importlib.util.find_spec(module) is None:
+        return missing(prog, f"{module} is not installed: {role}")
+    return require_gpu(prog)

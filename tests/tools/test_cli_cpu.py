@@ -144,3 +144,12 @@ def test_argtypes_accept_what_they_should():
     for bad in ("inf", "nan", "0", "-2"):
         with pytest.raises(argparse.ArgumentTypeError):
             positive_float(bad)
+
+
+def test_a_missing_framework_is_named_before_the_gpu_is_asked(capsys, monkeypatch):
+    from ep_a2a.tools import exits
+    monkeypatch.setattr(exits, "require_gpu", lambda prog: pytest.fail("the GPU was asked first"))
+    assert exits.require_framework_and_gpu("ep_a2a.x", "no_such_framework_ep_a2a", "x drives it") == exits.MISSING
+    assert capsys.readouterr().err == "ep_a2a.x: no_such_framework_ep_a2a is not installed: x drives it\n"
+    monkeypatch.setattr(exits, "require_gpu", lambda prog: None)
+    assert exits.require_framework_and_gpu("ep_a2a.x", "numpy", "x drives it") is None
