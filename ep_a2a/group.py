@@ -9,11 +9,10 @@
 from __future__ import annotations
 
 import struct
-import warnings
 import weakref
 
 from . import topology
-from .driver.device import CONNECTIONS, CONNECTIONS_VAR, Device, get_device, hardware_queues
+from .driver.device import Device, get_device
 from .layout import MAX_RANKS
 from .driver.lifetime import Owned
 from .driver.memory import has_held, hold_frees, release_held
@@ -80,10 +79,6 @@ class LocalGroup(Group):
         self.ranks = [Rank(i, self.ep_size, d) for i, d in enumerate(devs)]
         for r in self.ranks:
             r.ranks_on_device = devices.count(r.device.ordinal)
-        if len(devs) > len(set(devices)) and hardware_queues() < CONNECTIONS:
-            warnings.warn(f"ep_a2a: {CONNECTIONS_VAR}={hardware_queues()}: the streams of ranks sharing a GPU may share "
-                          f"a hardware queue, and a step then waits for its timeout; set it to {CONNECTIONS} before "
-                          f"CUDA starts", RuntimeWarning, stacklevel=2)
         self._opened()
 
     @property

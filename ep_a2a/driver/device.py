@@ -17,10 +17,6 @@ _forked_after_init = False  # this process is a fork of one that had initialised
 _FORKED = ("this process was forked from one that had initialised CUDA (through ep_a2a or a framework); "
            "the CUDA driver cannot be used in such a child: start worker processes with the 'spawn' or "
            "'forkserver' multiprocessing context, or fork before the first CUDA call")
-# Streams share the context's hardware work queues (8 unless this variable says otherwise): a
-# kernel queued behind another stream's kernel waits for it, so the streams of ranks sharing a
-# GPU, which spin on each other, each need a queue of their own. Hopper's most is 32.
-CONNECTIONS_VAR, CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS", 32
 
 
 def _after_fork_in_child() -> None:
@@ -35,17 +31,8 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def hardware_queues() -> int:
-    """The hardware work queues a CUDA context of this process gets ($CUDA_DEVICE_MAX_CONNECTIONS,
-    read when the context is made; the driver's default 8 where unset or not a number)."""
-    value = os.environ.get(CONNECTIONS_VAR, "")
-    return int(value) if value.strip().isdigit() else 8
-
-
 def init() -> None:
-    """cuInit once; turn 'no libcuda' and 'no GPU' into one clear NoDriverError. Asks for
-    CONNECTIONS hardware queues where the process has not chosen a number (a context that a
-    framework made earlier keeps its own)."""
+    """cuInit once; turn 'no libcuda' and 'no GPU' into one clear NoDriverError."""
     global _initialized
     if _initialized:
         return
@@ -54,7 +41,6 @@ def init() -> None:
     with _init_lock:
         if _initialized:
             return
-        os.environ.setdefault(CONNECTIONS_VAR, str(CONNECTIONS))
         try:
             err, = _drv.cuInit(0)
         except (RuntimeError, OSError, ImportError) as e:  # cuda.bindings cannot dlopen libcuda.so.1
