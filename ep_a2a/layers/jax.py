@@ -14,13 +14,18 @@ JAX's). JAX arrays whose memory an ep_a2a launch still reads are kept alive unti
 end, when moe_forward_all_ranks synchronizes (JAX would otherwise reuse their memory on its
 own stream, unaware of ours).
 
-Two ways to run the experts (gemm=):
+Three ways to run the experts (gemm=), none with a host sync but "loop":
+  "padded": each local expert's rows padded to a bound and multiplied as one batched GEMM
+    (padded_ffn). The bound is ep_size * T^ rows (a token picks an expert at most once)
+    where the router is ours, and every row of the workspace where the caller passes ids
+    (which may repeat an expert); one compile per T^.
   "ragged": jax.lax.ragged_dot over all index.capacity rows with the device counts as group
-    sizes: no host sync; one compile per T^.
+    sizes. XLA lowers it on CUDA to one dense GEMM per expert over all those rows, masked:
+    num_local times the work of "padded" (docs/jax.md).
   "loop": host counts (one sync per rank, in the compute phase), one jitted FFN per expert
     with rows (compiled once per distinct row count), outputs copied into a buffer of ours
     with cuMemcpyDtoDAsync.
-  "auto": "ragged" where jax.lax.ragged_dot exists.
+  "auto": "padded".
 
 In-process ranks: the same phases as layers.torch.moe_forward_all_ranks (route, dispatch every
 rank, compute, combine every rank), for the same reason. JAX preallocates most of the GPU by
@@ -38,7 +43,7 @@ from ..interop.tensor import as_tensor
 from ..moe import ExpertIndex
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
-GEMMS = ("auto", "ragged", "loop")
+GEMMS = ("auto", "padded", "ragged", "loop")
 _JIT = {}
 
 
@@ -49,7 +54,7 @@ def _jitted():
     import jax
 
     def gated(h, inter):
-        return jax.nn.silu(h[:, :inter]) * h[:, inter:]
+        return jax.nn.silu(h[..., :inter]) * h[..., inter:]
 
     def ffn(x, w1t, w2t):  # x [n, H], w1t [H, 2I], w2t [I, H]
         return gated(x @ w1t, w2t.shape[0]) @ w2t
@@ -57,6 +62,23 @@ def _jitted():
     def ragged_ffn(x, counts, w1t, w2t):  # x [rows, H], w1t [L, H, 2I], w2t [L, I, H]
         h = jax.lax.ragged_dot(x, w1t, counts)
         return jax.lax.ragged_dot(gated(h, w2t.shape[1]), w2t, counts)
+
+    def padded_ffn(x, counts, w1t, w2t, per_expert):
+        """ragged_ffn's result, each expert's rows padded to `per_expert` (static, at least
+        its count) and multiplied as one batched GEMM; rows past sum(counts) are zeros."""
+        jnp = jax.numpy
+        L, R = counts.shape[0], x.shape[0]
+        ends = jnp.cumsum(counts)
+        starts = ends - counts
+        slot = jnp.arange(per_expert, dtype=counts.dtype)
+        live = slot[None, :] < counts[:, None]                                   # [L, C]
+        xp = jnp.where(live[..., None], x[jnp.minimum(starts[:, None] + slot, R - 1)], 0)
+        h = jnp.einsum("lch,lhf->lcf", xp, w1t)
+        yp = jnp.einsum("lci,lih->lch", gated(h, w2t.shape[1]), w2t).reshape(L * per_expert, -1)
+        row = jnp.arange(R, dtype=counts.dtype)
+        expert = jnp.minimum(jnp.searchsorted(ends, row, side="right"), L - 1)
+        y = yp[expert * per_expert + jnp.minimum(row - starts[expert], per_expert - 1)]
+        return jnp.where((row < ends[-1])[:, None], y, 0).astype(x.dtype)
 
     def router(logits, top_k, renormalize):
         logits = logits.astype(jax.numpy.float32)
@@ -67,16 +89,24 @@ def _jitted():
             w = jax.numpy.take_along_axis(jax.nn.softmax(logits, axis=-1), ids, axis=1)
         return ids.astype(jax.numpy.int32), w
 
-    _JIT.update(ffn=jax.jit(ffn), ragged_ffn=jax.jit(ragged_ffn),
+    _JIT.update(ffn=jax.jit(ffn), ragged_ffn=jax.jit(ragged_ffn), padded_ffn=jax.jit(padded_ffn, static_argnums=4),
                 router=jax.jit(router, static_argnums=(1, 2)),
-                traced=dict(ragged_ffn=ragged_ffn, router=router))  # (the same functions, for jit callers)
+                traced=dict(ragged_ffn=ragged_ffn, padded_ffn=padded_ffn, router=router))  # (for jit callers)
     return _JIT
 
 
 def traced_functions() -> dict:
     """The router and expert functions of the layer, unjitted, for callers tracing their own
-    programs: router(logits, top_k, renormalize) -> (ids, weights); ragged_ffn(x, counts, w1t, w2t)."""
+    programs: router(logits, top_k, renormalize) -> (ids, weights); ragged_ffn(x, counts, w1t, w2t);
+    padded_ffn(x, counts, w1t, w2t, per_expert)."""
     return _jitted()["traced"]
+
+
+def expert_rows_bound(layer, runtime_max: int, our_router: bool, capacity: int) -> int:
+    """The most rows one local expert can receive in a step of T^ = runtime_max: a token picks
+    an expert at most once through our router (top_k distinct experts); ids from the caller
+    may repeat one, so then every row of the workspace."""
+    return min(capacity, layer.ep_size * max(1, runtime_max)) if our_router else capacity
 
 
 def jax_device(ordinal: int):
@@ -98,7 +128,7 @@ class JaxMoeLayer(LayerBase):
         import jax.numpy as jnp
         super().__init__(a2a_rank, "layers.jax", renormalize, gemm, GEMMS)
         a = a2a_rank.a2a
-        self.gemm = ("ragged" if hasattr(jax.lax, "ragged_dot") else "loop") if gemm == "auto" else gemm
+        self.gemm = "padded" if gemm == "auto" else gemm
         L, H = self.num_local, self.hidden
         if tuple(np.shape(w_gate_up))[0::2] != (L, H) or np.shape(w_gate_up)[1] % 2 or len(np.shape(w_gate_up)) != 3:
             raise ValueError(f"w_gate_up: must be [E_local={L}, 2*I, hidden={H}], got {list(np.shape(w_gate_up))}")
@@ -163,7 +193,8 @@ class JaxMoeLayer(LayerBase):
                       self._out.view(0, (0, self.top_k), "float32")]
         self._keep = [x, ids, w]
         self.routing = (ids, w)
-        self._step = dict(T=T, runtime_max=int(runtime_max_tokens_per_rank), ids=staged[0], x=staged[1], w=staged[2])
+        self._step = dict(T=T, runtime_max=int(runtime_max_tokens_per_rank), ids=staged[0], x=staged[1], w=staged[2],
+                          our_router=not isinstance(router, (tuple, list)))
 
     def compute(self) -> None:
         """Phase 3 (once every rank of the process has dispatched): index and gather on our
@@ -172,12 +203,16 @@ class JaxMoeLayer(LayerBase):
         s, H = self.s, self.hidden
         idx = self.index_and_gather(self._xg)
         cap = idx.capacity
-        if self.gemm == "ragged":
+        if self.gemm in ("padded", "ragged"):
             rows = self._xg.view(0, (cap, H))
             rows.stream = s  # JAX's stream waits for gather_rows
             xj = jax.dlpack.from_dlpack(rows)
             counts = jax.dlpack.from_dlpack(idx.counts)
-            y = _JIT["ragged_ffn"](xj, counts, self.w1t, self.w2t)  # [cap, H]; rows past the total unused
+            if self.gemm == "padded":  # [cap, H]; rows past the total unused
+                y = _JIT["padded_ffn"](xj, counts, self.w1t, self.w2t,
+                                       expert_rows_bound(self, self._step["runtime_max"], self._step["our_router"], cap))
+            else:
+                y = _JIT["ragged_ffn"](xj, counts, self.w1t, self.w2t)
             self._keep += [xj, counts, y]
             fc2 = y  # finalize's as_tensor makes our stream wait for it
         else:
@@ -254,8 +289,8 @@ def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int 
 
 def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = None):
     """One step of the layers of every in-process rank on one GPU as traced JAX: call it inside
-    jax.jit (jit_forward_all_ranks does). The same numerics as moe_forward_all_ranks with
-    gemm="ragged" (the same router and expert functions), with dispatch, index and gather in
+    jax.jit (jit_forward_all_ranks does). The same numerics as moe_forward_all_ranks (the same
+    router and expert functions: the layers' gemm, "ragged" for "loop" layers), with dispatch, index and gather in
     one XLA call and finalize and combine in another (ep_a2a/ops/jax.py): the dispatched rows
     are gathered straight into XLA's buffer and combine writes straight into the result, so no
     workspace copy remains. layers: one per rank of the all-to-all on that GPU, in a2a.ranks
@@ -266,8 +301,9 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
     from ..ops.jax import JaxAlltoAll
     if not (len(layers) == len(xs) == len(routers)) or not layers:
         raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
-    if not hasattr(jax.lax, "ragged_dot"):
-        raise RuntimeError(f"traced layers need jax.lax.ragged_dot (jax {jax.__version__} has none)")
+    if not hasattr(jax.lax, "ragged_dot") and any(layer.gemm != "padded" for layer in layers):
+        raise RuntimeError(f"traced layers with gemm={layers[0].gemm!r} need jax.lax.ragged_dot (jax {jax.__version__} "
+                           f"has none): use gemm='padded'")
     a2a = layers[0].a2a_rank.a2a
     on_gpu = [r for r in a2a.ranks if r.device.ordinal == layers[0].a2a_rank.device.ordinal]
     if [layer.a2a_rank for layer in layers] != on_gpu:
@@ -286,7 +322,10 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
               fns["router"](router, layer.top_k, layer.renormalize) for layer, router in zip(layers, routers)]
     routes = [(jax.numpy.asarray(i, jax.numpy.int32), jax.numpy.asarray(w, jax.numpy.float32)) for i, w in routes]
     d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], runtime_max)
-    fc2 = [fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t) for layer, rows, counts in zip(layers, d.rows, d.counts)]
+    ours = not any(isinstance(router, (tuple, list)) for router in routers)
+    fc2 = [fns["padded_ffn"](rows, counts, layer.w1t, layer.w2t, expert_rows_bound(layer, runtime_max, ours, rows.shape[0]))
+           if layer.gemm == "padded" else fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)
+           for layer, rows, counts in zip(layers, d.rows, d.counts)]
     return ops.combine_from_experts(fc2, d)
 
 

@@ -266,8 +266,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--protocol", choices=("fence", "sentinel", "auto"), default=None,
                     help="the all-to-all's protocol (default auto: SENTINEL for small batches, FENCE above; "
                          "fence with --combine-quant)")
-    ap.add_argument("--gemm", choices=("auto", "grouped", "loop"), default="auto",
-                    help="the experts' GEMMs (PyTorch): one grouped GEMM, a loop over experts, or auto (default)")
+    ap.add_argument("--gemm", choices=("auto",) + GEMMS["torch"] + GEMMS["jax"], default="auto",
+                    help="the experts' GEMMs: PyTorch one grouped GEMM or a loop over experts; JAX (ours and the "
+                         "baseline alike) a batched GEMM over rows padded per expert or jax.lax.ragged_dot; "
+                         "auto (default): grouped / padded")
     ap.add_argument("--combine-quant", choices=("fp8",), default=None,
                     help="FP8 combine (FENCE): finalize writes e4m3 partials, combine pulls those")
     ap.add_argument("--iters", type=positive_int, default=20, help="timed steps per token count (default 20)")
@@ -280,12 +282,17 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+GEMMS = {"torch": ("grouped", "loop"), "jax": ("padded", "ragged")}  # the experts' GEMMs of each framework
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = parser()
     args = ap.parse_args(argv)
     p = dict(PROFILES[args.profile], **{k: getattr(args, k) for k in ("experts", "top_k") if getattr(args, k)})
     if args.combine_quant and args.protocol not in (None, "fence"):
         ap.error(f"--combine-quant {args.combine_quant} needs --protocol fence, got {args.protocol}")
+    if args.gemm not in ("auto",) + GEMMS[args.framework]:
+        ap.error(f"--gemm {args.gemm}: --framework {args.framework} takes auto or one of {GEMMS[args.framework]}")
     if args.graph and (args.framework != "torch" or args.combine_quant or args.gemm == "loop"):
         ap.error("--graph runs the PyTorch layer with the bf16 combine and the grouped GEMM "
                  "(no --framework jax, --combine-quant or --gemm loop)")

@@ -3,9 +3,10 @@ in-process ranks of one GPU, jitted (moe_forward_traced: one XLA program for eve
 dispatch and combine as XLA calls on its stream) against the same layer eager
 (moe_forward_all_ranks) and against a jitted all-gather baseline a JAX user would write
 without ep_a2a: every rank's tokens, ids and weights concatenated (the all-gather), each rank's
-local experts over the selections of all tokens (sorted by expert, jax.lax.ragged_dot, the
-router weight applied in fp32 and scattered back per token), the ranks' outputs summed and
-each rank's own rows sliced out (the reduce-scatter).
+local experts over the selections of all tokens (sorted by expert; the same expert function as
+our layer's, --gemm: padded_ffn with at most one row per token and expert, or
+jax.lax.ragged_dot; the router weight applied in fp32 and scattered back per token), the ranks'
+outputs summed and each rank's own rows sliced out (the reduce-scatter).
 
 Method: wall time of a whole step on the host, from the call to the results being ready
 (jax.block_until_ready; the eager layer synchronizes itself), median over --iters after
@@ -26,12 +27,19 @@ import numpy as np
 from .bench_layer_profiles import layer_shape, run_seed
 
 
-def all_gather_step(layers):
-    """The jitted all-gather baseline over these layers: f(xs, logits) -> one output per rank."""
+def all_gather_step(layers, gemm: str):
+    """The jitted all-gather baseline over these layers: f(xs, logits) -> one output per rank.
+    gemm: "padded" or "ragged", the expert function (layers.jax.traced_functions)."""
     import jax
     import jax.numpy as jnp
     from ..layers.jax import traced_functions
-    router = traced_functions()["router"]
+    fns = traced_functions()
+    router = fns["router"]
+
+    def experts(layer, rows, counts, tokens):  # a token selects an expert at most once
+        if gemm == "padded":
+            return fns["padded_ffn"](rows, counts, layer.w1t, layer.w2t, tokens)
+        return fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)
 
     def step(xs, logits):
         routes = [router(lg, layer.top_k, layer.renormalize) for layer, lg in zip(layers, logits)]
@@ -47,8 +55,7 @@ def all_gather_step(layers):
             order = jnp.argsort(key, stable=True)
             counts = jnp.bincount(key, length=layer.num_local + 1)[:layer.num_local].astype(jnp.int32)
             rows = x[order // k]
-            h = jax.lax.ragged_dot(rows, layer.w1t, counts)
-            y = jax.lax.ragged_dot(jax.nn.silu(h[:, :layer.inter]) * h[:, layer.inter:], layer.w2t, counts)
+            y = experts(layer, rows, counts, n)
             wt = jnp.where(mine, w.reshape(-1), 0.0)[order]
             total = total.at[order // k].add(y.astype(jnp.float32) * wt[:, None])   # the reduce-scatter's sum
         outs, start = [], 0
@@ -101,6 +108,7 @@ def run(args, profiles: dict, commit) -> dict:
     from ..moe import local_experts
     from ..testing.layer_oracle import max_relative_error
     H, I, E, top_k, ep = layer_shape(args, profiles)
+    gemm = "padded" if args.gemm == "auto" else args.gemm
     seed = run_seed(args)
     rng = np.random.default_rng(seed)
     gpu = jax_device(args.device)
@@ -119,8 +127,8 @@ def run(args, profiles: dict, commit) -> dict:
         try:
             for r in a2a.ranks:
                 first, n = local_experts(E, ep, r.rank)
-                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm="ragged"))
-            base = all_gather_step(layers)
+                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=gemm))
+            base = all_gather_step(layers, gemm)
             for T in args.tokens:
                 xs = [put(rng.standard_normal((T, H)).astype(np.float32)).astype(jnp.bfloat16) for _ in range(ep)]
                 logits = [put(rng.standard_normal((T, E)).astype(np.float32)) for _ in range(ep)]
@@ -150,6 +158,6 @@ def run(args, profiles: dict, commit) -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit(),
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
                             device=args.device, tokens=args.tokens, iters=args.iters, warmup=args.warmup, seed=seed,
-                            protocol=protocol, combine_quant=args.combine_quant, gemm="ragged (jax.lax.ragged_dot)",
+                            protocol=protocol, combine_quant=args.combine_quant, gemm=gemm,
                             calls=calls_path(), xla_flags=os.environ.get("XLA_FLAGS", "")),
                 method=__doc__, rows=rows)

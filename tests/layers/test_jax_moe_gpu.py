@@ -34,7 +34,7 @@ def _bf16(bits, dev):
     return jax.device_put(jnp.asarray(np.ascontiguousarray(bits).view(jnp.bfloat16)), dev)
 
 
-@pytest.mark.parametrize("gemm", ["ragged", "loop"])
+@pytest.mark.parametrize("gemm", ["padded", "ragged", "loop"])
 @pytest.mark.parametrize("protocol", ["fence", "sentinel"])
 @pytest.mark.parametrize("ep,E,top_k,H,I,tmax", CASES)
 def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, gemm):
@@ -89,8 +89,9 @@ def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, g
         group.close()
 
 
-@pytest.mark.parametrize("protocol,quant", [("fence", None), ("sentinel", None), ("fence", "fp8")])
-def test_jitted_layer_is_the_eager_layer_bitwise(protocol, quant):
+@pytest.mark.parametrize("protocol,quant,gemm", [("fence", None, "padded"), ("sentinel", None, "padded"),
+                                                 ("fence", "fp8", "padded"), ("sentinel", None, "ragged")])
+def test_jitted_layer_is_the_eager_layer_bitwise(protocol, quant, gemm):
     import ep_a2a
     from ep_a2a.layers.base import payload_specs
     from ep_a2a.layers.jax import JaxMoeLayer, jit_forward_all_ranks, moe_forward_all_ranks
@@ -99,7 +100,7 @@ def test_jitted_layer_is_the_eager_layer_bitwise(protocol, quant):
     from ep_a2a.testing.layer_oracle import distinct_logits, random_weights
     from ep_a2a.testing.reference import from_float32
     dev = _gpu()
-    if not hasattr(jax.lax, "ragged_dot"):
+    if gemm == "ragged" and not hasattr(jax.lax, "ragged_dot"):
         pytest.skip(f"jax {jax.__version__} has no lax.ragged_dot")
     rng, seed = fresh_rng()
     ep, E, top_k, H, I, tmax = 8, 16, 4, 256, 128, 16
@@ -112,11 +113,11 @@ def test_jitted_layer_is_the_eager_layer_bitwise(protocol, quant):
         try:
             for r in a2a.ranks:
                 first, n = local_experts(E, ep, r.rank)
-                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm="ragged"))
+                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=gemm))
             f = jit_forward_all_ranks(layers, tmax)
             for step in range(4):
                 tokens = [int(t) for t in rng.integers(0, tmax + 1, ep)] if step % 2 else [tmax] * ep
-                msg = f"{seed} {protocol} {quant} step {step} tokens={tokens}"
+                msg = f"{seed} {protocol} {quant} {gemm} step {step} tokens={tokens}"
                 xs = [_bf16(from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16"), dev) for T in tokens]
                 lg = [jax.device_put(jnp.asarray(distinct_logits(rng, T, E)), dev) for T in tokens]
                 got = jax.block_until_ready(f(xs, lg))
