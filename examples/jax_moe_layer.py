@@ -1,6 +1,6 @@
 """A MoE layer in JAX on ep_a2a: N expert-parallel ranks in this process on GPU 0.
 
-    python examples/jax_moe_layer.py [--ranks 4] [--tokens 64] [--gemm auto|ragged|loop]
+    python examples/jax_moe_layer.py [--ranks 4] [--tokens 64] [--gemm auto|padded|ragged|loop]
 
 Each rank holds its block of the experts (ep_a2a.layers.jax.JaxMoeLayer). The layer runs jitted
 (one XLA program drives every rank: ep_a2a's dispatch and combine are XLA calls on its stream)
@@ -21,7 +21,7 @@ ap.add_argument("--hidden", type=int, default=1024)
 ap.add_argument("--intermediate", type=int, default=512)
 ap.add_argument("--experts", type=int, default=32)
 ap.add_argument("--top-k", type=int, default=4)
-ap.add_argument("--gemm", choices=("auto", "ragged", "loop"), default="auto", help="the eager layer's experts")
+ap.add_argument("--gemm", choices=("auto", "padded", "ragged", "loop"), default="auto", help="the eager layer's experts")
 ap.add_argument("--steps", type=int, default=25, help="timed steps of each mode (the first 5 are warm-up)")
 args = ap.parse_args()
 jax, gpus = require_jax_gpu()
@@ -30,7 +30,7 @@ import os  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import ep_a2a  # noqa: E402
-from ep_a2a.layers.jax import JaxMoeLayer, jit_forward_all_ranks, moe_forward_all_ranks, payload_specs  # noqa: E402
+from ep_a2a.layers.jax import JaxMoeLayer, expert_gemm, jit_forward_all_ranks, moe_forward_all_ranks, payload_specs  # noqa: E402
 from ep_a2a.moe import local_experts  # noqa: E402
 
 N, T, H, I, E, K = args.ranks, args.tokens, args.hidden, args.intermediate, args.experts, args.top_k
@@ -50,13 +50,13 @@ with ep_a2a.LocalGroup([0] * N) as group, \
     for r in a2a.ranks:
         first, n = local_experts(E, N, r.rank)
         layers.append(JaxMoeLayer(r, w_gate_up[first:first + n], w_down[first:first + n], gemm=args.gemm))
-    step = jit_forward_all_ranks(layers)       # needs jax.lax.ragged_dot
+    step = jit_forward_all_ranks(layers)
     jitted = jax.block_until_ready(step(xs, logits))
     eager = moe_forward_all_ranks(layers, xs, logits)
     same = all(np.array_equal(np.asarray(j).view(np.uint16), np.asarray(o).view(np.uint16)) for j, o in zip(jitted, eager))
     ids = np.concatenate([np.asarray(layer.routing[0]) for layer in layers])   # the routers' choices
     w = np.concatenate([np.asarray(layer.routing[1]) for layer in layers])
-    gemm = layers[0].gemm
+    gemm = expert_gemm(layers[0].gemm, T)   # the experts this T^ ran (auto: by size)
 
     times = {}
     for name, run in (("jit", lambda: jax.block_until_ready(step(xs, logits))),
@@ -76,7 +76,7 @@ from ep_a2a.testing.layer_oracle import check_layer_output, dense_reference, max
 bits = lambda a: np.asarray(a).view(np.uint16)  # noqa: E731  (bf16 as its bits, the oracle's input)
 got = np.concatenate([np.asarray(o).astype(np.float32) for o in jitted])
 want = dense_reference(np.concatenate([bits(x) for x in xs]), ids, w, bits(w_gate_up), bits(w_down))
-if not same and gemm == "ragged":   # (the jitted experts are ragged_dot; "loop" rounds apart)
+if not same and gemm != "loop":   # (jit and eager run the same expert function; "loop" rounds apart)
     print("jax_moe_layer: MISMATCH: the jitted layer differs from the eager one")
     raise SystemExit(1)
 try:

@@ -25,7 +25,8 @@ Three ways to run the experts (gemm=), none with a host sync but "loop":
   "loop": host counts (one sync per rank, in the compute phase), one jitted FFN per expert
     with rows (compiled once per distinct row count), outputs copied into a buffer of ours
     with cuMemcpyDtoDAsync.
-  "auto": "padded".
+  "auto": "ragged" below RAGGED_BELOW tokens per rank (T^), where the masked work is small
+    and padded's gathers cost more, "padded" from there (expert_gemm).
 
 In-process ranks: the same phases as layers.torch.moe_forward_all_ranks (route, dispatch every
 rank, compute, combine every rank), for the same reason. JAX preallocates most of the GPU by
@@ -44,6 +45,7 @@ from ..moe import ExpertIndex
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
 GEMMS = ("auto", "padded", "ragged", "loop")
+RAGGED_BELOW = 16
 _JIT = {}
 
 
@@ -102,6 +104,15 @@ def traced_functions() -> dict:
     return _jitted()["traced"]
 
 
+def expert_gemm(gemm: str, runtime_max: int) -> str:
+    """The expert function a step of T^ = runtime_max runs for a layer's `gemm` (eager and traced
+    alike, so the two stay bitwise equal)."""
+    import jax
+    if gemm != "auto":
+        return gemm
+    return "ragged" if runtime_max < RAGGED_BELOW and hasattr(jax.lax, "ragged_dot") else "padded"
+
+
 def expert_rows_bound(layer, runtime_max: int, our_router: bool, capacity: int) -> int:
     """The most rows one local expert can receive in a step of T^ = runtime_max: a token picks
     an expert at most once through our router (top_k distinct experts); ids from the caller
@@ -128,7 +139,7 @@ class JaxMoeLayer(LayerBase):
         import jax.numpy as jnp
         super().__init__(a2a_rank, "layers.jax", renormalize, gemm, GEMMS)
         a = a2a_rank.a2a
-        self.gemm = "padded" if gemm == "auto" else gemm
+        self.gemm = gemm
         L, H = self.num_local, self.hidden
         if tuple(np.shape(w_gate_up))[0::2] != (L, H) or np.shape(w_gate_up)[1] % 2 or len(np.shape(w_gate_up)) != 3:
             raise ValueError(f"w_gate_up: must be [E_local={L}, 2*I, hidden={H}], got {list(np.shape(w_gate_up))}")
@@ -203,12 +214,13 @@ class JaxMoeLayer(LayerBase):
         s, H = self.s, self.hidden
         idx = self.index_and_gather(self._xg)
         cap = idx.capacity
-        if self.gemm in ("padded", "ragged"):
+        gemm = expert_gemm(self.gemm, self._step["runtime_max"])
+        if gemm in ("padded", "ragged"):
             rows = self._xg.view(0, (cap, H))
             rows.stream = s  # JAX's stream waits for gather_rows
             xj = jax.dlpack.from_dlpack(rows)
             counts = jax.dlpack.from_dlpack(idx.counts)
-            if self.gemm == "padded":  # [cap, H]; rows past the total unused
+            if gemm == "padded":  # [cap, H]; rows past the total unused
                 y = _JIT["padded_ffn"](xj, counts, self.w1t, self.w2t,
                                        expert_rows_bound(self, self._step["runtime_max"], self._step["our_router"], cap))
             else:
@@ -290,7 +302,7 @@ def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int 
 def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = None):
     """One step of the layers of every in-process rank on one GPU as traced JAX: call it inside
     jax.jit (jit_forward_all_ranks does). The same numerics as moe_forward_all_ranks (the same
-    router and expert functions: the layers' gemm, "ragged" for "loop" layers), with dispatch, index and gather in
+    router and expert functions: expert_gemm of the layers' gemm, "ragged" for "loop" layers), with dispatch, index and gather in
     one XLA call and finalize and combine in another (ep_a2a/ops/jax.py): the dispatched rows
     are gathered straight into XLA's buffer and combine writes straight into the result, so no
     workspace copy remains. layers: one per rank of the all-to-all on that GPU, in a2a.ranks
@@ -301,7 +313,7 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
     from ..ops.jax import JaxAlltoAll
     if not (len(layers) == len(xs) == len(routers)) or not layers:
         raise ValueError(f"layers, xs, routers: need one per rank, got {len(layers)}, {len(xs)}, {len(routers)}")
-    if not hasattr(jax.lax, "ragged_dot") and any(layer.gemm != "padded" for layer in layers):
+    if not hasattr(jax.lax, "ragged_dot") and any(layer.gemm in ("ragged", "loop") for layer in layers):
         raise RuntimeError(f"traced layers with gemm={layers[0].gemm!r} need jax.lax.ragged_dot (jax {jax.__version__} "
                            f"has none): use gemm='padded'")
     a2a = layers[0].a2a_rank.a2a
@@ -324,7 +336,7 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
     d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], runtime_max)
     ours = not any(isinstance(router, (tuple, list)) for router in routers)
     fc2 = [fns["padded_ffn"](rows, counts, layer.w1t, layer.w2t, expert_rows_bound(layer, runtime_max, ours, rows.shape[0]))
-           if layer.gemm == "padded" else fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)
+           if expert_gemm(layer.gemm, runtime_max) == "padded" else fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)
            for layer, rows, counts in zip(layers, d.rows, d.counts)]
     return ops.combine_from_experts(fc2, d)
 

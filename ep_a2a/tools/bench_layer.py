@@ -269,7 +269,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--gemm", choices=("auto",) + GEMMS["torch"] + GEMMS["jax"], default="auto",
                     help="the experts' GEMMs: PyTorch one grouped GEMM or a loop over experts; JAX (ours and the "
                          "baseline alike) a batched GEMM over rows padded per expert or jax.lax.ragged_dot; "
-                         "auto (default): grouped / padded")
+                         "auto (default): grouped / layers.jax.expert_gemm")
     ap.add_argument("--combine-quant", choices=("fp8",), default=None,
                     help="FP8 combine (FENCE): finalize writes e4m3 partials, combine pulls those")
     ap.add_argument("--iters", type=positive_int, default=20, help="timed steps per token count (default 20)")

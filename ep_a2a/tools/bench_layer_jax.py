@@ -29,15 +29,15 @@ from .bench_layer_profiles import layer_shape, run_seed
 
 def all_gather_step(layers, gemm: str):
     """The jitted all-gather baseline over these layers: f(xs, logits) -> one output per rank.
-    gemm: "padded" or "ragged", the expert function (layers.jax.traced_functions)."""
+    gemm: the layers' gemm ("auto", "padded" or "ragged"), resolved per T^ as theirs (expert_gemm)."""
     import jax
     import jax.numpy as jnp
-    from ..layers.jax import traced_functions
+    from ..layers.jax import expert_gemm, traced_functions
     fns = traced_functions()
     router = fns["router"]
 
     def experts(layer, rows, counts, tokens):  # a token selects an expert at most once
-        if gemm == "padded":
+        if expert_gemm(gemm, tokens // len(layers)) == "padded":
             return fns["padded_ffn"](rows, counts, layer.w1t, layer.w2t, tokens)
         return fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)
 
@@ -108,7 +108,7 @@ def run(args, profiles: dict, commit) -> dict:
     from ..moe import local_experts
     from ..testing.layer_oracle import max_relative_error
     H, I, E, top_k, ep = layer_shape(args, profiles)
-    gemm = "padded" if args.gemm == "auto" else args.gemm
+    gemm = args.gemm
     seed = run_seed(args)
     rng = np.random.default_rng(seed)
     gpu = jax_device(args.device)

@@ -11,7 +11,7 @@ jax = pytest.importorskip("jax", reason="jax is not installed (pip install jax)"
 jnp = jax.numpy
 
 from common import fresh_rng  # noqa: E402
-from ep_a2a.layers.jax import expert_rows_bound, traced_functions  # noqa: E402
+from ep_a2a.layers.jax import RAGGED_BELOW, expert_gemm, expert_rows_bound, traced_functions  # noqa: E402
 
 
 def _oracle(x, counts, w1t, w2t):
@@ -57,3 +57,9 @@ def test_the_bound_is_one_row_per_token_only_for_our_router():
     assert expert_rows_bound(layer, 0, True, 64) == 8                # T^ 0 still leaves a row per rank
     assert expert_rows_bound(layer, 16, False, 8 * 16 * 4) == 8 * 16 * 4   # caller ids may repeat an expert
     assert expert_rows_bound(layer, 16, True, 100) == 100           # never past the workspace
+
+
+def test_auto_takes_ragged_dot_below_the_threshold_and_padded_from_it():
+    small = "ragged" if hasattr(jax.lax, "ragged_dot") else "padded"
+    assert [expert_gemm("auto", t) for t in (1, RAGGED_BELOW - 1, RAGGED_BELOW, 1024)] == [small, small, "padded", "padded"]
+    assert [expert_gemm(g, 1) for g in ("padded", "ragged", "loop")] == ["padded", "ragged", "loop"]
