@@ -302,8 +302,9 @@ def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int 
 def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = None):
     """One step of the layers of every in-process rank on one GPU as traced JAX: call it inside
     jax.jit (jit_forward_all_ranks does). The same numerics as moe_forward_all_ranks (the same
-    router and expert functions: expert_gemm of the layers' gemm, "ragged" for "loop" layers), with dispatch, index and gather in
-    one XLA call and finalize and combine in another (ep_a2a/ops/jax.py): the dispatched rows
+    router and expert functions: expert_gemm of the layers' gemm, "ragged" for "loop" layers),
+    with dispatch, index and gather in one XLA call and finalize and combine in another
+    (ep_a2a/ops/jax.py): the dispatched rows
     are gathered straight into XLA's buffer and combine writes straight into the result, so no
     workspace copy remains. layers: one per rank of the all-to-all on that GPU, in a2a.ranks
     order; xs, routers: as moe_forward_all_ranks (T^ defaults to the largest T_r, at least 1).
