@@ -132,3 +132,46 @@ def test_jitted_layer_is_the_eager_layer_bitwise(protocol, quant, gemm):
         finally:
             for layer in layers:
                 layer.close()
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_padded_experts_take_every_row_when_the_caller_repeats_an_expert(protocol):
+    """Caller ids may name one expert several times per token: every selection of every token
+    then lands on one expert (the workspace's whole capacity), past the ep_size x T^ rows the
+    padded GEMM allows through our router. Eager and jitted, against the float64 reference."""
+    import ep_a2a
+    from ep_a2a.layers.base import payload_specs
+    from ep_a2a.layers.jax import JaxMoeLayer, jit_forward_all_ranks, moe_forward_all_ranks
+    from ep_a2a.moe import local_experts
+    from ep_a2a.testing.layer_oracle import check_layer_output, dense_reference, random_weights
+    from ep_a2a.testing.reference import from_float32
+    dev = _gpu()
+    rng, seed = fresh_rng()
+    ep, E, top_k, H, I, tmax = 4, 8, 4, 256, 128, 16
+    w1_bits, w2_bits = random_weights(rng, E, H, I)
+    w1, w2 = _bf16(w1_bits, dev), _bf16(w2_bits, dev)
+    with ep_a2a.LocalGroup([0] * ep) as group, \
+            ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E, payloads=payload_specs(H, top_k),
+                               combine_hidden_size=H, protocol=protocol, timeout_s=20.0) as a2a:
+        layers = []
+        try:
+            for r in a2a.ranks:
+                first, n = local_experts(E, ep, r.rank)
+                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm="padded"))
+            hot = int(rng.integers(E))
+            xs_bits = [from_float32(rng.standard_normal((tmax, H)).astype(np.float32), "bfloat16") for _ in range(ep)]
+            ids = [np.full((tmax, top_k), hot, np.int32) for _ in range(ep)]
+            ws = [rng.random((tmax, top_k)).astype(np.float32) / top_k for _ in range(ep)]
+            xs = [_bf16(x, dev) for x in xs_bits]
+            routers = [(jax.device_put(jnp.asarray(i), dev), jax.device_put(jnp.asarray(w), dev)) for i, w in zip(ids, ws)]
+            eager = moe_forward_all_ranks(layers, xs, routers, tmax)
+            jitted = jax.block_until_ready(jit_forward_all_ranks(layers, tmax)(xs, routers))
+            want = dense_reference(np.concatenate(xs_bits), np.concatenate(ids), np.concatenate(ws), w1_bits, w2_bits)
+            for r in range(ep):
+                msg = f"{seed} {protocol} expert {hot} rank {r}"
+                check_layer_output(np.asarray(eager[r]).astype(np.float32), want[r * tmax:(r + 1) * tmax], msg)
+                assert np.array_equal(np.asarray(jitted[r]).view(np.uint16), np.asarray(eager[r]).view(np.uint16)), \
+                    f"{msg}: jit differs from eager"
+        finally:
+            for layer in layers:
+                layer.close()
