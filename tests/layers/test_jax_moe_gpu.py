@@ -2,6 +2,7 @@
 float64 NumPy reference and bf16 tolerances as the PyTorch layer (ep_a2a/layers/torch.py); the
 jitted layer (the MoE pair: dispatch_to_experts / combine_from_experts, on the native path where
 its library is built) bitwise equal to the eager layer, bf16 and FP8 combine, both protocols."""
+import contextlib
 import os
 
 # JAX takes 75% of the GPU at its first use unless told otherwise; ep_a2a's workspaces and the
@@ -34,32 +35,45 @@ def _bf16(bits, dev):
     return jax.device_put(jnp.asarray(np.ascontiguousarray(bits).view(jnp.bfloat16)), dev)
 
 
+@contextlib.contextmanager
+def _jax_layers(dev, rng, ep, E, top_k, H, I, tmax, gemm, **options):
+    """Random weights of E experts (their bf16 bits too) and one JaxMoeLayer per rank of an
+    all-to-all of `ep` ranks on GPU 0 (`options`: the all-to-all's others); closed on exit.
+    Yields (layers, (w_gate_up bits, w_down bits))."""
+    import ep_a2a
+    from ep_a2a.layers.base import payload_specs
+    from ep_a2a.layers.jax import JaxMoeLayer
+    from ep_a2a.moe import local_experts
+    from ep_a2a.testing.layer_oracle import random_weights
+    w1_bits, w2_bits = random_weights(rng, E, H, I)
+    w1, w2 = _bf16(w1_bits, dev), _bf16(w2_bits, dev)
+    with ep_a2a.LocalGroup([0] * ep) as group, \
+            ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E, payloads=payload_specs(H, top_k),
+                               combine_hidden_size=H, timeout_s=20.0, **options) as a2a:
+        layers = []
+        try:
+            for r in a2a.ranks:
+                first, n = local_experts(E, ep, r.rank)
+                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=gemm))
+            yield layers, (w1_bits, w2_bits)
+        finally:
+            for layer in layers:
+                layer.close()
+
+
 @pytest.mark.parametrize("gemm", ["padded", "ragged", "loop"])
 @pytest.mark.parametrize("protocol", ["fence", "sentinel"])
 @pytest.mark.parametrize("ep,E,top_k,H,I,tmax", CASES)
 def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, gemm):
-    import ep_a2a
     from ep_a2a.interop.arrays import copy_from_numpy
-    from ep_a2a.layers.jax import JaxMoeLayer, moe_forward_all_ranks
-    from ep_a2a.moe import local_experts
+    from ep_a2a.layers.jax import moe_forward_all_ranks
     from ep_a2a.testing.reference import from_float32
-    from ep_a2a.layers.base import payload_specs
-    from ep_a2a.testing.layer_oracle import (check_layer_output, dense_reference, distinct_logits, random_weights,
-                                             route_reference)
+    from ep_a2a.testing.layer_oracle import check_layer_output, dense_reference, distinct_logits, route_reference
     dev = _gpu()
     if gemm == "ragged" and not hasattr(jax.lax, "ragged_dot"):
         pytest.skip(f"jax {jax.__version__} has no lax.ragged_dot")
     rng, seed = fresh_rng()
-    w1_bits, w2_bits = random_weights(rng, E, H, I)
-    w1, w2 = _bf16(w1_bits, dev), _bf16(w2_bits, dev)
-    group = ep_a2a.LocalGroup([0] * ep)
-    a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E,
-                             payloads=payload_specs(H, top_k), combine_hidden_size=H, protocol=protocol, timeout_s=20.0)
-    layers = []
-    try:
-        for r in a2a.ranks:
-            first, n = local_experts(E, ep, r.rank)
-            layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=gemm))
+    with _jax_layers(dev, rng, ep, E, top_k, H, I, tmax, gemm, protocol=protocol) as (layers, (w1_bits, w2_bits)):
         for step in range(2):
             tokens = layer_token_counts(rng, ep, tmax, step)
             msg = f"{seed} {protocol} {gemm} step {step} tokens={tokens}"
@@ -82,56 +96,36 @@ def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, g
                 assert np.array_equal(ids, routing[r][0]), f"{msg} rank {r}: router ids"
                 np.testing.assert_allclose(w, routing[r][1], rtol=1e-5, atol=1e-7, err_msg=f"{msg} rank {r}: router weights")
                 start += T
-    finally:
-        for layer in layers:
-            layer.close()
-        a2a.close()
-        group.close()
 
 
 @pytest.mark.parametrize("protocol,quant,gemm", [("fence", None, "padded"), ("sentinel", None, "padded"),
                                                  ("fence", "fp8", "padded"), ("sentinel", None, "ragged")])
 def test_jitted_layer_is_the_eager_layer_bitwise(protocol, quant, gemm):
-    import ep_a2a
-    from ep_a2a.layers.base import payload_specs
-    from ep_a2a.layers.jax import JaxMoeLayer, jit_forward_all_ranks, moe_forward_all_ranks
-    from ep_a2a.moe import local_experts
+    from ep_a2a.layers.jax import jit_forward_all_ranks, moe_forward_all_ranks
     from ep_a2a.ops import jax_ffi
-    from ep_a2a.testing.layer_oracle import distinct_logits, random_weights
+    from ep_a2a.testing.layer_oracle import distinct_logits
     from ep_a2a.testing.reference import from_float32
     dev = _gpu()
     if gemm == "ragged" and not hasattr(jax.lax, "ragged_dot"):
         pytest.skip(f"jax {jax.__version__} has no lax.ragged_dot")
     rng, seed = fresh_rng()
     ep, E, top_k, H, I, tmax = 8, 16, 4, 256, 128, 16
-    w1_bits, w2_bits = random_weights(rng, E, H, I)
-    w1, w2 = _bf16(w1_bits, dev), _bf16(w2_bits, dev)
-    with ep_a2a.LocalGroup([0] * ep) as group, \
-            ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E, payloads=payload_specs(H, top_k),
-                               combine_hidden_size=H, protocol=protocol, combine_quant=quant, timeout_s=20.0) as a2a:
-        layers = []
-        try:
-            for r in a2a.ranks:
-                first, n = local_experts(E, ep, r.rank)
-                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=gemm))
-            f = jit_forward_all_ranks(layers, tmax)
-            for step in range(4):
-                tokens = [int(t) for t in rng.integers(0, tmax + 1, ep)] if step % 2 else [tmax] * ep
-                msg = f"{seed} {protocol} {quant} {gemm} step {step} tokens={tokens}"
-                xs = [_bf16(from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16"), dev) for T in tokens]
-                lg = [jax.device_put(jnp.asarray(distinct_logits(rng, T, E)), dev) for T in tokens]
-                got = jax.block_until_ready(f(xs, lg))
-                eager = moe_forward_all_ranks(layers, xs, lg, tmax)
-                for r, (g, e) in enumerate(zip(got, eager)):
-                    g, e = np.asarray(g).view(np.uint16), np.asarray(e).view(np.uint16)
-                    assert g.shape == (tokens[r], H) and np.array_equal(g, e), \
-                        f"{msg} rank {r}: jit differs from eager in {int((g != e).sum())} values"
-            ops = layers[0]._jit_ops
-            if jax_ffi.LIBRARY.is_file() and os.environ.get("EP_A2A_JAX_NATIVE") != "0":
-                assert ops.native and any(p.calls(0) > 0 for p in ops._plans), f"{seed}: the native path did not run"
-        finally:
-            for layer in layers:
-                layer.close()
+    with _jax_layers(dev, rng, ep, E, top_k, H, I, tmax, gemm, protocol=protocol, combine_quant=quant) as (layers, _):
+        f = jit_forward_all_ranks(layers, tmax)
+        for step in range(4):
+            tokens = [int(t) for t in rng.integers(0, tmax + 1, ep)] if step % 2 else [tmax] * ep
+            msg = f"{seed} {protocol} {quant} {gemm} step {step} tokens={tokens}"
+            xs = [_bf16(from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16"), dev) for T in tokens]
+            lg = [jax.device_put(jnp.asarray(distinct_logits(rng, T, E)), dev) for T in tokens]
+            got = jax.block_until_ready(f(xs, lg))
+            eager = moe_forward_all_ranks(layers, xs, lg, tmax)
+            for r, (g, e) in enumerate(zip(got, eager)):
+                g, e = np.asarray(g).view(np.uint16), np.asarray(e).view(np.uint16)
+                assert g.shape == (tokens[r], H) and np.array_equal(g, e), \
+                    f"{msg} rank {r}: jit differs from eager in {int((g != e).sum())} values"
+        ops = layers[0]._jit_ops
+        if jax_ffi.LIBRARY.is_file() and os.environ.get("EP_A2A_JAX_NATIVE") != "0":
+            assert ops.native and any(p.calls(0) > 0 for p in ops._plans), f"{seed}: the native path did not run"
 
 
 @pytest.mark.parametrize("protocol", ["fence", "sentinel"])
@@ -139,39 +133,24 @@ def test_padded_experts_take_every_row_when_the_caller_repeats_an_expert(protoco
     """Caller ids may name one expert several times per token: every selection of every token
     then lands on one expert (the workspace's whole capacity), past the ep_size x T^ rows the
     padded GEMM allows through our router. Eager and jitted, against the float64 reference."""
-    import ep_a2a
-    from ep_a2a.layers.base import payload_specs
-    from ep_a2a.layers.jax import JaxMoeLayer, jit_forward_all_ranks, moe_forward_all_ranks
-    from ep_a2a.moe import local_experts
-    from ep_a2a.testing.layer_oracle import check_layer_output, dense_reference, random_weights
+    from ep_a2a.layers.jax import jit_forward_all_ranks, moe_forward_all_ranks
+    from ep_a2a.testing.layer_oracle import check_layer_output, dense_reference
     from ep_a2a.testing.reference import from_float32
     dev = _gpu()
     rng, seed = fresh_rng()
     ep, E, top_k, H, I, tmax = 4, 8, 4, 256, 128, 16
-    w1_bits, w2_bits = random_weights(rng, E, H, I)
-    w1, w2 = _bf16(w1_bits, dev), _bf16(w2_bits, dev)
-    with ep_a2a.LocalGroup([0] * ep) as group, \
-            ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=tmax, top_k=top_k, num_experts=E, payloads=payload_specs(H, top_k),
-                               combine_hidden_size=H, protocol=protocol, timeout_s=20.0) as a2a:
-        layers = []
-        try:
-            for r in a2a.ranks:
-                first, n = local_experts(E, ep, r.rank)
-                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm="padded"))
-            hot = int(rng.integers(E))
-            xs_bits = [from_float32(rng.standard_normal((tmax, H)).astype(np.float32), "bfloat16") for _ in range(ep)]
-            ids = [np.full((tmax, top_k), hot, np.int32) for _ in range(ep)]
-            ws = [rng.random((tmax, top_k)).astype(np.float32) / top_k for _ in range(ep)]
-            xs = [_bf16(x, dev) for x in xs_bits]
-            routers = [(jax.device_put(jnp.asarray(i), dev), jax.device_put(jnp.asarray(w), dev)) for i, w in zip(ids, ws)]
-            eager = moe_forward_all_ranks(layers, xs, routers, tmax)
-            jitted = jax.block_until_ready(jit_forward_all_ranks(layers, tmax)(xs, routers))
-            want = dense_reference(np.concatenate(xs_bits), np.concatenate(ids), np.concatenate(ws), w1_bits, w2_bits)
-            for r in range(ep):
-                msg = f"{seed} {protocol} expert {hot} rank {r}"
-                check_layer_output(np.asarray(eager[r]).astype(np.float32), want[r * tmax:(r + 1) * tmax], msg)
-                assert np.array_equal(np.asarray(jitted[r]).view(np.uint16), np.asarray(eager[r]).view(np.uint16)), \
-                    f"{msg}: jit differs from eager"
-        finally:
-            for layer in layers:
-                layer.close()
+    with _jax_layers(dev, rng, ep, E, top_k, H, I, tmax, "padded", protocol=protocol) as (layers, (w1_bits, w2_bits)):
+        hot = int(rng.integers(E))
+        xs_bits = [from_float32(rng.standard_normal((tmax, H)).astype(np.float32), "bfloat16") for _ in range(ep)]
+        ids = [np.full((tmax, top_k), hot, np.int32) for _ in range(ep)]
+        ws = [rng.random((tmax, top_k)).astype(np.float32) / top_k for _ in range(ep)]
+        xs = [_bf16(x, dev) for x in xs_bits]
+        routers = [(jax.device_put(jnp.asarray(i), dev), jax.device_put(jnp.asarray(w), dev)) for i, w in zip(ids, ws)]
+        eager = moe_forward_all_ranks(layers, xs, routers, tmax)
+        jitted = jax.block_until_ready(jit_forward_all_ranks(layers, tmax)(xs, routers))
+        want = dense_reference(np.concatenate(xs_bits), np.concatenate(ids), np.concatenate(ws), w1_bits, w2_bits)
+        for r in range(ep):
+            msg = f"{seed} {protocol} expert {hot} rank {r}"
+            check_layer_output(np.asarray(eager[r]).astype(np.float32), want[r * tmax:(r + 1) * tmax], msg)
+            assert np.array_equal(np.asarray(jitted[r]).view(np.uint16), np.asarray(eager[r]).view(np.uint16)), \
+                f"{msg}: jit differs from eager"

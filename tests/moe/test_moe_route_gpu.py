@@ -46,11 +46,15 @@ def _ulps(a, b):
     return (a.contiguous().view(torch.int32).long() - b.contiguous().view(torch.int32).long()).abs()
 
 
+def _outputs(T, k, device):
+    """The router's outputs for T tokens, poisoned: ids int32 and weights fp32 [T, k]."""
+    return (torch.full((T, k), POISON, dtype=torch.int32, device=device),
+            torch.full((T, k), float(POISON), dtype=torch.float32, device=device))
+
+
 def _route(logits, k, renormalize, how="eager"):
     from ep_a2a.ops import torch as ep_ops
-    T = logits.shape[0]
-    ids = torch.full((T, k), POISON, dtype=torch.int32, device=logits.device)
-    w = torch.full((T, k), float(POISON), dtype=torch.float32, device=logits.device)
+    ids, w = _outputs(logits.shape[0], k, logits.device)
     if how == "eager":
         ep_ops.route(logits, ids, w, renormalize)
     else:
@@ -179,8 +183,7 @@ def test_route_under_graph_replays():
     rng, seed = fresh_rng()
     T, E, k = 128, 64, 8
     lg = torch.empty(T, E, device=dev)
-    ids = torch.empty(T, k, dtype=torch.int32, device=dev)
-    w = torch.empty(T, k, device=dev)
+    ids, w = _outputs(T, k, dev)
     s = torch.cuda.Stream(dev)
     s.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(s):
@@ -207,9 +210,9 @@ def test_route_on_an_explicit_stream_and_argument_errors():
     dev = _cuda()
     rng, seed = fresh_rng()
     lg = _distinct(rng, 16, 64, "float32")
-    ids = torch.empty(16, 8, dtype=torch.int32, device=dev)
-    w = torch.empty(16, 8, device=dev)
+    ids, w = _outputs(16, 8, dev)
     s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))  # (the poison is written on the current stream)
     ep_ops.route(lg, ids, w, stream=s)
     torch.cuda.synchronize()
     want_ids, _ = _torch_route(lg, 8, True)
@@ -232,6 +235,5 @@ def test_opcheck_of_the_route_op():
     dev = _cuda()
     rng, seed = fresh_rng()
     lg = _distinct(rng, 32, 64, "float32")
-    ids = torch.empty(32, 8, dtype=torch.int32, device=dev)
-    w = torch.empty(32, 8, device=dev)
+    ids, w = _outputs(32, 8, dev)
     torch.library.opcheck(ep_ops.OPS["route"], (lg, ids, w, True), test_utils=("test_schema", "test_faketensor"))
