@@ -38,7 +38,7 @@ def _chain(ops, tmax: int, steps: int):
     return jax.jit(run)
 
 
-def _trivial(n: int):
+def _trivial():
     """The same arguments as _chain's step, one elementwise op per rank's hidden states: a
     jitted call whose host cost is JAX's alone."""
     import jax
@@ -86,7 +86,7 @@ def measure(a2a, path: str, T: int, hidden: int, iters: int, chain: int, rng) ->
             out = one(ids, xs, ws)
         jax.block_until_ready(out)
         pipelined = (time.perf_counter() - t0) / iters * 1e6
-        trivial = _trivial(n)
+        trivial = _trivial()
         for _ in range(3):
             jax.block_until_ready(trivial(ids, xs, ws))
         jax_us = _median_us(lambda: jax.block_until_ready(trivial(ids, xs, ws)), iters)

@@ -245,7 +245,7 @@ def route_impl(logits, ids, weights, renormalize=True, stream=-1):
     ordinal = logits.get_device()
     if ordinal < 0:
         raise ValueError(f"logits: must be on a CUDA GPU, got {logits.device}")
-    r = _ROUTERS.get(ordinal) or torch_router(ordinal)
+    r = torch_router(ordinal)
     s, explicit = r.streams.pick(stream)
     slots = r.slots
     r.router(slots["logits"].fill(logits), slots["ids"].fill(ids), slots["weights"].fill(weights),

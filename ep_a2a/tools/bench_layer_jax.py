@@ -108,7 +108,6 @@ def run(args, profiles: dict, commit) -> dict:
     from ..moe import local_experts
     from ..testing.layer_oracle import max_relative_error
     H, I, E, top_k, ep = layer_shape(args, profiles)
-    gemm = args.gemm
     seed = run_seed(args)
     rng = np.random.default_rng(seed)
     gpu = jax_device(args.device)
@@ -127,8 +126,8 @@ def run(args, profiles: dict, commit) -> dict:
         try:
             for r in a2a.ranks:
                 first, n = local_experts(E, ep, r.rank)
-                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=gemm))
-            base = all_gather_step(layers, gemm)
+                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm))
+            base = all_gather_step(layers, args.gemm)
             for T in args.tokens:
                 xs = [put(rng.standard_normal((T, H)).astype(np.float32)).astype(jnp.bfloat16) for _ in range(ep)]
                 logits = [put(rng.standard_normal((T, E)).astype(np.float32)) for _ in range(ep)]
@@ -158,6 +157,6 @@ def run(args, profiles: dict, commit) -> dict:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(), commit=commit(),
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
                             device=args.device, tokens=args.tokens, iters=args.iters, warmup=args.warmup, seed=seed,
-                            protocol=protocol, combine_quant=args.combine_quant, gemm=gemm,
+                            protocol=protocol, combine_quant=args.combine_quant, gemm=args.gemm,
                             calls=calls_path(), xla_flags=os.environ.get("XLA_FLAGS", "")),
                 method=__doc__, rows=rows)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-
 from . import bench_layer
 from .argtypes import check_top_k
 from .bench_layer_profiles import PROFILES, torch_layer_run

@@ -15,7 +15,7 @@ def test_the_trivial_call_does_one_elementwise_op_per_rank():
     xs = [jnp.asarray(rng.standard_normal((3, 8)).astype(np.float32)).astype(jnp.bfloat16) for _ in range(n)]
     ids = [jnp.zeros((3, 2), jnp.int32)] * n
     ws = [jnp.ones((3, 2), jnp.float32)] * n
-    out = jax.block_until_ready(jax_bench._trivial(n)(ids, xs, ws))
+    out = jax.block_until_ready(jax_bench._trivial()(ids, xs, ws))
     assert len(out) == n, seed
     for x, y in zip(xs, out):
         want = (np.asarray(x, np.float32) * np.float32(1.0001)).astype(jnp.bfloat16)
