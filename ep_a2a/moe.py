@@ -140,6 +140,7 @@ class ExpertIndex(Owned):
         for name in _KERNELS:
             self._module.function(name)
         self._launches = {}
+        self.last_issued = ()  # the Launches of the last call of any piece (ops/torch_views.Replays)
         self._views = {}
         self.runtime_max_tokens_per_rank, self.stream = None, None
         self.rows, self.row_weight, self.row_of = self._views_for(max_tokens_per_rank)
@@ -179,8 +180,8 @@ class ExpertIndex(Owned):
         return v
 
     def _launch(self, name: str, args, grid: int, block: int, shared: int, stream: int) -> None:
-        """Launch kernel `name`. Its Launch keeps the first call's argument objects (the packed
-        pointer array points at them); later calls copy their values in."""
+        """Launch kernel `name` and return its Launch, which keeps the first call's argument
+        objects (the packed pointer array points at them); later calls copy their values in."""
         launch = self._launches.get(name)
         if launch is None:
             launch = self._launches[name] = Launch(self.device, self._module.function(name), args, grid, block)
@@ -191,7 +192,9 @@ class ExpertIndex(Owned):
         launch.grid = grid  # (through the setter: Launch caches the grid it last set)
         cfg = launch.config
         cfg.blockDimX, cfg.sharedMemBytes = block, shared
+        launch.stamp += 1
         launch(stream)
+        return launch
 
     def _build(self, ids: Tensor, weights: Tensor, runtime_max: int, stream: int) -> None:
         a, L = self._args, self.num_local_experts
@@ -202,11 +205,11 @@ class ExpertIndex(Owned):
         self.device.make_current()
         shared = 4 * L * warps
         if fused:
-            self._launch("moe_index_fused", [a], 1, 32 * warps, shared, stream)
+            self.last_issued = (self._launch("moe_index_fused", [a], 1, 32 * warps, shared, stream),)
         else:
-            self._launch("moe_index_count", [a], tiles // warps, 32 * warps, shared, stream)
-            self._launch("moe_index_scan", [a], 1, 1024, 0, stream)
-            self._launch("moe_index_scatter", [a], tiles // warps, 32 * warps, shared, stream)
+            self.last_issued = (self._launch("moe_index_count", [a], tiles // warps, 32 * warps, shared, stream),
+                                self._launch("moe_index_scan", [a], 1, 1024, 0, stream),
+                                self._launch("moe_index_scatter", [a], tiles // warps, 32 * warps, shared, stream))
         self.runtime_max_tokens_per_rank, self.stream = runtime_max, stream
         self.rows, self.row_weight, self.row_of = self._views_for(runtime_max)
         for t in (self.counts, self.offsets, self.rows, self.row_weight, self.row_of):
@@ -317,7 +320,7 @@ def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
             ctypes.c_uint64(index._base["offsets"]), ctypes.c_int32(index.num_local_experts),
             ctypes.c_uint32(row_bytes), ctypes.c_uint32(vec), ctypes.c_int32(group)]
     index.device.make_current()
-    index._launch("moe_gather_rows", args, grid, _THREADS, 0, s)
+    index.last_issued = (index._launch("moe_gather_rows", args, grid, _THREADS, 0, s),)
 
 
 def activation(index: ExpertIndex, fc1_out, out, stream=None) -> None:
@@ -353,7 +356,7 @@ def activation(index: ExpertIndex, fc1_out, out, stream=None) -> None:
             ctypes.c_int32(index.num_local_experts), ctypes.c_int32(inter), ctypes.c_int32(elems),
             ctypes.c_int32(group)]
     index.device.make_current()
-    index._launch(f"moe_swiglu_{code}", args, grid, _THREADS, 0, s)
+    index.last_issued = (index._launch(f"moe_swiglu_{code}", args, grid, _THREADS, 0, s),)
 
 
 def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
@@ -393,7 +396,7 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
             ctypes.c_int32(hidden), ctypes.c_int32(elems), ctypes.c_int32(group)]
     name = f"moe_finalize_{REDUCE_DTYPES[x.dtype.name]}_{REDUCE_DTYPES[y.dtype.name]}"
     index.device.make_current()
-    index._launch(name, args, grid, _THREADS, 0, s)
+    index.last_issued = (index._launch(name, args, grid, _THREADS, 0, s),)
 
 
 def _check_finalize_dtype(dtype: str, name: str) -> None:
@@ -434,7 +437,7 @@ def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int
             ctypes.c_int32(index.slots), ctypes.c_int32(index.top_k), ctypes.c_int32(hidden)]
     name = f"moe_finalize_q8_{REDUCE_DTYPES[x.dtype.name]}_{REDUCE_DTYPES[out.dtype]}"
     index.device.make_current()
-    index._launch(name, args, grid, _THREADS, 0, s)
+    index.last_issued = (index._launch(name, args, grid, _THREADS, 0, s),)
 
 
 # -- the router ---------------------------------------------------------------------------------------
@@ -460,6 +463,7 @@ class Router:
         for name in ROUTE_KERNELS:
             self._module.function(name)
         self._launches = {}
+        self.last_issued = ()  # the Launch of the last call (ops/torch_views.Replays)
 
     def __call__(self, logits, ids, weights, *, renormalize: bool = True, stream=None) -> None:
         """route() on this GPU."""
@@ -479,6 +483,7 @@ class Router:
         if why is not None:
             raise ValueError(f"logits: the fused router does not take {why}")
         if T == 0:
+            self.last_issued = ()
             return
         n = 1 << max(0, (E - 1) // 32).bit_length()  # logits per lane: a power of two
         name = f"moe_route_{ROUTE_DTYPES[x.dtype.name]}_{n}"
@@ -493,8 +498,10 @@ class Router:
             for mine, new in zip(launch.args, args):
                 mine.value = new.value
         launch.grid = grid
+        launch.stamp += 1
         self.device.make_current()
         launch(s)
+        self.last_issued = (launch,)
 
 
 _ROUTERS = {}

@@ -49,6 +49,9 @@ class Launch:
         cfg.numAttrs = len(attrs)
         self.config = cfg
         self._stream, self._grid = None, cfg.gridDimX
+        # bumped by an owner each time it rewrites the arguments (moe.py): a caller that kept
+        # (launch, stamp) may relaunch it as it was while the stamp is unchanged
+        self.stamp = 0
 
     @property
     def grid(self) -> int:

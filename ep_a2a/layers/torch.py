@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..driver.stream import Event
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
 GEMMS = ("auto", "grouped", "loop")
@@ -151,6 +152,10 @@ class TorchMoeLayer(LayerBase):
         self.gemm = "grouped" if self._gmm is not None else "loop"
 
         self.stream = torch.cuda.ExternalStream(self.s, device=self.device)  # torch work of this rank runs here
+        from ..interop.torch_stream import OnStream
+        from ..ops.torch_views import current_stream_handle
+        self._on = OnStream(self.stream)  # (`with self._on:` costs far less host time than torch.cuda.stream)
+        self._current_stream = current_stream_handle  # (raw handle of torch's current stream on a GPU)
         from ..ops import torch as ep_ops
         self._ops = ep_ops
         self.tr = ep_ops.bind(a2a_rank)
@@ -182,10 +187,11 @@ class TorchMoeLayer(LayerBase):
         self._offs = self._ends if self.gemm == "grouped" and grouped_mm_takes_offset_views(self.device) else \
             torch.empty(L, dtype=torch.int32, device=self.device)
         # Per-step host work made once: the buffers' views per T^ (or T) and the events that
-        # order this rank's stream after the caller's and back (Stream.wait_stream would make
-        # an event each call).
+        # order this rank's stream after the caller's (a driver event recorded on the raw
+        # current stream: no torch Stream object per step) and back (Stream.wait_stream would
+        # make an event each call).
         self._rows_views, self._out_views = {}, {}
-        self._fork, self._join = torch.cuda.Event(), torch.cuda.Event()
+        self._fork, self._join = Event(a2a_rank.device), torch.cuda.Event()
         torch.cuda.synchronize(self.device)
         self.output = None
 
@@ -217,9 +223,9 @@ class TorchMoeLayer(LayerBase):
             views = self._route_views.get(T)
             if views is None:
                 views = self._route_views[T] = (self._route_ids[:T], self._route_w[:T])
-            with torch.cuda.stream(self.stream), torch.no_grad():
+            with self._on:
                 return self._ops.route(logits, views[0], views[1], self.renormalize)
-        with torch.cuda.stream(self.stream), torch.no_grad():
+        with self._on, torch.no_grad():
             top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
             if self.renormalize:
                 w = torch.softmax(top, dim=-1)
@@ -239,21 +245,20 @@ class TorchMoeLayer(LayerBase):
             raise ValueError(f"x: must be on {self.device} (rank {self.rank}'s GPU), got {x.device}")
         T = x.shape[0]
         # the caller produced x (and the router input) on its current stream
-        self._fork.record(torch.cuda.current_stream(self.device))
-        self.stream.wait_event(self._fork)
+        self._fork.record(self._current_stream(self.device.index)).wait_on(self.s)
         if isinstance(router, (tuple, list)):
             ids, w = router
             if tuple(ids.shape) != (T, self.top_k) or tuple(w.shape) != (T, self.top_k):
                 raise ValueError(f"router: (ids, weights) must both be [{T}, top_k={self.top_k}], got "
                                  f"{list(ids.shape)} and {list(w.shape)}")
-            with torch.cuda.stream(self.stream):
+            with self._on:
                 ids, w = ids.to(self.device, torch.int32).contiguous(), w.to(self.device, torch.float32).contiguous()
         else:
             if tuple(router.shape) != (T, self.num_experts):
                 raise ValueError(f"router: logits must be [{T}, num_experts={self.num_experts}], got {list(router.shape)}")
             ids, w = self.route(router)
         if not x.is_contiguous():  # (a stream switch costs host time: only when there is a copy to make)
-            with torch.cuda.stream(self.stream):
+            with self._on:
                 x = x.contiguous()
             # No record_stream on this rank's stream: the caching allocator would record an
             # event on it when the tensor is freed, possibly after the group destroyed the
@@ -265,9 +270,8 @@ class TorchMoeLayer(LayerBase):
 
     def dispatch(self) -> None:
         """Phase 2: this rank's dispatch, through the torch op on its stream (no host blocking)."""
-        import torch
         st = self._step
-        with torch.cuda.stream(self.stream):
+        with self._on:
             st["views"] = self._ops.dispatch(self.tr, st["ids"], [st["x"], st["w"]], st["runtime_max"])
 
     def compute(self) -> None:
@@ -276,7 +280,7 @@ class TorchMoeLayer(LayerBase):
         import torch
         import torch.nn.functional as F
         I, ops = self.inter, self._ops
-        with torch.cuda.stream(self.stream), torch.no_grad():
+        with self._on, torch.no_grad():
             ids_v, (x_v, w_v) = self._step["views"]
             ops.build_index(self.tix, ids_v, w_v)
             ops.gather_rows(self.tix, x_v, self._xg)
@@ -316,12 +320,11 @@ class TorchMoeLayer(LayerBase):
         """Phase 4: launch this rank's combine into the layer's output buffer (no host blocking).
         Returns the bf16 [T, hidden] output: a view valid until this layer's next step, ready
         on this rank's stream (moe_forward_all_ranks makes the caller's stream wait for it)."""
-        import torch
         T, runtime_max = self._step["T"], self._step["runtime_max"]
         out = self._out_views.get(T)
         if out is None:
             out = self._out_views[T] = self._out[:T]
-        with torch.cuda.stream(self.stream):
+        with self._on:
             self._ops.combine(self.tr, self._ops.combine_input(self.tr, runtime_max, fp8=self._fp8), runtime_max, out=out)
         self._step = None
         self.output = out
@@ -350,6 +353,8 @@ class TorchMoeLayer(LayerBase):
     def close(self) -> None:
         """Release what the layer made (its expert index and buffers); the all-to-all is the caller's."""
         self.close_gate()
+        if not self._fork.closed:
+            self._fork.close()
         if self.index is not None:
             self.a2a_rank.synchronize()
             self.tix.release()

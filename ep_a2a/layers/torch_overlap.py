@@ -71,15 +71,13 @@ class HalvesMoeLayer(TorchMoeLayer):
                                        device=self.device)
 
     def dispatch_send(self) -> None:
-        import torch
         st = self._step
-        with torch.cuda.stream(self.stream):
+        with self._on:
             self._ops.dispatch_send(self.tr, st["ids"], [st["x"], st["w"]], st["runtime_max"])
 
     def dispatch_recv(self) -> None:
-        import torch
         st = self._step
-        with torch.cuda.stream(self.stream):
+        with self._on:
             st["views"] = self._ops.dispatch_recv(self.tr, st["runtime_max"])
 
     def experts(self) -> None:
@@ -87,17 +85,15 @@ class HalvesMoeLayer(TorchMoeLayer):
         self.compute()
 
     def combine_send(self) -> None:
-        import torch
         st = self._step
         T, runtime_max = st["T"], st["runtime_max"]
-        with torch.cuda.stream(self.stream):
+        with self._on:
             self._ops.combine_send(self.tr, self._ops.combine_input(self.tr, runtime_max, fp8=self._fp8), runtime_max,
                                    out=self.half_output[:T])
 
     def combine_recv(self):
-        import torch
         T = self._step["T"]
-        with torch.cuda.stream(self.stream):
+        with self._on:
             self._ops.combine_recv(self.tr, self.half_output[:T])
         self._step = None
         self.output = self.half_output[:T]

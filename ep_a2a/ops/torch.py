@@ -36,6 +36,9 @@ kept per argument position (interop/torch_tensor.TensorSlot), so a step whose te
 where the last step's did takes the all-to-all's repeat fast path; since the slots see
 whether a fill changed anything, such a step repeats without the all-to-all's geometry
 compare (RankAlltoAll.dispatch_same / combine_same); the stream is read as a raw handle.
+The MoE pieces (route, build_index, gather_rows, activation, finalize) do likewise: a call
+whose tensors all sit where that op's last call had them relaunches its last launches as
+they were, without moe.*'s checks (torch_views.Replays).
 combine(out=None) allocates its output: engines pass out=. Expert ids
 are not copied to the host by default (bind(validate_expert_ids=False)): the kernel drops
 ids outside 0..num_experts-1 and -1; True checks them on the host at every eager dispatch (a
@@ -58,11 +61,11 @@ from ..config import Fp8Partial
 from ..driver.stream import is_capturing, stream_handle
 from ..errors import StateError
 from ..interop.torch_tensor import TensorSlot
-from ..moe import ExpertIndex, activation as moe_activation, build_index as moe_build_index, finalize as moe_finalize, \
-    gather_rows as moe_gather_rows, router_for
+from ..moe import ExpertIndex, Router, activation as moe_activation, build_index as moe_build_index, \
+    finalize as moe_finalize, gather_rows as moe_gather_rows, router_for
 from ..validate import check_expert_ids_on_host
-from .torch_views import INDEXES, RANKS, StreamUse, TorchIndex, TorchRank, bind, current_stream_handle, lookup, \
-    register_ops
+from .torch_views import INDEXES, RANKS, Replays, StreamUse, TorchIndex, TorchRank, bind, current_stream_handle, \
+    lookup, register_ops
 
 __all__ = ["route", "bind", "dispatch", "combine", "combine_input", "expert_index", "build_index", "gather_rows", "activation",
            "finalize", "TorchRank", "TorchIndex", "SCHEMAS", "copies"]
@@ -163,11 +166,16 @@ def combine_impl(rank, partial, scales, dispatched, runtime_max_tokens_per_rank,
 
 
 def run_build_index(ix: TorchIndex, expert_ids, weights, stream: int) -> None:
-    """moe.build_index into ix's own buffers (see run_dispatch)."""
+    """moe.build_index into ix's own buffers (see run_dispatch), or its last launches again
+    (ops/torch_views.Replays)."""
     s, explicit = ix.streams.pick(stream)
-    i = ix.index
-    moe_build_index(ix.slots["expert_ids"](expert_ids), ix.slots["weights"](weights), num_experts=i.num_experts,
-                    ep_size=i.ep_size, rank=i.rank, stream=s, out=i)
+    i, slots = ix.index, ix.slots
+    same = slots["build_index.expert_ids"].update(expert_ids) & slots["build_index.weights"].update(weights)
+    if not (same and not i.closed and ix.replays.replay("build_index", s, i.runtime_max_tokens_per_rank, i.device)):
+        ix.replays.forget("build_index")
+        moe_build_index(slots["build_index.expert_ids"].tensor, slots["build_index.weights"].tensor,
+                        num_experts=i.num_experts, ep_size=i.ep_size, rank=i.rank, stream=s, out=i)
+        ix.replays.record("build_index", s, i.runtime_max_tokens_per_rank, i.last_issued)
     if explicit:
         ix.streams.hold(s, (expert_ids, weights))
 
@@ -180,53 +188,72 @@ def build_index_impl(index, expert_ids, weights, counts, offsets, rows, row_weig
         _same_or_copy(got, mine)
 
 
-def gather_rows_impl(index, rows, offsets, src, out, stream=-1):
-    ix = lookup(INDEXES, index, "index")
+def _index_piece(ix: TorchIndex, op: str, piece, tensors, stream: int) -> None:
+    """One MoE piece after build_index on ix's index (moe.gather_rows, activation, finalize):
+    its slots `op.<argument>` rewritten from `tensors` in order, then moe's call, or its last
+    launches again where the slots and the index's T^ are as they were (Replays)."""
     s, explicit = ix.streams.pick(stream)
-    moe_gather_rows(ix.index, ix.slots["src"](src), ix.slots["out"](out), stream=s)
+    i, slots, names = ix.index, ix.slots, _PIECE_SLOTS[op]
+    same = True
+    for name, t in zip(names, tensors):
+        same &= slots[name].update(t)
+    if not (same and not i.closed and ix.replays.replay(op, s, i.runtime_max_tokens_per_rank, i.device)):
+        ix.replays.forget(op)
+        piece(i, *[slots[name].tensor for name in names], stream=s)
+        ix.replays.record(op, s, i.runtime_max_tokens_per_rank, i.last_issued)
     if explicit:
-        ix.streams.hold(s, (src, out))
+        ix.streams.hold(s, tuple(tensors))
 
 
-_ACTIVATION_SLOTS = ("fc1_out", "act")
+_PIECE_SLOTS = {op: tuple(f"{op}.{n}" for n in names) for op, names in
+                (("gather_rows", ("src", "out")), ("activation", ("fc1_out", "out")), ("finalize", ("fc2_out", "out")))}
+
+
+def gather_rows_impl(index, rows, offsets, src, out, stream=-1):
+    _index_piece(lookup(INDEXES, index, "index"), "gather_rows", moe_gather_rows, (src, out), stream)
 
 
 def activation_impl(index, offsets, fc1_out, out, stream=-1):
-    ix = lookup(INDEXES, index, "index")
-    s, explicit = ix.streams.pick(stream)
-    slots = ix.slots
-    if "act" not in slots:  # (the activation's argument positions, added on its first call)
-        slots.update((n, TensorSlot(n)) for n in _ACTIVATION_SLOTS)
-    moe_activation(ix.index, slots["fc1_out"].fill(fc1_out), slots["act"].fill(out), stream=s)
-    if explicit:
-        ix.streams.hold(s, (fc1_out, out))
+    _index_piece(lookup(INDEXES, index, "index"), "activation", moe_activation, (fc1_out, out), stream)
 
 
 def finalize_impl(index, row_of, row_weight, fc2_out, out, stream=-1):
-    ix = lookup(INDEXES, index, "index")
-    s, explicit = ix.streams.pick(stream)
-    moe_finalize(ix.index, ix.slots["fc2_out"](fc2_out), ix.slots["out"](out), stream=s)
-    if explicit:
-        ix.streams.hold(s, (fc2_out, out))
+    _index_piece(lookup(INDEXES, index, "index"), "finalize", moe_finalize, (fc2_out, out), stream)
 
 
 def finalize_fp8_impl(index, row_of, row_weight, fc2_out, values, scales, dtype, stream=-1):
     ix = lookup(INDEXES, index, "index")
     s, explicit = ix.streams.pick(stream)
-    part = Fp8Partial(ix.slots["values"](values), ix.slots["scales"](scales), dtype)
-    moe_finalize(ix.index, ix.slots["fc2_out"](fc2_out), part, stream=s)
+    slots = ix.slots
+    part = Fp8Partial(slots["finalize_fp8.values"](values), slots["finalize_fp8.scales"](scales), dtype)
+    moe_finalize(ix.index, slots["finalize_fp8.fc2_out"](fc2_out), part, stream=s)
     if explicit:
         ix.streams.hold(s, (fc2_out, values, scales))
 
 
 class TorchRouter:
-    """What the route op keeps per GPU: the moe.Router (its kernels fetched, launches kept), the
-    argument slots and the stream choice."""
+    """What the route op keeps per GPU: the stream choice and, per output (the ids tensor's
+    address: one per caller, such as each layer's routing buffer), a moe.Router of its own (so
+    callers do not rewrite each other's Launch), the argument slots and the replay record."""
+
+    CALLERS = 64  # (past this many addresses the table starts over: outputs allocated per call
+    #                get no replay, and the table does not grow)
 
     def __init__(self, ordinal: int):
-        self.router = router_for(ordinal)
-        self.slots = {n: TensorSlot(n) for n in ("logits", "ids", "weights")}
-        self.streams = StreamUse(self.router.device, ordinal)
+        self.device = router_for(ordinal).device  # (the GPU's kernels fetched once, here)
+        self.streams = StreamUse(self.device, ordinal)
+        self.callers = {}
+
+    def caller(self, ids) -> tuple:
+        """(moe.Router, slots, Replays) of the caller writing into `ids`."""
+        key = ids.data_ptr()
+        c = self.callers.get(key)
+        if c is None:
+            if len(self.callers) >= self.CALLERS:
+                self.callers.clear()
+            c = self.callers[key] = (Router(self.device), {n: TensorSlot(n) for n in ("logits", "ids", "weights")},
+                                     Replays())
+        return c
 
 
 _ROUTERS = {}
@@ -247,9 +274,13 @@ def route_impl(logits, ids, weights, renormalize=True, stream=-1):
         raise ValueError(f"logits: must be on a CUDA GPU, got {logits.device}")
     r = torch_router(ordinal)
     s, explicit = r.streams.pick(stream)
-    slots = r.slots
-    r.router(slots["logits"].fill(logits), slots["ids"].fill(ids), slots["weights"].fill(weights),
-             renormalize=renormalize, stream=s)
+    router, slots, replays = r.caller(ids)
+    renormalize = bool(renormalize)
+    same = slots["logits"].update(logits) & slots["ids"].update(ids) & slots["weights"].update(weights)
+    if not (same and replays.replay("route", s, renormalize, r.device)):
+        replays.forget("route")
+        router(slots["logits"].tensor, slots["ids"].tensor, slots["weights"].tensor, renormalize=renormalize, stream=s)
+        replays.record("route", s, renormalize, router.last_issued)
     if explicit:
         r.streams.hold(s, (logits, ids, weights))
 
