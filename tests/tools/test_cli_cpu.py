@@ -14,13 +14,15 @@ import pytest
 
 import ep_a2a.__main__ as demo
 from ep_a2a.driver import device
-from ep_a2a.tools import bench_cli, bench_layer, bench_report, bench_torch, exits, result_paths, stress
+from ep_a2a.tools import bench_cli, bench_layer, bench_layer_host, bench_report, bench_torch, exits, result_paths, stress
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = {"demo": (demo.parser, demo.parse_args), "bench": (bench_cli.parser, bench_cli.parse_args),
          "bench_layer": (bench_layer.parser, bench_layer.parse_args),
-         "bench_torch": (bench_torch.parser, bench_torch.parse_args), "stress": (stress.parser, stress.parse_args)}
-MAINS = {"bench": bench_cli.main, "bench_layer": bench_layer.main, "bench_torch": bench_torch.main, "stress": stress.main}
+         "bench_torch": (bench_torch.parser, bench_torch.parse_args), "stress": (stress.parser, stress.parse_args),
+         "bench_layer_host": (bench_layer_host.parser, bench_layer_host.parse_args)}
+MAINS = {"bench": bench_cli.main, "bench_layer": bench_layer.main, "bench_torch": bench_torch.main, "stress": stress.main,
+         "bench_layer_host": bench_layer_host.main}
 
 
 @pytest.mark.parametrize("tool", TOOLS)
