@@ -157,7 +157,7 @@ def copy_rate_tbps(torch, dev, nbytes: int = 1 << 30, replays: int = 10) -> floa
 
 
 # -- the run ---------------------------------------------------------------------------------------
-def _eager_host_us(torch, run, iters: int) -> float:
+def eager_host_us(torch, run, iters: int) -> float:
     """Median host µs to issue one eager step (the device drained between steps)."""
     times = []
     for _ in range(iters):
@@ -253,7 +253,7 @@ def _one_size(torch, args, T, layers, floor, rng, shape, rate, say, forward, rel
             theirs = [o.clone() for o in base_step()]
             torch.cuda.synchronize()
             diff = max(rel_err(a.float().cpu().numpy(), b.float().cpu().numpy()) for a, b in zip(ours, theirs))
-            host = _eager_host_us(torch, ours_step, args.host_iters)
+            host = eager_host_us(torch, ours_step, args.host_iters)
             phases = eager_host_phases_us(torch, layers, xs, logits, T, args.host_iters)
             out_rows.append(dict(tokens_per_rank=T, routing=routing, max_rel_diff_vs_baseline=diff,
                                  eager_host_us_per_rank=host / ep, eager_host_phases_us_per_rank=phases,

@@ -20,7 +20,7 @@ import sys
 
 from . import exits
 from .argtypes import int_in, int_list, nonnegative_int, positive_int
-from .bench_layer_graphs import _eager_host_us
+from .bench_layer_graphs import eager_host_us
 from .bench_layer_profiles import PROFILES
 from .bench_report import torch_device_fields
 from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
@@ -55,7 +55,7 @@ def _pieces(torch, layer, logits, T: int, calls: int, reps: int) -> dict:
                   "fc1": lambda: layer.fc1(xg, layer._offs), "activation": lambda: ops.activation(layer.tix, h, act),
                   "fc2": lambda: layer.fc2(act, layer._offs), "finalize": lambda: ops.finalize(layer.tix, y, ci),
                   "launch alone": lambda: launch(s), "OnStream": on_stream, "torch.cuda.stream": torch_stream}
-        return {k: _eager_host_us(torch, lambda f=f: [f() for _ in range(calls)], reps) / calls for k, f in pieces.items()}
+        return {k: eager_host_us(torch, lambda f=f: [f() for _ in range(calls)], reps) / calls for k, f in pieces.items()}
 
 
 def run(args) -> dict:
@@ -87,7 +87,7 @@ def run(args) -> dict:
                     moe_forward_all_ranks(layers, xs, logits, T)
                 for _ in range(5):
                     step()
-                host = _eager_host_us(torch, step, args.iters)
+                host = eager_host_us(torch, step, args.iters)
                 pieces = _pieces(torch, layers[0], logits[0], T, args.calls, 30)
                 rows.append(dict(tokens_per_rank=T, step_host_us=host, step_host_us_per_rank=host / ep,
                                  pieces_us_per_call=pieces))
