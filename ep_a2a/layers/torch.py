@@ -223,7 +223,7 @@ class TorchMoeLayer(LayerBase):
             views = self._route_views.get(T)
             if views is None:
                 views = self._route_views[T] = (self._route_ids[:T], self._route_w[:T])
-            with self._on:
+            with self._on, torch.no_grad():
                 return self._ops.route(logits, views[0], views[1], self.renormalize)
         with self._on, torch.no_grad():
             top, ids = torch.topk(logits.float(), self.top_k, dim=-1)
