@@ -2,10 +2,7 @@
 
 Packing arguments per call from Python costs more than the launch itself; here the
 kernelParams array of pointers is built once, callers mutate the ctypes objects it points
-to, and each launch is one cuLaunchKernelEx with a prebuilt CUlaunchConfig. The call itself
-goes to libcuda through ctypes with the config's own struct address (cuda.bindings' wrapper
-costs more per call than the driver's launch: it converts its arguments and builds enums);
-where libcuda cannot be opened so, or the function is no driver handle, through cuda.bindings.
+to, and each launch is one cuLaunchKernelEx with a prebuilt CUlaunchConfig.
 """
 from __future__ import annotations
 
@@ -15,21 +12,6 @@ from cuda.bindings import driver as _drv
 
 from .device import Device
 from .errors import CudaError, check
-
-
-def _libcuda_launch():
-    """libcuda's cuLaunchKernelEx as a typed ctypes function, or None. (dlopen of the library
-    cuda.bindings loaded returns that same library: one driver, one context per thread.)"""
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernelEx
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_LAUNCH = _libcuda_launch()
 
 
 class Launch:
@@ -67,10 +49,6 @@ class Launch:
         cfg.numAttrs = len(attrs)
         self.config = cfg
         self._stream, self._grid = None, cfg.gridDimX
-        try:  # (the struct cuda.bindings keeps for cfg, and the function's handle, for the ctypes call)
-            self._raw = (cfg.getPtr(), int(function)) if _LAUNCH is not None else None
-        except (TypeError, AttributeError, ValueError):
-            self._raw = None
         # bumped by an owner each time it rewrites the arguments (moe.py): a caller that kept
         # (launch, stamp) may relaunch it as it was while the stamp is unchanged
         self.stamp = 0
@@ -87,12 +65,6 @@ class Launch:
     def __call__(self, stream: int) -> None:
         if stream != self._stream:  # a property set on the bound config costs more than the compare
             self.config.hStream = self._stream = stream
-        raw = self._raw
-        if raw is not None:
-            err = _LAUNCH(raw[0], raw[1], self.params_address, None)
-            if err:
-                check((_drv.CUresult(err),), "cuLaunchKernelEx")
-            return
         err, = _drv.cuLaunchKernelEx(self.config, self.function, self.params_address, 0)
         if err != _drv.CUresult.CUDA_SUCCESS:
             check((err,), "cuLaunchKernelEx")
