@@ -1,5 +1,5 @@
 """MoE compute on the rank-major dispatch workspace: what the experts of one rank need between
-dispatch and combine, and the router before dispatch.
+dispatch and combine (the router before dispatch is router.py; its names are re-exported here).
 
     route(logits, topk_ids, topk_weights)     # top-k of the router logits and their softmax weights
     ids, (x, w) = r.dispatch(topk_ids, [hidden, topk_weights], T_hat)    # [ep_size, T^, ...] views
@@ -9,6 +9,8 @@ dispatch and combine, and the router before dispatch.
     ...  FC1 (grouped GEMM over index.offsets) -> h [rows, 2 * I] ...
     activation(index, h, act)                 # act[p] = silu(h[p, :I]) * h[p, I:], rows < total
     ...  FC2 -> fc2_out[p] = expert(x_rows[p]) ...
+    # or, at decode sizes, gather + FC1 + activation and FC2 as ep_a2a's own kernels:
+    expert_fc1(index, x, w_gate_up, act); expert_fc2(index, act, w_down, fc2_out)
     finalize(index, fc2_out, r.combine_input(T_hat))   # weighted sum per slot, into the workspace
     y = r.combine(r.combine_input(T_hat), T_hat)
 
@@ -41,6 +43,9 @@ from .interop.tensor import CUDA, Tensor, float32, int32
 from .layout import MAX_RANKS, MAX_TOP_K, Q8_BLOCK, MoeIndexArgs
 from .schedule import vector_bytes
 from .validate import check_int, cuda_tensor, require
+# the router before dispatch lives in router.py; moe.route and its names stay here too
+from .router import ROUTE_DTYPES, ROUTE_KERNELS, ROUTE_MAX_EXPERTS, ROUTE_MAX_TOP_K, Router, route, \
+    route_unsupported, router_for  # noqa: F401
 
 MAX_LOCAL_EXPERTS = 1024
 _TABLE_SHARED_INTS = 10240     # the [local expert][warp] table in shared memory: 40 KiB of the 48 KiB default
@@ -48,16 +53,16 @@ _TILE_ROUNDS = 16              # a warp tile is at most 16 rounds of 32 entries 
 _MAX_TABLE = 1 << 16           # [local expert][tile] counts the one-block scan reads (multi-kernel path)
 _THREADS = 256                 # gather / finalize blocks
 ACTIVATION_DTYPES = {"bfloat16": "bf16", "float16": "f16"}  # the gated activation's kernels (moe_swiglu_*)
-# The router (route()): logits in registers, 32 * N per warp with N a power of two up to 32; 1024
-# is also the widest row torch's one-warp softmax takes, whose steps the weights follow.
-ROUTE_DTYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
-ROUTE_MAX_EXPERTS = 1024
-ROUTE_MAX_TOP_K = 32           # one selection per lane
-_ROUTE_WARPS = 8
-ROUTE_KERNELS = tuple(f"moe_route_{d}_{n}" for d in ROUTE_DTYPES.values() for n in (1, 2, 4, 8, 16, 32))
 _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_scatter", "moe_gather_rows") + tuple(
     f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in REDUCE_DTYPES.values() for o in REDUCE_DTYPES.values()
 ) + tuple(f"moe_swiglu_{d}" for d in ACTIVATION_DTYPES.values())
+# The experts' GEMMs at decode sizes (kernels/moe_experts.cu): a block covers EXPERT_TILE output
+# columns of one expert, k runs in steps of EXPERT_K; bf16 only.
+EXPERT_KERNELS = ("moe_expert_fc1_bf16", "moe_expert_fc2_bf16")
+EXPERT_TILE = 16
+EXPERT_K = 64
+_EXPERT_THREADS = 256
+FUSED_MAX_ROWS = 64            # rows per expert up to which they beat a library grouped GEMM (layers.torch)
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
@@ -139,6 +144,9 @@ class ExpertIndex(Owned):
         self._module = load("moe_compute", self.device)
         for name in _KERNELS:
             self._module.function(name)
+        self._experts = load("moe_experts", self.device)
+        for name in EXPERT_KERNELS:
+            self._experts.function(name)
         self._launches = {}
         self.last_issued = ()  # the Launches of the last call of any piece (ops/torch_views.Replays)
         self._views = {}
@@ -179,12 +187,14 @@ class ExpertIndex(Owned):
                                      self._tensor("row_of", (self.ep_size * runtime_max, self.top_k), int32))
         return v
 
-    def _launch(self, name: str, args, grid: int, block: int, shared: int, stream: int) -> None:
-        """Launch kernel `name` and return its Launch, which keeps the first call's argument
-        objects (the packed pointer array points at them); later calls copy their values in."""
+    def _launch(self, name: str, args, grid: int, block: int, shared: int, stream: int, module=None) -> None:
+        """Launch kernel `name` (of moe_compute, or of `module`) and return its Launch, which
+        keeps the first call's argument objects (the packed pointer array points at them); later
+        calls copy their values in."""
         launch = self._launches.get(name)
         if launch is None:
-            launch = self._launches[name] = Launch(self.device, self._module.function(name), args, grid, block)
+            launch = self._launches[name] = Launch(self.device, (module or self._module).function(name), args, grid,
+                                                   block)
         else:
             for mine, new in zip(launch.args, args):
                 if mine is not new:
@@ -359,6 +369,101 @@ def activation(index: ExpertIndex, fc1_out, out, stream=None) -> None:
     index.last_issued = (index._launch(f"moe_swiglu_{code}", args, grid, _THREADS, 0, s),)
 
 
+def expert_gemms_unsupported(hidden: int, inter: int, dtype: str = "bfloat16"):
+    """Why expert_fc1 / expert_fc2 do not take these shapes (a string), or None."""
+    if dtype != "bfloat16":
+        return f"{dtype} (bfloat16 only)"
+    if hidden % EXPERT_K or hidden % EXPERT_TILE:
+        return f"hidden={hidden} (a multiple of {EXPERT_K} is needed)"
+    if inter % EXPERT_K or inter % EXPERT_TILE:
+        return f"intermediate={inter} (a multiple of {EXPERT_K} is needed)"
+    return None
+
+
+def _expert_weights(w, name: str, index: ExpertIndex, rows: int, k: int, s: int, dev: int) -> Tensor:
+    t = cuda_tensor(w, name, s, dev, dtype="bfloat16")
+    want = (index.num_local_experts, rows, k)
+    if t.shape != want:
+        raise ValueError(f"{name}: shape must be [num_local_experts, {rows}, {k}] = {list(want)}, got {list(t.shape)}")
+    return t
+
+
+def _aligned16(*named) -> None:
+    for name, t in named:
+        if t.ptr % 16:
+            raise ValueError(f"{name}: data pointer 0x{t.ptr:x} must be 16-byte aligned (the expert kernels' loads)")
+
+
+def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
+    """FC1 of the local experts with the gated SiLU, reading each row where dispatch left it:
+    out[p, n] = silu(h[p, n]) * h[p, I + n] for every permuted row p < total (rows past it
+    untouched), h[p] = src[rows[p]] @ w_gate_up[e].T (e: p's local expert), fp32 accumulation
+    rounded to bf16 as a bf16 FC1 output would be, then the activation's roundings
+    (moe.activation's). So it replaces gather_rows, FC1 and activation; the sums' order is
+    this kernel's own (not a library GEMM's bits).
+
+    src: bf16 [ep_size, T^, hidden] (or [ep_size * T^, hidden]), the dispatched hidden states;
+    w_gate_up: bf16 [num_local_experts, 2 * I, hidden] (gate rows, then up rows), contiguous;
+    out: bf16 [rows >= index.capacity, I]. hidden and I multiples of 64 (expert_gemms_unsupported),
+    pointers 16-byte aligned. Made for decode sizes: a block streams 16 columns of one expert's
+    weights (four warps splitting k per 8 columns) for up to 64 rows at a time; more rows run
+    further passes over the same weights.
+    stream: default, the stream of the index's build.
+    """
+    _check_built(index, "expert_fc1")
+    s = _stream(stream, index.stream)
+    dev = index.device.ordinal
+    x = cuda_tensor(src, "src", s, dev, dtype="bfloat16")
+    inner = _slot_rows(x, "src", index)
+    y = cuda_tensor(out, "out", s, dev, dtype="bfloat16")
+    if not (len(inner) == 1 and y.ndim == 2 and y.shape[0] >= index.capacity):
+        raise ValueError(f"src, out: must be [slots, hidden] and [rows >= capacity={index.capacity}, I], got "
+                         f"{list(x.shape)} and {list(y.shape)}")
+    hidden, inter = inner[0], y.shape[1]
+    why = expert_gemms_unsupported(hidden, inter)
+    if why is not None:
+        raise ValueError(f"src, out: the expert kernels do not take {why}")
+    w = _expert_weights(w_gate_up, "w_gate_up", index, 2 * inter, hidden, s, dev)
+    _aligned16(("src", x), ("w_gate_up", w), ("out", y))
+    grid = index.num_local_experts * (inter // EXPERT_TILE)
+    args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(index._base["rows"]), ctypes.c_uint64(index._base["offsets"]),
+            ctypes.c_uint64(w.ptr), ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts),
+            ctypes.c_int32(hidden), ctypes.c_int32(inter)]
+    index.device.make_current()
+    index.last_issued = (index._launch("moe_expert_fc1_bf16", args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+
+
+def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
+    """FC2 of the local experts: out[p] = act[p] @ w_down[e].T for every permuted row p < total
+    (rows past it untouched), fp32 accumulation rounded to bf16.
+
+    act: bf16 [rows >= index.capacity, I] in the index's row order (expert_fc1's out);
+    w_down: bf16 [num_local_experts, hidden, I], contiguous; out: bf16 [rows >= capacity,
+    hidden] (finalize's fc2_out). Shapes and alignment as expert_fc1. stream: default, the
+    stream of the index's build.
+    """
+    _check_built(index, "expert_fc2")
+    s = _stream(stream, index.stream)
+    dev = index.device.ordinal
+    a = cuda_tensor(act, "act", s, dev, dtype="bfloat16")
+    y = cuda_tensor(out, "out", s, dev, dtype="bfloat16")
+    if not (a.ndim == 2 and y.ndim == 2 and a.shape[0] >= index.capacity and y.shape[0] >= index.capacity):
+        raise ValueError(f"act, out: must be [rows >= capacity={index.capacity}, I] and [rows, hidden], got "
+                         f"{list(a.shape)} and {list(y.shape)}")
+    inter, hidden = a.shape[1], y.shape[1]
+    why = expert_gemms_unsupported(hidden, inter)
+    if why is not None:
+        raise ValueError(f"act, out: the expert kernels do not take {why}")
+    w = _expert_weights(w_down, "w_down", index, hidden, inter, s, dev)
+    _aligned16(("act", a), ("w_down", w), ("out", y))
+    grid = index.num_local_experts * (hidden // EXPERT_TILE)
+    args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),
+            ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(inter),
+            ctypes.c_int32(hidden)]
+    index.device.make_current()
+    index.last_issued = (index._launch("moe_expert_fc2_bf16", args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+
+
 def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
     """out[s, :] = sum over k ascending, row = row_of[s, k] >= 0, of row_weight[row] * fc2_out[row, :].
 
@@ -438,95 +543,3 @@ def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int
     name = f"moe_finalize_q8_{REDUCE_DTYPES[x.dtype.name]}_{REDUCE_DTYPES[out.dtype]}"
     index.device.make_current()
     index.last_issued = (index._launch(name, args, grid, _THREADS, 0, s),)
-
-
-# -- the router ---------------------------------------------------------------------------------------
-def route_unsupported(num_experts: int, top_k: int, dtype: str):
-    """Why the fused router does not take these logits (None: it does). dtype: the logits'
-    dtype name (ep_a2a's, which is torch's without the prefix)."""
-    if dtype not in ROUTE_DTYPES:
-        return f"logits dtype {dtype} (the kernel reads {', '.join(ROUTE_DTYPES)})"
-    if not 1 <= num_experts <= ROUTE_MAX_EXPERTS:
-        return f"num_experts={num_experts} (the kernel holds 1..{ROUTE_MAX_EXPERTS} logits per token)"
-    if not 1 <= top_k <= min(ROUTE_MAX_TOP_K, num_experts):
-        return f"top_k={top_k} (the kernel takes 1..min({ROUTE_MAX_TOP_K}, num_experts))"
-    return None
-
-
-class Router:
-    """The fused router kernels of one GPU (moe_route_*), fetched at construction (so never
-    during a graph capture), with their launches kept between calls."""
-
-    def __init__(self, device):
-        self.device = device if isinstance(device, Device) else get_device(int(device))
-        self._module = load("moe_compute", self.device)
-        for name in ROUTE_KERNELS:
-            self._module.function(name)
-        self._launches = {}
-        self.last_issued = ()  # the Launch of the last call (ops/torch_views.Replays)
-
-    def __call__(self, logits, ids, weights, *, renormalize: bool = True, stream=None) -> None:
-        """route() on this GPU."""
-        s = _stream(stream, 0)
-        dev = self.device.ordinal
-        x = cuda_tensor(logits, "logits", s, dev)
-        if x.ndim != 2:
-            raise ValueError(f"logits: shape must be [tokens, num_experts], got {list(x.shape)}")
-        (T, E), i, w = x.shape, cuda_tensor(ids, "ids", s, dev), cuda_tensor(weights, "weights", s, dev)
-        if i.dtype != int32 or w.dtype != float32:
-            raise ValueError(f"ids, weights: dtypes must be int32 and float32, got {i.dtype.name} and {w.dtype.name}")
-        k = i.shape[1] if i.ndim == 2 else 0
-        if not (i.ndim == 2 and i.shape[0] == T and w.shape == i.shape):
-            raise ValueError(f"ids, weights: shapes must both be [tokens={T}, top_k], got {list(i.shape)} and "
-                             f"{list(w.shape)}")
-        why = route_unsupported(E, k, x.dtype.name)
-        if why is not None:
-            raise ValueError(f"logits: the fused router does not take {why}")
-        if T == 0:
-            self.last_issued = ()
-            return
-        n = 1 << max(0, (E - 1) // 32).bit_length()  # logits per lane: a power of two
-        name = f"moe_route_{ROUTE_DTYPES[x.dtype.name]}_{n}"
-        grid = max(1, min(-(-T // _ROUTE_WARPS), 4 * self.device.sm_count))
-        args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(i.ptr), ctypes.c_uint64(w.ptr), ctypes.c_int32(T),
-                ctypes.c_int32(E), ctypes.c_int32(k), ctypes.c_int32(1 if renormalize else 0)]
-        launch = self._launches.get(name)
-        if launch is None:
-            launch = self._launches[name] = Launch(self.device, self._module.function(name), args, grid,
-                                                   32 * _ROUTE_WARPS)
-        else:
-            for mine, new in zip(launch.args, args):
-                mine.value = new.value
-        launch.grid = grid
-        launch.stamp += 1
-        self.device.make_current()
-        launch(s)
-        self.last_issued = (launch,)
-
-
-_ROUTERS = {}
-
-
-def router_for(device) -> Router:
-    """The Router of a GPU (a Device or an ordinal), made on first use."""
-    ordinal = device.ordinal if isinstance(device, Device) else int(device)
-    r = _ROUTERS.get(ordinal)
-    if r is None:
-        r = _ROUTERS[ordinal] = Router(device)
-    return r
-
-
-def route(logits, ids, weights, *, renormalize: bool = True, stream=None) -> None:
-    """The MoE router: ids[t] = the top_k experts of the largest logits[t] (descending; equal
-    logits: the lower expert first), weights[t] = softmax over those k logits (renormalize=True),
-    or the softmax over all experts' logits at those k (renormalize=False).
-
-    logits: fp32 / bf16 / fp16 [tokens, num_experts <= 1024], contiguous; ids: int32 and
-    weights: fp32 [tokens, top_k], top_k <= min(32, num_experts), written. NaN logits rank
-    above all others (as torch.topk ranks them). The weights take the steps of torch's one-warp
-    softmax (x - max, expf, per-lane then butterfly sums, a division); see docs/layer.md for
-    what is checked against torch.topk + torch.softmax. One warp per token, one launch.
-    stream: where to run (default: the legacy default stream).
-    """
-    x = cuda_tensor(logits, "logits", None if stream is None else _stream(stream, 0))
-    router_for(x.device[1])(x, ids, weights, renormalize=renormalize, stream=stream)

@@ -47,7 +47,7 @@ import numpy as np
 from ..driver.stream import Event
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
-GEMMS = ("auto", "grouped", "loop")
+GEMMS = ("auto", "grouped", "loop", "fused")
 
 
 # -- PyTorch ---------------------------------------------------------------------------------------
@@ -146,6 +146,15 @@ class TorchMoeLayer(LayerBase):
         # grouped_mm's mat_b is [groups, K, N]; the transposed nn.Linear layout is its column-major form
         self._w1t, self._w2t = self.w_gate_up.transpose(1, 2), self.w_down.transpose(1, 2)
 
+        # the expert kernels of ep_a2a (gather, FC1 and activation in one, then FC2) where each
+        # expert holds few rows (every step with gemm="fused"; with "auto" while ep_size * T^,
+        # the most rows an expert gets through the router, is at most FUSED_MAX_ROWS)
+        from ..moe import FUSED_MAX_ROWS, expert_gemms_unsupported
+        self.fused_reason = expert_gemms_unsupported(H, self.inter)
+        if gemm == "fused" and self.fused_reason is not None:
+            raise ValueError(f"gemm='fused': the expert kernels do not take {self.fused_reason}")
+        self.fused_max_rows = (1 << 62 if gemm == "fused" else
+                               FUSED_MAX_ROWS if gemm == "auto" and self.fused_reason is None else 0)
         self._gmm, self.gemm_reason = (None, "gemm='loop'") if gemm == "loop" else grouped_mm_support(self.device)
         if gemm == "grouped" and self._gmm is None:
             raise RuntimeError(f"gemm='grouped': {self.gemm_reason}")
@@ -163,7 +172,7 @@ class TorchMoeLayer(LayerBase):
         self.index = self.tix.index
         cap, I = self.ep_size * a.max_tokens_per_rank * self.top_k, self.inter
         bf = dict(dtype=torch.bfloat16, device=self.device)
-        self._xg = torch.empty(cap, H, **bf)          # expert-major FC1 input (gather_rows)
+        self._xg = torch.empty(cap, H, **bf)          # expert-major FC1 input (gather_rows); fused: FC2's output
         self._act = torch.empty(cap, I, **bf)         # SiLU(gate) * up
         if self.gemm == "loop":
             self._h = torch.empty(cap, 2 * I, **bf)
@@ -283,6 +292,12 @@ class TorchMoeLayer(LayerBase):
         with self._on, torch.no_grad():
             ids_v, (x_v, w_v) = self._step["views"]
             ops.build_index(self.tix, ids_v, w_v)
+            runtime_max = self._step["runtime_max"]
+            if self.ep_size * runtime_max <= self.fused_max_rows:
+                ops.expert_fc1(self.tix, x_v, self.w_gate_up, self._act)  # reads the rows in place
+                ops.expert_fc2(self.tix, self._act, self.w_down, self._xg)
+                ops.finalize(self.tix, self._xg, ops.combine_input(self.tr, runtime_max, fp8=self._fp8))
+                return
             ops.gather_rows(self.tix, x_v, self._xg)
             cap = self.index.capacity
             views = self._rows_views.get(cap)
@@ -313,7 +328,6 @@ class TorchMoeLayer(LayerBase):
                     if b > a:
                         torch.matmul(self._act[a:b], self.w_down[e].t(), out=self._y[a:b])
                 y = self._y
-            runtime_max = self._step["runtime_max"]
             ops.finalize(self.tix, y, ops.combine_input(self.tr, runtime_max, fp8=self._fp8))
 
     def combine(self):

@@ -61,14 +61,16 @@ from ..config import Fp8Partial
 from ..driver.stream import is_capturing, stream_handle
 from ..errors import StateError
 from ..interop.torch_tensor import TensorSlot
-from ..moe import ExpertIndex, Router, activation as moe_activation, build_index as moe_build_index, \
-    finalize as moe_finalize, gather_rows as moe_gather_rows, router_for
+from ..moe import ExpertIndex, activation as moe_activation, build_index as moe_build_index, \
+    expert_fc1 as moe_expert_fc1, expert_fc2 as moe_expert_fc2, finalize as moe_finalize, \
+    gather_rows as moe_gather_rows
+from ..router import Router, router_for
 from ..validate import check_expert_ids_on_host
 from .torch_views import INDEXES, RANKS, Replays, StreamUse, TorchIndex, TorchRank, bind, current_stream_handle, \
     lookup, register_ops
 
 __all__ = ["route", "bind", "dispatch", "combine", "combine_input", "expert_index", "build_index", "gather_rows", "activation",
-           "finalize", "TorchRank", "TorchIndex", "SCHEMAS", "copies"]
+           "expert_fc1", "expert_fc2", "finalize", "TorchRank", "TorchIndex", "SCHEMAS", "copies"]
 
 SCHEMAS = {
     "route": "route(Tensor logits, Tensor(a!) ids, Tensor(b!) weights, bool renormalize=True, int stream=-1) -> ()",
@@ -80,6 +82,9 @@ SCHEMAS = {
                    "Tensor(c!) rows, Tensor(d!) row_weight, Tensor(e!) row_of, int stream=-1) -> ()",
     "gather_rows": "gather_rows(int index, Tensor rows, Tensor offsets, Tensor src, Tensor(a!) out, int stream=-1) -> ()",
     "activation": "activation(int index, Tensor offsets, Tensor fc1_out, Tensor(a!) out, int stream=-1) -> ()",
+    "expert_fc1": "expert_fc1(int index, Tensor rows, Tensor offsets, Tensor src, Tensor w_gate_up, Tensor(a!) out, "
+                  "int stream=-1) -> ()",
+    "expert_fc2": "expert_fc2(int index, Tensor offsets, Tensor act, Tensor w_down, Tensor(a!) out, int stream=-1) -> ()",
     "finalize": "finalize(int index, Tensor row_of, Tensor row_weight, Tensor fc2_out, Tensor(a!) out, "
                 "int stream=-1) -> ()",
     "finalize_fp8": "finalize_fp8(int index, Tensor row_of, Tensor row_weight, Tensor fc2_out, Tensor(a!) values, "
@@ -206,7 +211,9 @@ def _index_piece(ix: TorchIndex, op: str, piece, tensors, stream: int) -> None:
 
 
 _PIECE_SLOTS = {op: tuple(f"{op}.{n}" for n in names) for op, names in
-                (("gather_rows", ("src", "out")), ("activation", ("fc1_out", "out")), ("finalize", ("fc2_out", "out")))}
+                (("gather_rows", ("src", "out")), ("activation", ("fc1_out", "out")),
+                 ("expert_fc1", ("src", "w_gate_up", "out")), ("expert_fc2", ("act", "w_down", "out")),
+                 ("finalize", ("fc2_out", "out")))}
 
 
 def gather_rows_impl(index, rows, offsets, src, out, stream=-1):
@@ -215,6 +222,14 @@ def gather_rows_impl(index, rows, offsets, src, out, stream=-1):
 
 def activation_impl(index, offsets, fc1_out, out, stream=-1):
     _index_piece(lookup(INDEXES, index, "index"), "activation", moe_activation, (fc1_out, out), stream)
+
+
+def expert_fc1_impl(index, rows, offsets, src, w_gate_up, out, stream=-1):
+    _index_piece(lookup(INDEXES, index, "index"), "expert_fc1", moe_expert_fc1, (src, w_gate_up, out), stream)
+
+
+def expert_fc2_impl(index, offsets, act, w_down, out, stream=-1):
+    _index_piece(lookup(INDEXES, index, "index"), "expert_fc2", moe_expert_fc2, (act, w_down, out), stream)
 
 
 def finalize_impl(index, row_of, row_weight, fc2_out, out, stream=-1):
@@ -286,7 +301,8 @@ def route_impl(logits, ids, weights, renormalize=True, stream=-1):
 
 
 IMPLS = {"route": route_impl, "dispatch": dispatch_impl, "combine": combine_impl, "build_index": build_index_impl,
-         "gather_rows": gather_rows_impl, "activation": activation_impl, "finalize": finalize_impl,
+         "gather_rows": gather_rows_impl, "activation": activation_impl, "expert_fc1": expert_fc1_impl,
+         "expert_fc2": expert_fc2_impl, "finalize": finalize_impl,
          "finalize_fp8": finalize_fp8_impl}
 
 
@@ -431,6 +447,21 @@ def activation(index: TorchIndex, fc1_out, out, stream=None) -> None:
     F.silu(gate) * up."""
     op = activation_impl if plain_eager() and type(fc1_out) is _Tensor and type(out) is _Tensor else OPS["activation"]
     op(index.handle, index.offsets, fc1_out, out, _stream_arg(stream))
+
+
+def expert_fc1(index: TorchIndex, src, w_gate_up, out, stream=None) -> None:
+    """moe.expert_fc1: out[p] = silu(gate) * up of FC1 on src[rows[p]] for the rows of the last
+    build (gather, FC1 and the activation in one kernel, for decode sizes)."""
+    op = expert_fc1_impl if plain_eager() and type(src) is _Tensor and type(w_gate_up) is _Tensor \
+        and type(out) is _Tensor else OPS["expert_fc1"]
+    op(index.handle, index.rows, index.offsets, src, w_gate_up, out, _stream_arg(stream))
+
+
+def expert_fc2(index: TorchIndex, act, w_down, out, stream=None) -> None:
+    """moe.expert_fc2: out[p] = act[p] @ w_down[e].T for the rows of the last build."""
+    op = expert_fc2_impl if plain_eager() and type(act) is _Tensor and type(w_down) is _Tensor \
+        and type(out) is _Tensor else OPS["expert_fc2"]
+    op(index.handle, index.offsets, act, w_down, out, _stream_arg(stream))
 
 
 def finalize(index: TorchIndex, fc2_out, out, stream=None) -> None:

@@ -282,7 +282,7 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-GEMMS = {"torch": ("grouped", "loop"), "jax": ("padded", "ragged")}  # the experts' GEMMs of each framework
+GEMMS = {"torch": ("grouped", "loop", "fused"), "jax": ("padded", "ragged")}  # the experts' GEMMs of each framework
 
 
 def parse_args(argv=None) -> argparse.Namespace:

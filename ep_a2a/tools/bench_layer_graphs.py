@@ -201,6 +201,7 @@ def run(args, profiles: dict) -> dict:
     say(f"device-to-device copy: {rate:.2f} TB/s (read + write)")
     rows = []
     protocol = args.protocol or "fence"
+    gemm_arg = args.gemm if args.gemm in ("auto", "grouped", "fused") else "grouped"
     R = args.rounds
     with ep_a2a.LocalGroup([args.device] * ep) as group:
         a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(args.tokens), top_k=top_k, num_experts=E,
@@ -210,13 +211,16 @@ def run(args, profiles: dict) -> dict:
         try:
             for r in a2a.ranks:
                 first, n = local_experts(E, ep, r.rank)
-                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm="grouped"))
+                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=gemm_arg))
+            if layers[0].gemm != "grouped":  # (the loop GEMM reads counts on the host: not capturable)
+                raise RuntimeError(f"--graph needs torch's grouped GEMM: {layers[0].gemm_reason}")
             floor = GemmFloor(layers)
             for T in args.tokens:
                 rows += _one_size(torch, args, T, layers, floor, rng, (H, I, E, top_k, ep), rate, say,
                                   moe_forward_all_ranks, max_relative_error,
                                   (ours_stage_times, baseline_stage_times, floor_stage_times))
-            gemm = f"{layers[0].gemm} ({layers[0].gemm_reason})"
+            gemm = (f"{args.gemm}: ep_a2a's expert kernels up to {layers[0].fused_max_rows} rows per expert "
+                    f"(ep_size * T^), else torch's {layers[0].gemm} ({layers[0].gemm_reason})")
         finally:
             torch.cuda.synchronize()
             for layer in layers:

@@ -29,6 +29,8 @@ _CLASSES = (
     ("index", re.compile(r"^moe_index")),
     ("gather", re.compile(r"^moe_gather")),
     ("finalize", re.compile(r"^moe_finalize")),
+    ("expert_fc1", re.compile(r"^moe_expert_fc1")),
+    ("expert_fc2", re.compile(r"^moe_expert_fc2")),
     ("topk", re.compile(r"topk|kvinplace|radixfindkth|computeblockwise")),
     ("softmax", re.compile(r"softmax")),
     ("sort", re.compile(r"radixsort|onesweep|segmented_?sort|devicesegmented|\bsort")),
@@ -47,8 +49,9 @@ _CLASSES = (
 # its collectives are the stage boundaries (router | all-gather | compute | reduce-scatter).
 OURS_STAGES = ("router", "dispatch", "index", "gather", "fc1", "activation", "fc2", "finalize", "combine")
 OURS_MAP = {"route": "router", "topk": "router", "softmax": "router", "copy": "router", "dispatch": "dispatch",
-            "index": "index", "gather": "gather", "memcpy": "fc1", "silu": "activation", "mul": "activation", "finalize": "finalize",
-            "combine": "combine"}  # gemm: fc1 / fc2 by order
+            "index": "index", "gather": "gather", "memcpy": "fc1", "silu": "activation", "mul": "activation",
+            "finalize": "finalize", "combine": "combine",
+            "expert_fc1": "fc1", "expert_fc2": "fc2"}  # torch's gemm: fc1 / fc2 by order
 BASELINE_STAGES = ("router", "allgather", "compute", "reducescatter")
 BASELINE_MAP = {"route": "router", "topk": "router", "memcpy": "allgather", "reduce": "reducescatter",
                 "copy": "reducescatter"}
