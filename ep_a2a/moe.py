@@ -388,6 +388,15 @@ def _expert_weights(w, name: str, index: ExpertIndex, rows: int, k: int, s: int,
     return t
 
 
+def _expert_grid(index: ExpertIndex, n_dim: int) -> tuple:
+    """(blocks, expert groups) of an expert kernel: N / EXPERT_TILE column tiles times a number
+    of expert groups (a block walks the experts of its group) that makes about two blocks per
+    SM, at most one group per local expert."""
+    tiles = n_dim // EXPERT_TILE
+    groups = max(1, min(index.num_local_experts, -(-2 * index.device.sm_count // tiles)))
+    return tiles * groups, groups
+
+
 def _aligned16(*named) -> None:
     for name, t in named:
         if t.ptr % 16:
@@ -425,10 +434,10 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
         raise ValueError(f"src, out: the expert kernels do not take {why}")
     w = _expert_weights(w_gate_up, "w_gate_up", index, 2 * inter, hidden, s, dev)
     _aligned16(("src", x), ("w_gate_up", w), ("out", y))
-    grid = index.num_local_experts * (inter // EXPERT_TILE)
+    grid, groups = _expert_grid(index, inter)
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(index._base["rows"]), ctypes.c_uint64(index._base["offsets"]),
             ctypes.c_uint64(w.ptr), ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts),
-            ctypes.c_int32(hidden), ctypes.c_int32(inter)]
+            ctypes.c_int32(groups), ctypes.c_int32(hidden), ctypes.c_int32(inter)]
     index.device.make_current()
     index.last_issued = (index._launch("moe_expert_fc1_bf16", args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
@@ -456,10 +465,10 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
         raise ValueError(f"act, out: the expert kernels do not take {why}")
     w = _expert_weights(w_down, "w_down", index, hidden, inter, s, dev)
     _aligned16(("act", a), ("w_down", w), ("out", y))
-    grid = index.num_local_experts * (hidden // EXPERT_TILE)
+    grid, groups = _expert_grid(index, hidden)
     args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),
-            ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(inter),
-            ctypes.c_int32(hidden)]
+            ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(groups),
+            ctypes.c_int32(inter), ctypes.c_int32(hidden)]
     index.device.make_current()
     index.last_issued = (index._launch("moe_expert_fc2_bf16", args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 

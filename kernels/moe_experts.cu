@@ -148,53 +148,56 @@ EP_DEVICE void expert_pass(const ExpertWarp& w, int m0, int col, int ks, int grp
   __syncthreads();  // the partial sums are read before the next pass writes them
 }
 
-// out[p, n] for every row p of the block's expert; w: [num_local, (2 if GATED) * N, K].
+// out[p, n] for every row of the block's experts: block b covers column tile b % tiles of
+// experts b / tiles, + groups, + 2 groups, ... The host sizes `groups` to about two blocks per
+// SM: a grid of a block per expert and tile would queue thousands of blocks that only find an
+// empty expert, each waiting for a slot (one block of this size per SM). An expert's rows are
+// spread over its `tiles` blocks. w: [num_local, (2 if GATED) * N, K].
 template <bool GATED>
 EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_bfloat16* w, __nv_bfloat16* out,
-                           const int* offsets, int num_local, int k_dim, int n_dim) {
+                           const int* offsets, int num_local, int groups, int k_dim, int n_dim) {
   __shared__ float part[EXP_KSPLIT][EXP_GROUPS][2][EXP_MAX_MT * 4][32];
-  const int tiles = n_dim / EXP_TILE;
-  const int e = blockIdx.x / tiles, tile = blockIdx.x % tiles;
-  if (e >= num_local) return;
-  const int begin = offsets[e], end = offsets[e + 1];
-  if (begin >= end) return;  // an expert without rows reads no weight (the whole block leaves)
+  const int tiles = n_dim / EXP_TILE, tile = blockIdx.x % tiles;
   const int warp = threadIdx.x >> 5, grp = warp % EXP_GROUPS, ks = warp / EXP_GROUPS;
-  const int n0 = tile * EXP_TILE + grp * 8, steps = k_dim / EXP_K;
+  const int n0 = tile * EXP_TILE + grp * 8, steps = k_dim / EXP_K, t2 = 2 * (threadIdx.x & 3);
   const long long per_expert = static_cast<long long>(GATED ? 2 : 1) * n_dim * k_dim;
-  const __nv_bfloat16* w_gate = w + e * per_expert + static_cast<long long>(n0 + ((threadIdx.x & 31) >> 2)) * k_dim;
-  const int t2 = 2 * (threadIdx.x & 3);
-  const ExpertWarp ew{a, a_rows, reinterpret_cast<const uint4*>(w_gate) + t2,
-                      reinterpret_cast<const uint4*>(w_gate + static_cast<long long>(n_dim) * k_dim) + t2,
-                      k_dim, end, ks * steps / EXP_KSPLIT, (ks + 1) * steps / EXP_KSPLIT};
-  const int col = n0 + t2;
-  for (int m0 = begin; m0 < end;) {  // the block agrees on each pass's width (the same rows left)
-    const int left = end - m0;
-    if (left > 32) {
-      expert_pass<GATED, 4>(ew, m0, col, ks, grp, out, n_dim, part);
-      m0 += 64;
-    } else if (left > 16) {
-      expert_pass<GATED, 2>(ew, m0, col, ks, grp, out, n_dim, part);
-      m0 += 32;
-    } else {
-      expert_pass<GATED, 1>(ew, m0, col, ks, grp, out, n_dim, part);
-      m0 += 16;
+  const __nv_bfloat16* w_tile = w + static_cast<long long>(n0 + ((threadIdx.x & 31) >> 2)) * k_dim;
+  for (int e = blockIdx.x / tiles; e < num_local; e += groups) {
+    const int begin = offsets[e], end = offsets[e + 1];
+    if (begin >= end) continue;  // an expert without rows reads no weight
+    const __nv_bfloat16* w_gate = w_tile + e * per_expert;
+    const ExpertWarp ew{a, a_rows, reinterpret_cast<const uint4*>(w_gate) + t2,
+                        reinterpret_cast<const uint4*>(w_gate + static_cast<long long>(n_dim) * k_dim) + t2,
+                        k_dim, end, ks * steps / EXP_KSPLIT, (ks + 1) * steps / EXP_KSPLIT};
+    for (int m0 = begin; m0 < end;) {  // the block agrees on each pass's width (the same rows left)
+      const int left = end - m0;
+      if (left > 32) {
+        expert_pass<GATED, 4>(ew, m0, n0 + t2, ks, grp, out, n_dim, part);
+        m0 += 64;
+      } else if (left > 16) {
+        expert_pass<GATED, 2>(ew, m0, n0 + t2, ks, grp, out, n_dim, part);
+        m0 += 32;
+      } else {
+        expert_pass<GATED, 1>(ew, m0, n0 + t2, ks, grp, out, n_dim, part);
+        m0 += 16;
+      }
     }
   }
 }
 
-// moe_expert_fc1_bf16: grid num_local * (I / EXP_TILE) blocks of EXP_WARPS warps; src [slots, K]
+// moe_expert_fc1_bf16: grid groups * (I / EXP_TILE) blocks of EXP_WARPS warps; src [slots, K]
 // (the dispatched hidden states), rows / offsets of the index, w_gate_up [num_local, 2 I, K],
 // act [rows, I]. K a multiple of EXP_K, I of EXP_TILE, every pointer 16-byte aligned.
 extern "C" __global__ void __launch_bounds__(EXP_WARPS * 32) moe_expert_fc1_bf16(
     const __nv_bfloat16* src, const int* rows, const int* offsets, const __nv_bfloat16* w_gate_up,
-    __nv_bfloat16* act, int num_local, int k_dim, int inter) {
-  expert_gemm<true>(src, rows, w_gate_up, act, offsets, num_local, k_dim, inter);
+    __nv_bfloat16* act, int num_local, int groups, int k_dim, int inter) {
+  expert_gemm<true>(src, rows, w_gate_up, act, offsets, num_local, groups, k_dim, inter);
 }
 
 // moe_expert_fc2_bf16: act [rows, I] in row order, w_down [num_local, hidden, I], out [rows,
-// hidden]; grid num_local * (hidden / EXP_TILE).
+// hidden]; grid groups * (hidden / EXP_TILE).
 extern "C" __global__ void __launch_bounds__(EXP_WARPS * 32) moe_expert_fc2_bf16(
     const __nv_bfloat16* act, const int* offsets, const __nv_bfloat16* w_down, __nv_bfloat16* out, int num_local,
-    int inter, int hidden) {
-  expert_gemm<false>(act, nullptr, w_down, out, offsets, num_local, inter, hidden);
+    int groups, int inter, int hidden) {
+  expert_gemm<false>(act, nullptr, w_down, out, offsets, num_local, groups, inter, hidden);
 }

@@ -5,7 +5,8 @@ per token count: the host µs to issue one eager step of all ranks (moe_forward_
 median of --iters, the GPU drained before each), per rank; then the host µs per call of one
 rank's pieces, each called --calls times in a row on its own outputs (the launches repeat
 the same work): the route, build_index, gather_rows, activation and finalize ops, torch's
-grouped GEMM (FC1, FC2), one kernel launch alone (Launch.__call__: the cuLaunchKernelEx of
+grouped GEMM (FC1, FC2), ep_a2a's expert kernels (expert_fc1, expert_fc2: what --gemm auto
+runs at decode sizes instead of gather, FC1, activation and FC2), one kernel launch alone (Launch.__call__: the cuLaunchKernelEx of
 cuda.bindings), a stream switch through the layer's OnStream and through torch.cuda.stream.
 Dispatch and combine are left out: alone they would wait for peers. --cprofile DIR also
 writes a cProfile of --iters eager steps per token count (top functions by own time).
@@ -54,6 +55,8 @@ def _pieces(torch, layer, logits, T: int, calls: int, reps: int) -> dict:
                   "gather_rows": lambda: ops.gather_rows(layer.tix, x_v, layer._xg),
                   "fc1": lambda: layer.fc1(xg, layer._offs), "activation": lambda: ops.activation(layer.tix, h, act),
                   "fc2": lambda: layer.fc2(act, layer._offs), "finalize": lambda: ops.finalize(layer.tix, y, ci),
+                  "expert_fc1": lambda: ops.expert_fc1(layer.tix, x_v, layer.w_gate_up, layer._act),
+                  "expert_fc2": lambda: ops.expert_fc2(layer.tix, layer._act, layer.w_down, layer._xg),
                   "launch alone": lambda: launch(s), "OnStream": on_stream, "torch.cuda.stream": torch_stream}
         return {k: eager_host_us(torch, lambda f=f: [f() for _ in range(calls)], reps) / calls for k, f in pieces.items()}
 
@@ -78,7 +81,7 @@ def run(args) -> dict:
         try:
             for r in a2a.ranks:
                 first, n = local_experts(E, ep, r.rank)
-                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm="grouped"))
+                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm))
             for T in args.tokens:
                 xs = [torch.randn(T, H, device=dev).to(torch.bfloat16) for _ in layers]
                 logits = [torch.randn(T, E, device=dev) for _ in layers]
@@ -111,7 +114,8 @@ def run(args) -> dict:
             a2a.close()
     return dict(**torch_device_fields(torch, dev),
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=K, ranks=ep,
-                            tokens=args.tokens, iters=args.iters, calls=args.calls),
+                            tokens=args.tokens, iters=args.iters, calls=args.calls, gemm=args.gemm,
+                            fused_max_rows=layers[0].fused_max_rows if layers else None),
                 method=__doc__, rows=rows)
 
 
@@ -131,6 +135,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ranks", type=int_in(1, MAX_RANKS), default=8, help="in-process ranks (default 8)")
     ap.add_argument("--device", type=nonnegative_int, default=0, help="the GPU ordinal (default 0)")
     ap.add_argument("--tokens", type=int_list(1), default=[1, 16, 128], help="tokens per rank (default 1,16,128)")
+    ap.add_argument("--gemm", choices=("auto", "grouped", "fused"), default="auto",
+                    help="the layer's expert GEMMs (default auto: ep_a2a's expert kernels at decode sizes)")
     ap.add_argument("--iters", type=positive_int, default=100, help="eager steps timed per token count (default 100)")
     ap.add_argument("--calls", type=positive_int, default=20, help="calls in a row per piece timing (default 20)")
     ap.add_argument("--cprofile", default=None, help="a folder for a cProfile of the eager steps per token count")
