@@ -56,13 +56,14 @@ ACTIVATION_DTYPES = {"bfloat16": "bf16", "float16": "f16"}  # the gated activati
 _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_scatter", "moe_gather_rows") + tuple(
     f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in REDUCE_DTYPES.values() for o in REDUCE_DTYPES.values()
 ) + tuple(f"moe_swiglu_{d}" for d in ACTIVATION_DTYPES.values())
-# The experts' GEMMs at decode sizes (kernels/moe_experts.cu): a block covers EXPERT_TILE output
-# columns of one expert, k runs in steps of EXPERT_K; bf16 only.
-EXPERT_KERNELS = ("moe_expert_fc1_bf16", "moe_expert_fc2_bf16")
-EXPERT_TILE = 16
+# The experts' GEMMs at decode sizes (kernels/moe_experts.cu): a block of four warps covers
+# 32 / EXPERT_KSPLIT output columns of an expert, EXPERT_KSPLIT warps splitting each 8 columns'
+# k range, which runs in steps of EXPERT_K; bf16 only.
+EXPERT_KSPLIT = 2
+EXPERT_KERNELS = tuple(f"moe_expert_fc{n}_bf16_k{k}" for n in (1, 2) for k in (1, 2))
 EXPERT_K = 64
-_EXPERT_THREADS = 256
-FUSED_MAX_ROWS = 64            # rows per expert up to which they beat a library grouped GEMM (layers.torch)
+_EXPERT_THREADS = 128
+FUSED_MAX_ROWS = 32            # rows per expert up to which they beat torch's grouped GEMM (layers.torch)
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
@@ -373,9 +374,9 @@ def expert_gemms_unsupported(hidden: int, inter: int, dtype: str = "bfloat16"):
     """Why expert_fc1 / expert_fc2 do not take these shapes (a string), or None."""
     if dtype != "bfloat16":
         return f"{dtype} (bfloat16 only)"
-    if hidden % EXPERT_K or hidden % EXPERT_TILE:
+    if hidden % EXPERT_K:
         return f"hidden={hidden} (a multiple of {EXPERT_K} is needed)"
-    if inter % EXPERT_K or inter % EXPERT_TILE:
+    if inter % EXPERT_K:
         return f"intermediate={inter} (a multiple of {EXPERT_K} is needed)"
     return None
 
@@ -389,12 +390,12 @@ def _expert_weights(w, name: str, index: ExpertIndex, rows: int, k: int, s: int,
 
 
 def _expert_grid(index: ExpertIndex, n_dim: int) -> tuple:
-    """(blocks, expert groups) of an expert kernel: N / EXPERT_TILE column tiles times a number
-    of expert groups (a block walks the experts of its group) that makes about two blocks per
-    SM, at most one group per local expert."""
-    tiles = n_dim // EXPERT_TILE
-    groups = max(1, min(index.num_local_experts, -(-2 * index.device.sm_count // tiles)))
-    return tiles * groups, groups
+    """(kernel name suffix, blocks, expert groups) of an expert kernel: N / (32 / EXPERT_KSPLIT)
+    column tiles times a number of expert groups (a block walks the experts of its group) that
+    makes about four blocks per SM, at most one group per local expert."""
+    tiles = n_dim // (32 // EXPERT_KSPLIT)
+    groups = max(1, min(index.num_local_experts, -(-4 * index.device.sm_count // tiles)))
+    return f"_k{EXPERT_KSPLIT}", tiles * groups, groups
 
 
 def _aligned16(*named) -> None:
@@ -415,8 +416,8 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
     w_gate_up: bf16 [num_local_experts, 2 * I, hidden] (gate rows, then up rows), contiguous;
     out: bf16 [rows >= index.capacity, I]. hidden and I multiples of 64 (expert_gemms_unsupported),
     pointers 16-byte aligned. Made for decode sizes: a block streams 16 columns of one expert's
-    weights (four warps splitting k per 8 columns) for up to 64 rows at a time; more rows run
-    further passes over the same weights.
+    weights (two warps splitting k per 8 columns) for 16 rows at a time; more rows run further
+    passes over the same weights.
     stream: default, the stream of the index's build.
     """
     _check_built(index, "expert_fc1")
@@ -434,12 +435,12 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
         raise ValueError(f"src, out: the expert kernels do not take {why}")
     w = _expert_weights(w_gate_up, "w_gate_up", index, 2 * inter, hidden, s, dev)
     _aligned16(("src", x), ("w_gate_up", w), ("out", y))
-    grid, groups = _expert_grid(index, inter)
+    k, grid, groups = _expert_grid(index, inter)
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(index._base["rows"]), ctypes.c_uint64(index._base["offsets"]),
             ctypes.c_uint64(w.ptr), ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts),
             ctypes.c_int32(groups), ctypes.c_int32(hidden), ctypes.c_int32(inter)]
     index.device.make_current()
-    index.last_issued = (index._launch("moe_expert_fc1_bf16", args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+    index.last_issued = (index._launch("moe_expert_fc1_bf16" + k, args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
 
 def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
@@ -465,12 +466,12 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
         raise ValueError(f"act, out: the expert kernels do not take {why}")
     w = _expert_weights(w_down, "w_down", index, hidden, inter, s, dev)
     _aligned16(("act", a), ("w_down", w), ("out", y))
-    grid, groups = _expert_grid(index, hidden)
+    k, grid, groups = _expert_grid(index, hidden)
     args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),
             ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(groups),
             ctypes.c_int32(inter), ctypes.c_int32(hidden)]
     index.device.make_current()
-    index.last_issued = (index._launch("moe_expert_fc2_bf16", args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+    index.last_issued = (index._launch("moe_expert_fc2_bf16" + k, args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
 
 def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
