@@ -57,13 +57,15 @@ _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_s
     f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in REDUCE_DTYPES.values() for o in REDUCE_DTYPES.values()
 ) + tuple(f"moe_swiglu_{d}" for d in ACTIVATION_DTYPES.values())
 # The experts' GEMMs at decode sizes (kernels/moe_experts.cu): a block of four warps covers
-# 32 / EXPERT_KSPLIT output columns of an expert, EXPERT_KSPLIT warps splitting each 8 columns'
-# k range, which runs in steps of EXPERT_K; bf16 only.
-EXPERT_KSPLIT = 2
-EXPERT_KERNELS = tuple(f"moe_expert_fc{n}_bf16_k{k}" for n in (1, 2) for k in (1, 2))
+# EXPERT_TILE output columns of an expert, two warps splitting each 8 columns' k range, which
+# runs in steps of EXPERT_K; bf16 only.
+EXPERT_KERNELS = ("moe_expert_fc1_bf16", "moe_expert_fc2_bf16")
+EXPERT_TILE = 16
 EXPERT_K = 64
 _EXPERT_THREADS = 128
-FUSED_MAX_ROWS = 32            # rows per expert up to which they beat torch's grouped GEMM (layers.torch)
+# Rows per expert up to which the layer takes them (layers.torch): one pass of 16 rows reads
+# each expert's weights once; a second pass reads them again, from HBM where they outgrow L2.
+FUSED_MAX_ROWS = 16
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
@@ -390,12 +392,12 @@ def _expert_weights(w, name: str, index: ExpertIndex, rows: int, k: int, s: int,
 
 
 def _expert_grid(index: ExpertIndex, n_dim: int) -> tuple:
-    """(kernel name suffix, blocks, expert groups) of an expert kernel: N / (32 / EXPERT_KSPLIT)
-    column tiles times a number of expert groups (a block walks the experts of its group) that
-    makes about four blocks per SM, at most one group per local expert."""
-    tiles = n_dim // (32 // EXPERT_KSPLIT)
+    """(blocks, expert groups) of an expert kernel: N / EXPERT_TILE column tiles times a number
+    of expert groups (a block walks the experts of its group) that makes about four blocks per
+    SM, at most one group per local expert."""
+    tiles = n_dim // EXPERT_TILE
     groups = max(1, min(index.num_local_experts, -(-4 * index.device.sm_count // tiles)))
-    return f"_k{EXPERT_KSPLIT}", tiles * groups, groups
+    return tiles * groups, groups
 
 
 def _aligned16(*named) -> None:
@@ -435,12 +437,12 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
         raise ValueError(f"src, out: the expert kernels do not take {why}")
     w = _expert_weights(w_gate_up, "w_gate_up", index, 2 * inter, hidden, s, dev)
     _aligned16(("src", x), ("w_gate_up", w), ("out", y))
-    k, grid, groups = _expert_grid(index, inter)
+    grid, groups = _expert_grid(index, inter)
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(index._base["rows"]), ctypes.c_uint64(index._base["offsets"]),
             ctypes.c_uint64(w.ptr), ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts),
             ctypes.c_int32(groups), ctypes.c_int32(hidden), ctypes.c_int32(inter)]
     index.device.make_current()
-    index.last_issued = (index._launch("moe_expert_fc1_bf16" + k, args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+    index.last_issued = (index._launch("moe_expert_fc1_bf16", args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
 
 def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
@@ -466,12 +468,12 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
         raise ValueError(f"act, out: the expert kernels do not take {why}")
     w = _expert_weights(w_down, "w_down", index, hidden, inter, s, dev)
     _aligned16(("act", a), ("w_down", w), ("out", y))
-    k, grid, groups = _expert_grid(index, hidden)
+    grid, groups = _expert_grid(index, hidden)
     args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),
             ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(groups),
             ctypes.c_int32(inter), ctypes.c_int32(hidden)]
     index.device.make_current()
-    index.last_issued = (index._launch("moe_expert_fc2_bf16" + k, args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+    index.last_issued = (index._launch("moe_expert_fc2_bf16", args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
 
 def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
