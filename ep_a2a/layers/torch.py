@@ -217,7 +217,8 @@ class TorchMoeLayer(LayerBase):
     @property
     def buffers(self) -> tuple:
         """(gathered rows [cap, hidden], activations [cap, I], expert end offsets int32
-        [E_local]): what the last step left there (cap = ep_size * max_tokens * top_k)."""
+        [E_local]): what the last step left there (cap = ep_size * max_tokens * top_k). A step
+        on the expert kernels (fused_max_rows) gathers nothing: the first holds FC2's output."""
         return self._xg, self._act, self._offs
 
     # -- phases ------------------------------------------------------------------------------------
@@ -284,8 +285,9 @@ class TorchMoeLayer(LayerBase):
             st["views"] = self._ops.dispatch(self.tr, st["ids"], [st["x"], st["w"]], st["runtime_max"])
 
     def compute(self) -> None:
-        """Phase 3: index, gather, FC1, activation, FC2, finalize into the combine input. Call it
-        only once every rank of the process has dispatched (the loop GEMM syncs the host)."""
+        """Phase 3: index, gather, FC1, activation, FC2 (at most fused_max_rows rows per expert:
+        the expert kernels, gather, FC1 and activation in one), finalize into the combine input.
+        Call it only once every rank of the process has dispatched (the loop GEMM syncs the host)."""
         import torch
         import torch.nn.functional as F
         I, ops = self.inter, self._ops

@@ -6,8 +6,9 @@ median of --iters, the GPU drained before each), per rank; then the host µs per
 rank's pieces, each called --calls times in a row on its own outputs (the launches repeat
 the same work): the route, build_index, gather_rows, activation and finalize ops, torch's
 grouped GEMM (FC1, FC2), ep_a2a's expert kernels (expert_fc1, expert_fc2: what --gemm auto
-runs at decode sizes instead of gather, FC1, activation and FC2), one kernel launch alone (Launch.__call__: the cuLaunchKernelEx of
-cuda.bindings), a stream switch through the layer's OnStream and through torch.cuda.stream.
+runs at decode sizes instead of gather, FC1, activation and FC2), one kernel launch alone
+(Launch.__call__: the cuLaunchKernelEx of cuda.bindings), a stream switch through the layer's
+OnStream and through torch.cuda.stream.
 Dispatch and combine are left out: alone they would wait for peers. --cprofile DIR also
 writes a cProfile of --iters eager steps per token count (top functions by own time).
 """
