@@ -30,7 +30,9 @@ def test_padded_ffn_equals_the_oracle_and_ragged_dot(tight):
     rng, _ = fresh_rng()
     L, H, inter = int(rng.integers(2, 6)), 32, 16
     counts = rng.integers(0, 7, L)
-    counts[rng.integers(L)] = 0                                     # an expert with no row
+    empty = int(rng.integers(L))
+    counts[empty] = 0                                               # an expert with no row
+    counts[(empty + 1) % L] = rng.integers(1, 7)                    # and one with rows (a max needs one)
     rows = int(counts.sum()) + int(rng.integers(1, 9))              # unused rows past the total
     x = rng.standard_normal((rows, H)).astype(np.float32)
     x[counts.sum():] = 1e4                                          # poison: must not reach the output
