@@ -9,8 +9,8 @@
 // split k and add their sums in shared memory, in k order), so the blocks of one expert cover
 // its weights in 8-column slices and every SM streams. Experts without rows read nothing (the
 // offsets are read on the device, so a captured graph adapts per step). Rows past 16 per
-// expert run further passes over the same weights (mostly from L2): the layer uses these
-// kernels while rows per expert stay small (moe.FUSED_MAX_ROWS).
+// expert run further passes that read its weights again (from L2 only where they fit there):
+// the layer uses these kernels while one pass covers an expert (moe.FUSED_MAX_ROWS).
 //
 // The k order inside a 64-wide step is permuted so that each lane loads 16 contiguous
 // elements (two 16-byte loads) of its weight row and of its two A rows: for mma j (0..3) of
@@ -87,8 +87,7 @@ EP_DEVICE __nv_bfloat16 epilogue(float sg, float su) {
 
 // out[p, n] for every row of the block's experts: block b covers column tile b % tiles of
 // experts b / tiles, + groups, + 2 groups, ... (the host sizes `groups` to a few blocks per
-// SM: a block per expert and tile would queue thousands of blocks that only find an empty
-// expert). An expert's rows are spread over its `tiles` blocks. w: [num_local, (2 if GATED)
+// SM: a block per expert and tile would mostly launch blocks that find an empty expert). An expert's rows are spread over its `tiles` blocks. w: [num_local, (2 if GATED)
 // * N, K]. KS warps split each column group's k steps; their sums meet in shared memory and
 // the group's first warp adds them in k order (the same order every run) and stores.
 template <bool GATED, int KS>
