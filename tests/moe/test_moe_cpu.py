@@ -257,3 +257,38 @@ def test_activation_kernel_computes_silu_as_torch_does():
     fused = re.findall(r"fma\.rn\.f32\s+%f\d+, (%f\d+), (%f\d+), 0f3F800000;", ptx)
     assert exp2 and any(a in exp2 or b in exp2 for a, b in fused), \
         "expf's last step and the + 1 are not one FMA: not what nvcc's defaults make of torch's silu expression"
+
+
+def test_cubins_have_the_expert_kernels():
+    from ep_a2a.driver import module
+    built = module.built_cubins().get("moe_experts")
+    if not built:
+        pytest.skip("cubins not built (run `make cubins`)")
+    data = (module.CUBIN_DIR / f"moe_experts.sm_{built[0]}.cubin").read_bytes()
+    for sym in moe.EXPERT_KERNELS:
+        assert sym.encode() in data
+
+
+def test_expert_kernels_take_bf16_multiples_of_their_k_step_only():
+    assert moe.expert_gemms_unsupported(2048, 1024) is None
+    assert moe.expert_gemms_unsupported(7168, 2048) is None
+    assert "hidden=96" in moe.expert_gemms_unsupported(96, 64)
+    assert "intermediate=80" in moe.expert_gemms_unsupported(128, 80)
+    assert "bfloat16 only" in moe.expert_gemms_unsupported(128, 64, "float16")
+    # one pass of 16 rows covers an expert while the layer takes them (kernels/moe_experts.cu)
+    assert moe.FUSED_MAX_ROWS == 16 and moe.EXPERT_TILE == 16 and moe.EXPERT_K == 64
+
+
+@pytest.mark.parametrize("num_local,n_dim,sms", [(8, 1024, 132), (8, 2048, 132), (32, 7168, 132), (1, 64, 8),
+                                                 (256, 2048, 132)])
+def test_expert_grid_covers_every_expert_and_tile(num_local, n_dim, sms):
+    """Block b covers tile b % tiles of experts b // tiles, + groups, ... (the kernel's walk):
+    every (expert, tile) exactly once, about four blocks per SM, at most a group per expert."""
+    from types import SimpleNamespace
+    index = SimpleNamespace(num_local_experts=num_local, device=SimpleNamespace(sm_count=sms))
+    blocks, groups = moe._expert_grid(index, n_dim)
+    tiles = n_dim // moe.EXPERT_TILE
+    assert blocks == tiles * groups and 1 <= groups <= num_local
+    seen = sorted((e, b % tiles) for b in range(blocks) for e in range(b // tiles, num_local, groups))
+    assert seen == [(e, t) for e in range(num_local) for t in range(tiles)]
+    assert groups == num_local or blocks >= 4 * sms
