@@ -100,10 +100,11 @@ def test_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol):
         group.close()
 
 
-@pytest.mark.parametrize("gemm", ["loop", "auto"])
+@pytest.mark.parametrize("gemm", ["loop", "auto", "fused"])
 def test_given_routing_with_repeats_and_empty_selections(gemm):
     """Routing handed in as (ids, weights): repeated experts in a token, -1 (no expert),
-    unnormalized weights; the per-expert loop and the grouped GEMM."""
+    unnormalized weights; the per-expert loop, the grouped GEMM (auto at T^ 32) and the expert
+    kernels at every size (fused: dozens of rows per expert, several passes)."""
     from ep_a2a.testing.reference import from_float32
     dev = _cuda()
     rng, seed = fresh_rng()
