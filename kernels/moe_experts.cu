@@ -144,8 +144,9 @@ EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv
 // (the dispatched hidden states), rows / offsets of the index, w_gate_up [num_local, 2 I, K],
 // act [rows, I]. K a multiple of EXP_K, I of EXP_TILE, every pointer 16-byte aligned.
 // moe_expert_fc2_bf16: act [rows, I] in row order, w_down [num_local, hidden, I], out [rows,
-// hidden]; grid groups * (hidden / EXP_TILE). Two warps split k (EXP_KS): in the 8-rank layer
-// at 1-4 tokens per rank they took 11-15% less time than one warp over all of k.
+// hidden]; grid groups * (hidden / EXP_TILE). Two warps split k (EXP_KS): each warp's serial
+// chain of loads halves, which is what a lone expert with a long k waits on (docs/layer.md
+// has the A/B against one warp).
 constexpr int EXP_KS = 2;
 constexpr int EXP_TILE = 8 * EXP_WARPS / EXP_KS;  // output columns per block (moe.py: EXPERT_TILE)
 extern "C" __global__ void __launch_bounds__(EXP_WARPS * 32) moe_expert_fc1_bf16(
