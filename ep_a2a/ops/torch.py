@@ -10,6 +10,8 @@ torch.cuda.graph capture.
     ep_ops.build_index(ix, ids, w)
     ep_ops.gather_rows(ix, x, x_rows)               # ... FC1 (grouped GEMM) -> h [rows, 2 * I]
     ep_ops.activation(ix, h, act)                   # silu(h[:, :I]) * h[:, I:], rows < total; FC2 -> fc2_out
+    # at decode sizes instead of gather, FC1, activation and FC2 (ep_a2a's expert kernels):
+    ep_ops.expert_fc1(ix, x, w_gate_up, act); ep_ops.expert_fc2(ix, act, w_down, fc2_out)
     ep_ops.finalize(ix, fc2_out, ep_ops.combine_input(tr, T_hat))
     y = ep_ops.combine(tr, ep_ops.combine_input(tr, T_hat), T_hat)      # [local tokens, hidden]
 
@@ -36,9 +38,9 @@ kept per argument position (interop/torch_tensor.TensorSlot), so a step whose te
 where the last step's did takes the all-to-all's repeat fast path; since the slots see
 whether a fill changed anything, such a step repeats without the all-to-all's geometry
 compare (RankAlltoAll.dispatch_same / combine_same); the stream is read as a raw handle.
-The MoE pieces (route, build_index, gather_rows, activation, finalize) do likewise: a call
-whose tensors all sit where that op's last call had them relaunches its last launches as
-they were, without moe.*'s checks (torch_views.Replays).
+The MoE pieces (route, build_index, gather_rows, activation, expert_fc1 / expert_fc2,
+finalize) do likewise: a call whose tensors all sit where that op's last call had them
+relaunches its last launches as they were, without moe.*'s checks (torch_views.Replays).
 combine(out=None) allocates its output: engines pass out=. Expert ids
 are not copied to the host by default (bind(validate_expert_ids=False)): the kernel drops
 ids outside 0..num_experts-1 and -1; True checks them on the host at every eager dispatch (a
