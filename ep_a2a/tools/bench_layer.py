@@ -294,7 +294,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.gemm not in ("auto",) + GEMMS[args.framework]:
         ap.error(f"--gemm {args.gemm}: --framework {args.framework} takes auto or one of {GEMMS[args.framework]}")
     if args.graph and (args.framework != "torch" or args.combine_quant or args.gemm == "loop"):
-        ap.error("--graph runs the PyTorch layer with the bf16 combine and the grouped GEMM "
+        ap.error("--graph runs the PyTorch layer with the bf16 combine and capturable expert GEMMs "
                  "(no --framework jax, --combine-quant or --gemm loop)")
     if args.tokens is None:
         args.tokens = [1, 4, 16, 64, 128, 1024] if args.graph else [1, 16, 128, 1024]

@@ -201,7 +201,6 @@ def run(args, profiles: dict) -> dict:
     say(f"device-to-device copy: {rate:.2f} TB/s (read + write)")
     rows = []
     protocol = args.protocol or "fence"
-    gemm_arg = args.gemm if args.gemm in ("auto", "grouped", "fused") else "grouped"
     R = args.rounds
     with ep_a2a.LocalGroup([args.device] * ep) as group:
         a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(args.tokens), top_k=top_k, num_experts=E,
@@ -209,9 +208,9 @@ def run(args, profiles: dict) -> dict:
                                  validate_expert_ids=False, on_timeout="abort")
         layers = []
         try:
-            for r in a2a.ranks:
+            for r in a2a.ranks:  # (--graph: parse_args lets only auto, grouped or fused through)
                 first, n = local_experts(E, ep, r.rank)
-                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=gemm_arg))
+                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm))
             if layers[0].gemm != "grouped":  # (the loop GEMM reads counts on the host: not capturable)
                 raise RuntimeError(f"--graph needs torch's grouped GEMM: {layers[0].gemm_reason}")
             floor = GemmFloor(layers)
