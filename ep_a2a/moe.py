@@ -58,10 +58,15 @@ _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_s
 ) + tuple(f"moe_swiglu_{d}" for d in ACTIVATION_DTYPES.values())
 # The experts' GEMMs at decode sizes (kernels/moe_experts.cu): a block of four warps covers
 # EXPERT_TILE output columns of an expert, two warps splitting each 8 columns' k range, which
-# runs in steps of EXPERT_K; bf16 only.
-EXPERT_KERNELS = ("moe_expert_fc1_bf16", "moe_expert_fc2_bf16")
+# runs in steps of EXPERT_K; bf16 only. The first pair takes EXPERT_PASS_ROWS rows of an expert
+# per pass, the _m64 pair (same bits) up to EXPERT_WIDE_ROWS: a call takes the second where an
+# expert may hold more than EXPERT_PASS_ROWS rows (index.slots, ep_size * T^, the most an
+# expert gets through a router).
+EXPERT_KERNELS = ("moe_expert_fc1_bf16", "moe_expert_fc2_bf16", "moe_expert_fc1_m64_bf16", "moe_expert_fc2_m64_bf16")
 EXPERT_TILE = 16
 EXPERT_K = 64
+EXPERT_PASS_ROWS = 16
+EXPERT_WIDE_ROWS = 64
 _EXPERT_THREADS = 128
 # Rows per expert up to which the layer takes them (layers.torch): one pass of 16 rows reads
 # each expert's weights once; a second pass reads them again, from HBM where they outgrow L2.
@@ -400,6 +405,12 @@ def _expert_grid(index: ExpertIndex, n_dim: int) -> tuple:
     return tiles * groups, groups
 
 
+def _expert_kernel(fc: str, index: ExpertIndex) -> str:
+    """The kernel of a call: 16 rows per pass while no expert can hold more (the 64-row passes
+    hold registers that fewer rows do not need), else up to 64."""
+    return f"moe_expert_{fc}_bf16" if index.slots <= EXPERT_PASS_ROWS else f"moe_expert_{fc}_m64_bf16"
+
+
 def _aligned16(*named) -> None:
     for name, t in named:
         if t.ptr % 16:
@@ -418,8 +429,9 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
     w_gate_up: bf16 [num_local_experts, 2 * I, hidden] (gate rows, then up rows), contiguous;
     out: bf16 [rows >= index.capacity, I]. hidden and I multiples of 64 (expert_gemms_unsupported),
     pointers 16-byte aligned. Made for decode sizes: a block streams 16 columns of one expert's
-    weights (two warps splitting k per 8 columns) for 16 rows at a time; more rows run further
-    passes over the same weights.
+    weights (two warps splitting k per 8 columns) for 16 rows at a time, or up to 64 where an
+    expert may hold more than 16 (index.slots); more rows run further passes over the same
+    weights.
     stream: default, the stream of the index's build.
     """
     _check_built(index, "expert_fc1")
@@ -442,7 +454,7 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
             ctypes.c_uint64(w.ptr), ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts),
             ctypes.c_int32(groups), ctypes.c_int32(hidden), ctypes.c_int32(inter)]
     index.device.make_current()
-    index.last_issued = (index._launch("moe_expert_fc1_bf16", args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+    index.last_issued = (index._launch(_expert_kernel("fc1", index), args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
 
 def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
@@ -473,7 +485,7 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
             ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(groups),
             ctypes.c_int32(inter), ctypes.c_int32(hidden)]
     index.device.make_current()
-    index.last_issued = (index._launch("moe_expert_fc2_bf16", args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+    index.last_issued = (index._launch(_expert_kernel("fc2", index), args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
 
 def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:

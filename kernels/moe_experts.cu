@@ -42,35 +42,51 @@ EP_DEVICE const uint4* a_row(const __nv_bfloat16* a, const int* a_rows, int r, i
   return reinterpret_cast<const uint4*>(a + row * k_dim) + 2 * (threadIdx.x & 3);
 }
 
-// The warp's sums over steps [s_begin, s_end) for rows m0 + g (c[0], c[1]) and m0 + g + 8 (c[2],
-// c[3]), columns 2t, 2t + 1 of its tile; rows past `end` are zeros. Every load of EXP_U steps
-// is issued before their mma: weight bytes in flight are this kernel's speed (a step past the
-// share loads zeros and adds nothing).
-template <bool GATED>
+// The warp's sums over steps [s_begin, s_end) for MT m-tiles of 16 rows from m0: rows m0 +
+// 16 mt + g (c[mt][0], c[mt][1]) and + 8 (c[mt][2], c[mt][3]), columns 2t, 2t + 1 of its tile;
+// rows past `end` are zeros. Every load of U steps is issued before their mma: weight bytes in
+// flight are this kernel's speed (a step past the share loads zeros and adds nothing). The
+// A rows of a pass are read by every warp of the expert's tiles, mostly from L1 and L2.
+template <bool GATED, int MT, int U>
 EP_DEVICE void partial_sums(const __nv_bfloat16* a, const int* a_rows, const uint4* wg, const uint4* wu, int k_dim,
-                            int m0, int end, int s_begin, int s_end, float (&cg)[4], float (&cu)[4]) {
+                            int m0, int end, int s_begin, int s_end, float (&cg)[MT][4], float (&cu)[MT][4]) {
   const int g = (threadIdx.x & 31) >> 2;
-  const bool v0 = m0 + g < end, v1 = m0 + g + 8 < end;
-  const uint4* x0 = a_row(a, a_rows, v0 ? m0 + g : m0, k_dim);
-  const uint4* x1 = a_row(a, a_rows, v1 ? m0 + g + 8 : m0, k_dim);
+  bool v[MT][2];
+  const uint4* x[MT][2];
 #pragma unroll
-  for (int c = 0; c < 4; ++c) cg[c] = cu[c] = 0.f;
-  for (int s0 = s_begin; s0 < s_end; s0 += EXP_U) {
-    uint4 bg[EXP_U][2], bu[EXP_U][2], p[EXP_U][2], q[EXP_U][2];
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int u = 0; u < EXP_U; ++u) {
+    for (int h = 0; h < 2; ++h) {
+      const int r = m0 + 16 * mt + 8 * h + g;
+      v[mt][h] = r < end;
+      x[mt][h] = a_row(a, a_rows, v[mt][h] ? r : m0, k_dim);
+    }
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) cg[mt][c] = cu[mt][c] = 0.f;
+  for (int s0 = s_begin; s0 < s_end; s0 += U) {
+    uint4 bg[U][2], bu[U][2], p[U][MT][2], q[U][MT][2];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
       const int s = s0 + u;
       const bool in = s < s_end;
       load2(bg[u], wg + 8 * s, in);
       if (GATED) load2(bu[u], wu + 8 * s, in);
-      load2(p[u], x0 + 8 * s, in && v0);
-      load2(q[u], x1 + 8 * s, in && v1);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        load2(p[u][mt], x[mt][0] + 8 * s, in && v[mt][0]);
+        load2(q[u][mt], x[mt][1] + 8 * s, in && v[mt][1]);
+      }
     }
 #pragma unroll
-    for (int u = 0; u < EXP_U; ++u) {
-      mma_step(cg, p[u], q[u], bg[u]);
-      if (GATED) mma_step(cu, p[u], q[u], bu[u]);
-    }
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt > 0 && m0 + 16 * mt >= end) break;  // (warp-uniform: an m-tile without rows adds nothing)
+        mma_step(cg[mt], p[u][mt], q[u][mt], bg[u]);
+        if (GATED) mma_step(cu[mt], p[u][mt], q[u][mt], bu[u]);
+      }
   }
 }
 
@@ -85,16 +101,64 @@ EP_DEVICE __nv_bfloat16 epilogue(float sg, float su) {
   return __float2bfloat16(__bfloat162float(sl) * __bfloat162float(__float2bfloat16(su)));
 }
 
+// One pass over rows [m0, min(m0 + 16 MT, end)) of the warp's 8 columns: the KS warps of a
+// column group meet in shared memory, where its first warp adds their sums in k order (the
+// same order every run, and for every MT: a row's bits do not depend on the pass that held it)
+// and stores.
+template <bool GATED, int KS, int GROUPS, int MAX_MT, int MT>
+EP_DEVICE void expert_pass(const __nv_bfloat16* a, const int* a_rows, const uint4* wg, const uint4* wu,
+                           __nv_bfloat16* out, float (&part)[KS][GROUPS][2][MAX_MT][4][32], int k_dim, int n_dim,
+                           int n0, int m0, int end, int s_begin, int s_end) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp % GROUPS, ks = warp / GROUPS;
+  const int t2 = 2 * (lane & 3), g = lane >> 2;
+  float cg[MT][4], cu[MT][4];
+  partial_sums<GATED, MT, 4 / MT>(a, a_rows, wg, wu, k_dim, m0, end, s_begin, s_end, cg, cu);
+  if (KS > 1) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        part[ks][grp][0][mt][c][lane] = cg[mt][c];
+        if (GATED) part[ks][grp][1][mt][c][lane] = cu[mt][c];
+      }
+    __syncthreads();
+    if (ks == 0) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+#pragma unroll
+          for (int k = 1; k < KS; ++k) {
+            cg[mt][c] += part[k][grp][0][mt][c][lane];
+            if (GATED) cu[mt][c] += part[k][grp][1][mt][c][lane];
+          }
+    }
+    __syncthreads();  // every sum is read before the next pass writes the table
+  }
+  if (ks != 0) return;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = m0 + 16 * mt + 8 * h + g;
+      if (r < end)
+        *reinterpret_cast<__nv_bfloat162*>(out + static_cast<long long>(r) * n_dim + n0 + t2) = __halves2bfloat162(
+            epilogue<GATED>(cg[mt][2 * h], cu[mt][2 * h]), epilogue<GATED>(cg[mt][2 * h + 1], cu[mt][2 * h + 1]));
+    }
+}
+
 // out[p, n] for every row of the block's experts: block b covers column tile b % tiles of
 // experts b / tiles, + groups, + 2 groups, ... (the host sizes `groups` to a few blocks per
-// SM: a block per expert and tile would mostly launch blocks that find an empty expert). An expert's rows are spread over its `tiles` blocks. w: [num_local, (2 if GATED)
-// * N, K]. KS warps split each column group's k steps; their sums meet in shared memory and
-// the group's first warp adds them in k order (the same order every run) and stores.
-template <bool GATED, int KS>
+// SM: a block per expert and tile would mostly launch blocks that find an empty expert). An
+// expert's rows are spread over its `tiles` blocks. w: [num_local, (2 if GATED) * N, K]. KS
+// warps split each column group's k steps. A pass covers up to 16 MAX_MT rows (the row count
+// picks 16, 32 or 64 per pass, so the weights are read once per pass), each m-tile of 16 rows
+// adding 4 / MT steps fewer of loads in flight (the registers a pass holds stay alike).
+template <bool GATED, int KS, int MAX_MT>
 EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_bfloat16* w, __nv_bfloat16* out,
                            const int* offsets, int num_local, int groups, int k_dim, int n_dim) {
   constexpr int GROUPS = EXP_WARPS / KS, TILE = 8 * GROUPS;
-  __shared__ float part[KS][GROUPS][2][4][32];
+  __shared__ float part[KS][GROUPS][2][MAX_MT][4][32];
   const int tiles = n_dim / TILE, tile = blockIdx.x % tiles;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp % GROUPS, ks = warp / GROUPS;
   const int n0 = tile * TILE + grp * 8, steps = k_dim / EXP_K, t2 = 2 * (lane & 3), g = lane >> 2;
@@ -107,35 +171,26 @@ EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv
     const __nv_bfloat16* w_gate = w_tile + e * per_expert;
     const uint4* wg = reinterpret_cast<const uint4*>(w_gate) + t2;
     const uint4* wu = reinterpret_cast<const uint4*>(w_gate + static_cast<long long>(n_dim) * k_dim) + t2;
-    for (int m0 = begin; m0 < end; m0 += 16) {
-      float cg[4], cu[4];
-      partial_sums<GATED>(a, a_rows, wg, wu, k_dim, m0, end, s_begin, s_end, cg, cu);
-      if (KS > 1) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          part[ks][grp][0][c][lane] = cg[c];
-          if (GATED) part[ks][grp][1][c][lane] = cu[c];
+    for (int m0 = begin; m0 < end;) {  // (m0 and end are the block's: every warp takes the same pass)
+      if constexpr (MAX_MT >= 4) {
+        if (end - m0 > 32) {
+          expert_pass<GATED, KS, GROUPS, MAX_MT, 4>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, end,
+                                                    s_begin, s_end);
+          m0 += 64;
+          continue;
         }
-        __syncthreads();
-        if (ks == 0) {
-#pragma unroll
-          for (int c = 0; c < 4; ++c)
-#pragma unroll
-            for (int k = 1; k < KS; ++k) {
-              cg[c] += part[k][grp][0][c][lane];
-              if (GATED) cu[c] += part[k][grp][1][c][lane];
-            }
+      }
+      if constexpr (MAX_MT >= 2) {
+        if (end - m0 > 16) {
+          expert_pass<GATED, KS, GROUPS, MAX_MT, 2>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, end,
+                                                    s_begin, s_end);
+          m0 += 32;
+          continue;
         }
-        __syncthreads();  // every sum is read before the next pass writes the table
       }
-      if (ks != 0) continue;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = m0 + 8 * h + g;
-        if (r < end)
-          *reinterpret_cast<__nv_bfloat162*>(out + static_cast<long long>(r) * n_dim + n0 + t2) = __halves2bfloat162(
-              epilogue<GATED>(cg[2 * h], cu[2 * h]), epilogue<GATED>(cg[2 * h + 1], cu[2 * h + 1]));
-      }
+      expert_pass<GATED, KS, GROUPS, MAX_MT, 1>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, end, s_begin,
+                                                s_end);
+      m0 += 16;
     }
   }
 }
@@ -146,16 +201,21 @@ EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv
 // moe_expert_fc2_bf16: act [rows, I] in row order, w_down [num_local, hidden, I], out [rows,
 // hidden]; grid groups * (hidden / EXP_TILE). Two warps split k (EXP_KS): each warp's serial
 // chain of loads halves, which is what a lone expert with a long k waits on (docs/layer.md
-// has the A/B against one warp).
+// has the A/B against one warp). These take 16 rows per pass; the _m64 kernels (same
+// arguments, same bits) up to 64, for experts that may hold more than 16 rows: the passes of
+// more rows hold more registers, which the 16-row kernels need not reserve.
 constexpr int EXP_KS = 2;
 constexpr int EXP_TILE = 8 * EXP_WARPS / EXP_KS;  // output columns per block (moe.py: EXPERT_TILE)
-extern "C" __global__ void __launch_bounds__(EXP_WARPS * 32) moe_expert_fc1_bf16(
-    const __nv_bfloat16* src, const int* rows, const int* offsets, const __nv_bfloat16* w_gate_up,
-    __nv_bfloat16* act, int num_local, int groups, int k_dim, int inter) {
-  expert_gemm<true, EXP_KS>(src, rows, w_gate_up, act, offsets, num_local, groups, k_dim, inter);
-}
-extern "C" __global__ void __launch_bounds__(EXP_WARPS * 32) moe_expert_fc2_bf16(
-    const __nv_bfloat16* act, const int* offsets, const __nv_bfloat16* w_down, __nv_bfloat16* out, int num_local,
-    int groups, int inter, int hidden) {
-  expert_gemm<false, EXP_KS>(act, nullptr, w_down, out, offsets, num_local, groups, inter, hidden);
-}
+#define EP_EXPERT_KERNELS(SUFFIX, MAX_MT)                                                                            \
+  extern "C" __global__ void __launch_bounds__(EXP_WARPS * 32) moe_expert_fc1##SUFFIX(                             \
+      const __nv_bfloat16* src, const int* rows, const int* offsets, const __nv_bfloat16* w_gate_up,             \
+      __nv_bfloat16* act, int num_local, int groups, int k_dim, int inter) {                                      \
+    expert_gemm<true, EXP_KS, MAX_MT>(src, rows, w_gate_up, act, offsets, num_local, groups, k_dim, inter);     \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(EXP_WARPS * 32) moe_expert_fc2##SUFFIX(                             \
+      const __nv_bfloat16* act, const int* offsets, const __nv_bfloat16* w_down, __nv_bfloat16* out,             \
+      int num_local, int groups, int inter, int hidden) {                                                          \
+    expert_gemm<false, EXP_KS, MAX_MT>(act, nullptr, w_down, out, offsets, num_local, groups, inter, hidden);   \
+  }
+EP_EXPERT_KERNELS(_bf16, 1)
+EP_EXPERT_KERNELS(_m64_bf16, 4)

@@ -279,6 +279,16 @@ def test_expert_kernels_take_bf16_multiples_of_their_k_step_only():
     assert moe.FUSED_MAX_ROWS == 16 and moe.EXPERT_TILE == 16 and moe.EXPERT_K == 64
 
 
+def test_expert_calls_take_passes_of_64_rows_where_an_expert_may_hold_more_than_16():
+    """ep_size * T^ (index.slots) bounds the rows of an expert through a router: up to 16, the
+    kernels of 16-row passes; above, the _m64 pair."""
+    from types import SimpleNamespace
+    for slots, suffix in ((1, ""), (16, ""), (17, "_m64"), (64, "_m64"), (1024, "_m64")):
+        for fc in ("fc1", "fc2"):
+            name = moe._expert_kernel(fc, SimpleNamespace(slots=slots))
+            assert name == f"moe_expert_{fc}{suffix}_bf16" and name in moe.EXPERT_KERNELS
+
+
 @pytest.mark.parametrize("num_local,n_dim,sms", [(8, 1024, 132), (8, 2048, 132), (32, 7168, 132), (1, 64, 8),
                                                  (256, 2048, 132)])
 def test_expert_grid_covers_every_expert_and_tile(num_local, n_dim, sms):

@@ -72,7 +72,8 @@ def _close(got, want, what, msg):
 
 @pytest.mark.parametrize("H,I", [(64, 64), (256, 128), (2048, 1024)])
 @pytest.mark.parametrize("ep,top_k,tmax,local_share", [(1, 1, 1, 1.0), (8, 8, 1, 0.2), (8, 8, 2, 1.0),
-                                                       (3, 4, 5, 0.5), (4, 8, 16, 0.7), (2, 2, 3, 0.0)])
+                                                       (3, 4, 5, 0.5), (4, 8, 16, 0.7), (2, 2, 3, 0.0),
+                                                       (8, 8, 4, 1.0), (8, 4, 8, 0.6)])
 def test_expert_gemms_match_float64(H, I, ep, top_k, tmax, local_share):
     from ep_a2a.ops import torch as ep_ops
     dev = _cuda()
@@ -98,13 +99,14 @@ def test_expert_gemms_match_float64(H, I, ep, top_k, tmax, local_share):
         ix.index.close()
 
 
-def test_graph_replays_equal_eager_calls():
+@pytest.mark.parametrize("tmax", [2, 8])  # the kernels of 16-row passes, of up to 64
+def test_graph_replays_equal_eager_calls(tmax):
     """build_index + expert_fc1 + expert_fc2 captured once, replayed with new routing and
     inputs each time (another total per replay): bitwise what eager calls give."""
     from ep_a2a.ops import torch as ep_ops
     dev = _cuda()
     rng, seed = fresh_rng()
-    ep, top_k, tmax, H, I, E = 8, 8, 2, 256, 128, 64
+    ep, top_k, H, I, E = 8, 8, 256, 128, 64
     ix = _index(dev, ep, top_k, tmax, E)
     try:
         ids, w = _routing(rng, ep, tmax, top_k, E, 0.5, dev)
@@ -135,6 +137,42 @@ def test_graph_replays_equal_eager_calls():
             torch.cuda.synchronize()
             assert torch.equal(got_act.view(torch.int16), act[:total].view(torch.int16)), f"{seed} replay {rep}: act"
             assert torch.equal(got_y.view(torch.int16), y[:total].view(torch.int16)), f"{seed} replay {rep}: y"
+    finally:
+        ix.index.close()
+
+
+@pytest.mark.parametrize("H,I", [(256, 128), (2048, 1024)])
+def test_passes_of_64_rows_give_the_bits_of_passes_of_16(H, I, monkeypatch):
+    """The _m64 kernels (what a call takes where an expert may hold more than 16 rows) and the
+    16-row kernels, forced on the same build: the same bits in every row (a row's sums do not
+    depend on the pass that held it), rows past the total untouched by both."""
+    from ep_a2a import moe
+    from ep_a2a.ops import torch as ep_ops
+    dev = _cuda()
+    rng, seed = fresh_rng()
+    ep, top_k, tmax, E = 8, 8, 6, 32
+    ix = _index(dev, ep, top_k, tmax, E)
+    try:
+        ids, w = _routing(rng, ep, tmax, top_k, E, 0.8, dev)  # 4 local experts: about 80 rows each
+        ep_ops.build_index(ix, ids, w)
+        src, w1, w2, act, y = _tensors(rng, dev, ep * tmax, E // ep, H, I, ix.index.capacity)
+        got = {}
+        for kernel, pass_rows in (("_m64", 0), ("", 1 << 30)):
+            monkeypatch.setattr(moe, "EXPERT_PASS_ROWS", pass_rows)
+            a, o = act.clone(), y.clone()  # (other tensors: full calls, not the ops' replays)
+            ep_ops.expert_fc1(ix, src, w1, a)
+            ep_ops.expert_fc2(ix, a, w2, o)
+            ran = ix.index.last_issued[0].function
+            assert ran is ix.index._experts.function(f"moe_expert_fc2{kernel}_bf16"), f"{seed}: not the {kernel} kernel"
+            got[kernel] = (a, o)
+        torch.cuda.synchronize()
+        total = int(torch.from_dlpack(ix.index.offsets)[-1])
+        counts = torch.from_dlpack(ix.index.counts).cpu().tolist()
+        assert max(counts) > 32, f"{seed}: the routing gave no expert more than 32 rows: {counts}"
+        for i, name in enumerate(("act", "y")):
+            a, b = got["_m64"][i].view(torch.int16), got[""][i].view(torch.int16)
+            assert torch.equal(a, b), f"{seed} H={H} I={I} counts={counts}: {name} differs between the kernels"
+            assert bool((a[total:] == POISON).all()), f"{seed}: {name} rows past the total {total} were written"
     finally:
         ix.index.close()
 
