@@ -20,7 +20,7 @@
 
 constexpr int EXP_WARPS = 4;  // warps per block: 4 / KS column groups of 8 (one mma n8 tile) each
 constexpr int EXP_K = 64;     // k per step (moe.py: EXPERT_K divides K)
-constexpr int EXP_U = 4;      // steps whose loads are in flight together
+constexpr int EXP_U = 4;      // steps whose loads are in flight together in a pass of 16 rows
 
 // The four mma of one step: p / q are rows g and g + 8 (16 elements each), b the weight row.
 EP_DEVICE void mma_step(float (&d)[4], const uint4 (&p)[2], const uint4 (&q)[2], const uint4 (&b)[2]) {
@@ -112,7 +112,7 @@ EP_DEVICE void expert_pass(const __nv_bfloat16* a, const int* a_rows, const uint
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp % GROUPS, ks = warp / GROUPS;
   const int t2 = 2 * (lane & 3), g = lane >> 2;
   float cg[MT][4], cu[MT][4];
-  partial_sums<GATED, MT, 4 / MT>(a, a_rows, wg, wu, k_dim, m0, end, s_begin, s_end, cg, cu);
+  partial_sums<GATED, MT, EXP_U / MT>(a, a_rows, wg, wu, k_dim, m0, end, s_begin, s_end, cg, cu);
   if (KS > 1) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -147,50 +147,52 @@ EP_DEVICE void expert_pass(const __nv_bfloat16* a, const int* a_rows, const uint
     }
 }
 
-// out[p, n] for every row of the block's experts: block b covers column tile b % tiles of
-// experts b / tiles, + groups, + 2 groups, ... (the host sizes `groups` to a few blocks per
-// SM: a block per expert and tile would mostly launch blocks that find an empty expert). An
-// expert's rows are spread over its `tiles` blocks. w: [num_local, (2 if GATED) * N, K]. KS
-// warps split each column group's k steps. A pass covers up to 16 MAX_MT rows (the row count
-// picks 16, 32 or 64 per pass, so the weights are read once per pass), each m-tile of 16 rows
-// adding 4 / MT steps fewer of loads in flight (the registers a pass holds stay alike).
+// out[p, n] for every row: an expert's rows split into units of up to 16 MAX_MT rows (a pass
+// each), numbered over the experts in order; block b covers column tile b % tiles of units
+// b / tiles, + groups, + 2 groups, ... (the host sizes `groups` to a few blocks per SM: a block
+// per unit and tile would mostly launch blocks without a unit). So an expert's passes run on
+// several blocks at once, which share its weights' reads in L2 where they meet there. A unit
+// takes 16, 32 or 64 rows per pass by its row count; each m-tile of 16 rows holds 4 / MT
+// steps fewer of loads in flight (the registers a pass holds stay alike). w: [num_local, (2
+// if GATED) * N, K]. KS warps split each column group's k steps.
 template <bool GATED, int KS, int MAX_MT>
 EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_bfloat16* w, __nv_bfloat16* out,
                            const int* offsets, int num_local, int groups, int k_dim, int n_dim) {
-  constexpr int GROUPS = EXP_WARPS / KS, TILE = 8 * GROUPS;
+  constexpr int GROUPS = EXP_WARPS / KS, TILE = 8 * GROUPS, UNIT = 16 * MAX_MT;
   __shared__ float part[KS][GROUPS][2][MAX_MT][4][32];
-  const int tiles = n_dim / TILE, tile = blockIdx.x % tiles;
+  const int tiles = n_dim / TILE, tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp % GROUPS, ks = warp / GROUPS;
   const int n0 = tile * TILE + grp * 8, steps = k_dim / EXP_K, t2 = 2 * (lane & 3), g = lane >> 2;
   const int s_begin = ks * steps / KS, s_end = (ks + 1) * steps / KS;
   const long long per_expert = static_cast<long long>(GATED ? 2 : 1) * n_dim * k_dim;
   const __nv_bfloat16* w_tile = w + static_cast<long long>(n0 + g) * k_dim;
-  for (int e = blockIdx.x / tiles; e < num_local; e += groups) {
-    const int begin = offsets[e], end = offsets[e + 1];
-    if (begin >= end) continue;  // an expert without rows reads no weight
+  int first = 0;  // units of the experts before e
+  for (int e = 0; e < num_local; ++e) {
+    const int begin = offsets[e], end = offsets[e + 1], units = (end - begin + UNIT - 1) / UNIT;
+    int u = first + ((group - first) % groups + groups) % groups;  // this block's first unit >= first
+    first += units;
+    if (u >= first) continue;  // (an expert without rows has no unit: its weights are not read)
     const __nv_bfloat16* w_gate = w_tile + e * per_expert;
     const uint4* wg = reinterpret_cast<const uint4*>(w_gate) + t2;
     const uint4* wu = reinterpret_cast<const uint4*>(w_gate + static_cast<long long>(n_dim) * k_dim) + t2;
-    for (int m0 = begin; m0 < end;) {  // (m0 and end are the block's: every warp takes the same pass)
+    for (; u < first; u += groups) {  // (u and e are the block's: every warp takes the same pass)
+      const int m0 = begin + (u - (first - units)) * UNIT, m_end = min(end, m0 + UNIT);
       if constexpr (MAX_MT >= 4) {
-        if (end - m0 > 32) {
-          expert_pass<GATED, KS, GROUPS, MAX_MT, 4>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, end,
+        if (m_end - m0 > 32) {
+          expert_pass<GATED, KS, GROUPS, MAX_MT, 4>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, m_end,
                                                     s_begin, s_end);
-          m0 += 64;
           continue;
         }
       }
       if constexpr (MAX_MT >= 2) {
-        if (end - m0 > 16) {
-          expert_pass<GATED, KS, GROUPS, MAX_MT, 2>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, end,
+        if (m_end - m0 > 16) {
+          expert_pass<GATED, KS, GROUPS, MAX_MT, 2>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, m_end,
                                                     s_begin, s_end);
-          m0 += 32;
           continue;
         }
       }
-      expert_pass<GATED, KS, GROUPS, MAX_MT, 1>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, end, s_begin,
-                                                s_end);
-      m0 += 16;
+      expert_pass<GATED, KS, GROUPS, MAX_MT, 1>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, m_end,
+                                                s_begin, s_end);
     }
   }
 }
