@@ -8,9 +8,10 @@
 // warp owns 8 output columns (one mma n8 tile) of up to 16 rows over its share of k (KS warps
 // split k and add their sums in shared memory, in k order), so the blocks of one expert cover
 // its weights in 8-column slices and every SM streams. Experts without rows read nothing (the
-// offsets are read on the device, so a captured graph adapts per step). Rows past 16 per
-// expert run further passes that read its weights again (from L2 only where they fit there):
-// the layer uses these kernels while one pass covers an expert (moe.FUSED_MAX_ROWS).
+// offsets are read on the device, so a captured graph adapts per step). Rows past a pass (16,
+// or 64 in the _m64 kernels) run further passes that read the weights again (from L2 only
+// where they meet there): the layer uses these kernels while few passes cover an expert
+// (moe.FUSED_MAX_ROWS).
 //
 // The k order inside a 64-wide step is permuted so that each lane loads 16 contiguous
 // elements (two 16-byte loads) of its weight row and of its two A rows: for mma j (0..3) of
@@ -20,7 +21,7 @@
 
 constexpr int EXP_WARPS = 4;  // warps per block: 4 / KS column groups of 8 (one mma n8 tile) each
 constexpr int EXP_K = 64;     // k per step (moe.py: EXPERT_K divides K)
-constexpr int EXP_U = 4;      // steps whose loads are in flight together in a pass of 16 rows
+constexpr int EXP_U = 4;      // steps whose loads are in flight together (16-row kernels)
 
 // The four mma of one step: p / q are rows g and g + 8 (16 elements each), b the weight row.
 EP_DEVICE void mma_step(float (&d)[4], const uint4 (&p)[2], const uint4 (&q)[2], const uint4 (&b)[2]) {
@@ -35,59 +36,128 @@ EP_DEVICE void load2(uint4 (&v)[2], const uint4* at, bool valid) {
   v[1] = valid ? __ldg(at + 1) : make_uint4(0, 0, 0, 0);
 }
 
-// This lane's first 16-byte vector of A row r (an index row of a gathering FC1 is read at its
-// slot a_rows[r]).
-EP_DEVICE const uint4* a_row(const __nv_bfloat16* a, const int* a_rows, int r, int k_dim) {
+// A row r's first 16-byte vector (an index row of a gathering FC1 is read at its slot
+// a_rows[r]), and this lane's (16 elements per step).
+EP_DEVICE const uint4* row_start(const __nv_bfloat16* a, const int* a_rows, int r, int k_dim) {
   const long long row = a_rows ? a_rows[r] : r;
-  return reinterpret_cast<const uint4*>(a + row * k_dim) + 2 * (threadIdx.x & 3);
+  return reinterpret_cast<const uint4*>(a + row * k_dim);
+}
+EP_DEVICE const uint4* a_row(const __nv_bfloat16* a, const int* a_rows, int r, int k_dim) {
+  return row_start(a, a_rows, r, k_dim) + 2 * (threadIdx.x & 3);
 }
 
-// The warp's sums over steps [s_begin, s_end) for MT m-tiles of 16 rows from m0: rows m0 +
-// 16 mt + g (c[mt][0], c[mt][1]) and + 8 (c[mt][2], c[mt][3]), columns 2t, 2t + 1 of its tile;
-// rows past `end` are zeros. Every load of U steps is issued before their mma: weight bytes in
-// flight are this kernel's speed (a step past the share loads zeros and adds nothing). The
-// A rows of a pass are read by every warp of the expert's tiles, mostly from L1 and L2.
-template <bool GATED, int MT, int U>
+// The warp's sums over steps [s_begin, s_end) for rows m0 + g (c[0], c[1]) and m0 + g + 8 (c[2],
+// c[3]), columns 2t, 2t + 1 of its tile; rows past `end` are zeros. Every load of EXP_U steps
+// is issued before their mma: weight bytes in flight are this kernel's speed (a step past the
+// share loads zeros and adds nothing).
+template <bool GATED>
 EP_DEVICE void partial_sums(const __nv_bfloat16* a, const int* a_rows, const uint4* wg, const uint4* wu, int k_dim,
-                            int m0, int end, int s_begin, int s_end, float (&cg)[MT][4], float (&cu)[MT][4]) {
+                            int m0, int end, int s_begin, int s_end, float (&cg)[4], float (&cu)[4]) {
   const int g = (threadIdx.x & 31) >> 2;
-  bool v[MT][2];
-  const uint4* x[MT][2];
+  const bool v0 = m0 + g < end, v1 = m0 + g + 8 < end;
+  const uint4* x0 = a_row(a, a_rows, v0 ? m0 + g : m0, k_dim);
+  const uint4* x1 = a_row(a, a_rows, v1 ? m0 + g + 8 : m0, k_dim);
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int c = 0; c < 4; ++c) cg[c] = cu[c] = 0.f;
+  for (int s0 = s_begin; s0 < s_end; s0 += EXP_U) {
+    uint4 bg[EXP_U][2], bu[EXP_U][2], p[EXP_U][2], q[EXP_U][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = m0 + 16 * mt + 8 * h + g;
-      v[mt][h] = r < end;
-      x[mt][h] = a_row(a, a_rows, v[mt][h] ? r : m0, k_dim);
-    }
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) cg[mt][c] = cu[mt][c] = 0.f;
-  for (int s0 = s_begin; s0 < s_end; s0 += U) {
-    uint4 bg[U][2], bu[U][2], p[U][MT][2], q[U][MT][2];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < EXP_U; ++u) {
       const int s = s0 + u;
       const bool in = s < s_end;
       load2(bg[u], wg + 8 * s, in);
       if (GATED) load2(bu[u], wu + 8 * s, in);
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        load2(p[u][mt], x[mt][0] + 8 * s, in && v[mt][0]);
-        load2(q[u][mt], x[mt][1] + 8 * s, in && v[mt][1]);
-      }
+      load2(p[u], x0 + 8 * s, in && v0);
+      load2(q[u], x1 + 8 * s, in && v1);
     }
 #pragma unroll
-    for (int u = 0; u < U; ++u)
+    for (int u = 0; u < EXP_U; ++u) {
+      mma_step(cg, p[u], q[u], bg[u]);
+      if (GATED) mma_step(cu, p[u], q[u], bu[u]);
+    }
+  }
+}
+
+// The sums of MT m-tiles (rows m0 + 16 mt + g and + 8, as partial_sums' c[0..3] each) for the
+// _m64 kernels, with the rows' steps staged through shared memory: a ring of EXP_STAGES steps
+// holding both k shares, filled by the whole block with asynchronous copies and read by its
+// warps there. Loaded by every warp from global memory, a pass's rows would outweigh its
+// weights several times in L1 and L2 traffic. A
+// 16-byte chunk c of a staged row r sits at c ^ (r & 1), so that the 8 lanes of a 128-bit
+// shared load (rows g and g + 1, chunks 2t or 2t + 1) meet no bank twice. The weights stream
+// into registers two steps ahead. Ends with every copy landed and every warp past the ring.
+constexpr int EXP_STAGES = 3;
+template <bool GATED, int KS, int MT>
+EP_DEVICE void staged_sums(const __nv_bfloat16* a, const int* a_rows, const uint4* wg, const uint4* wu, int k_dim,
+                           int m0, int end, uint4* ring, float (&cg)[MT][4], float (&cu)[MT][4]) {
+  constexpr int ROWS = 16 * MT, STAGE = KS * ROWS * 8, THREADS = EXP_WARPS * 32, PER = STAGE / THREADS;
+  static_assert(STAGE % THREADS == 0 && THREADS == 128, "a thread copies rows tid / 8 + 16 j, chunk tid % 8");
+  const int tid = threadIdx.x, lane = tid & 31, ks = (tid >> 5) / (EXP_WARPS / KS), g = lane >> 2, t = lane & 3;
+  const int steps = k_dim / EXP_K, iters = (steps + KS - 1) / KS;
+  const int s_begin = ks * steps / KS, s_end = (ks + 1) * steps / KS;
+  // this thread's copies: chunk tid % 8 of rows tid / 8 + 16 j (j < MT) of each k share h
+  const uint4* src[MT];
+  bool valid[MT];
+  int dst[MT];
+#pragma unroll
+  for (int j = 0; j < MT; ++j) {
+    const int r = tid / 8 + 16 * j;
+    valid[j] = m0 + r < end;
+    src[j] = row_start(a, a_rows, valid[j] ? m0 + r : m0, k_dim) + (tid & 7);
+    dst[j] = r * 8 + ((tid & 7) ^ (r & 1));
+  }
+  auto stage = [&](int i) {  // step i of both shares into slot i % EXP_STAGES
+    if (i >= iters) return;
+    uint4* slot = ring + (i % EXP_STAGES) * STAGE;
+#pragma unroll
+    for (int q = 0; q < PER; ++q) {
+      const int h = q / MT, j = q % MT, s = h * steps / KS + i;
+      cp_async_16(slot + h * ROWS * 8 + dst[j], src[j] + 8 * s, valid[j] && s < (h + 1) * steps / KS);
+    }
+  };
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) cg[mt][c] = cu[mt][c] = 0.f;
+#pragma unroll
+  for (int i = 0; i < EXP_STAGES - 1; ++i) {
+    stage(i);
+    cp_async_commit();
+  }
+  uint4 bg0[2], bu0[2], bg1[2], bu1[2];
+  load2(bg0, wg + 8 * s_begin, s_begin < s_end);
+  if (GATED) load2(bu0, wu + 8 * s_begin, s_begin < s_end);
+  load2(bg1, wg + 8 * (s_begin + 1), s_begin + 1 < s_end);
+  if (GATED) load2(bu1, wu + 8 * (s_begin + 1), s_begin + 1 < s_end);
+  for (int i = 0; i < iters; ++i) {
+    const int s = s_begin + i;
+    uint4 bg2[2], bu2[2];
+    load2(bg2, wg + 8 * (s + 2), s + 2 < s_end);
+    if (GATED) load2(bu2, wu + 8 * (s + 2), s + 2 < s_end);
+    cp_async_wait<EXP_STAGES - 2>();  // this thread's copies of step i landed
+    __syncthreads();                  // everyone's, and every warp is past step i - 1's slot
+    stage(i + EXP_STAGES - 1);        // (into step i - 1's slot)
+    cp_async_commit();
+    if (s < s_end) {
+      const uint4* rows = ring + (i % EXP_STAGES) * STAGE + ks * ROWS * 8;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if (mt > 0 && m0 + 16 * mt >= end) break;  // (warp-uniform: an m-tile without rows adds nothing)
-        mma_step(cg[mt], p[u][mt], q[u][mt], bg[u]);
-        if (GATED) mma_step(cu[mt], p[u][mt], q[u][mt], bu[u]);
+        const int r = 16 * mt + g, x = r & 1;  // (rows r and r + 8 share a parity)
+        const uint4 p[2] = {rows[r * 8 + ((2 * t) ^ x)], rows[r * 8 + ((2 * t + 1) ^ x)]};
+        const uint4 q[2] = {rows[(r + 8) * 8 + ((2 * t) ^ x)], rows[(r + 8) * 8 + ((2 * t + 1) ^ x)]};
+        mma_step(cg[mt], p, q, bg0);
+        if (GATED) mma_step(cu[mt], p, q, bu0);
       }
+    }
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      bg0[v] = bg1[v], bg1[v] = bg2[v];
+      if (GATED) bu0[v] = bu1[v], bu1[v] = bu2[v];
+    }
   }
+  cp_async_wait<0>();
+  __syncthreads();
 }
 
 // GATED: silu(gate) * up with gate and up rounded to bf16 first, as the eager composition of a
@@ -107,12 +177,17 @@ EP_DEVICE __nv_bfloat16 epilogue(float sg, float su) {
 // and stores.
 template <bool GATED, int KS, int GROUPS, int MAX_MT, int MT>
 EP_DEVICE void expert_pass(const __nv_bfloat16* a, const int* a_rows, const uint4* wg, const uint4* wu,
-                           __nv_bfloat16* out, float (&part)[KS][GROUPS][2][MAX_MT][4][32], int k_dim, int n_dim,
-                           int n0, int m0, int end, int s_begin, int s_end) {
+                           __nv_bfloat16* out, uint4* smem, int k_dim, int n_dim, int n0, int m0, int end,
+                           int s_begin, int s_end) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp % GROUPS, ks = warp / GROUPS;
   const int t2 = 2 * (lane & 3), g = lane >> 2;
   float cg[MT][4], cu[MT][4];
-  partial_sums<GATED, MT, EXP_U / MT>(a, a_rows, wg, wu, k_dim, m0, end, s_begin, s_end, cg, cu);
+  if constexpr (MAX_MT == 1)
+    partial_sums<GATED>(a, a_rows, wg, wu, k_dim, m0, end, s_begin, s_end, cg[0], cu[0]);
+  else
+    staged_sums<GATED, KS, MT>(a, a_rows, wg, wu, k_dim, m0, end, smem, cg, cu);
+  // (the table of the k shares' sums lies over the ring: staged_sums ends past it)
+  auto& part = *reinterpret_cast<float(*)[KS][GROUPS][2][MAX_MT][4][32]>(smem);
   if (KS > 1) {
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -152,14 +227,14 @@ EP_DEVICE void expert_pass(const __nv_bfloat16* a, const int* a_rows, const uint
 // b / tiles, + groups, + 2 groups, ... (the host sizes `groups` to a few blocks per SM: a block
 // per unit and tile would mostly launch blocks without a unit). So an expert's passes run on
 // several blocks at once, which share its weights' reads in L2 where they meet there. A unit
-// takes 16, 32 or 64 rows per pass by its row count; each m-tile of 16 rows holds 4 / MT
-// steps fewer of loads in flight (the registers a pass holds stay alike). w: [num_local, (2
+// of the _m64 kernels takes 16, 32 or 64 rows per pass by its row count. w: [num_local, (2
 // if GATED) * N, K]. KS warps split each column group's k steps.
 template <bool GATED, int KS, int MAX_MT>
 EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_bfloat16* w, __nv_bfloat16* out,
                            const int* offsets, int num_local, int groups, int k_dim, int n_dim) {
   constexpr int GROUPS = EXP_WARPS / KS, TILE = 8 * GROUPS, UNIT = 16 * MAX_MT;
-  __shared__ float part[KS][GROUPS][2][MAX_MT][4][32];
+  constexpr int RING = MAX_MT > 1 ? EXP_STAGES * KS * UNIT * 8 : 0, PART = KS * GROUPS * 2 * MAX_MT * 4 * 32 / 4;
+  __shared__ uint4 smem[RING > PART ? RING : PART];  // (uint4s: the ring of staged rows, or the table of sums)
   const int tiles = n_dim / TILE, tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp % GROUPS, ks = warp / GROUPS;
   const int n0 = tile * TILE + grp * 8, steps = k_dim / EXP_K, t2 = 2 * (lane & 3), g = lane >> 2;
@@ -179,19 +254,19 @@ EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv
       const int m0 = begin + (u - (first - units)) * UNIT, m_end = min(end, m0 + UNIT);
       if constexpr (MAX_MT >= 4) {
         if (m_end - m0 > 32) {
-          expert_pass<GATED, KS, GROUPS, MAX_MT, 4>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, m_end,
+          expert_pass<GATED, KS, GROUPS, MAX_MT, 4>(a, a_rows, wg, wu, out, smem, k_dim, n_dim, n0, m0, m_end,
                                                     s_begin, s_end);
           continue;
         }
       }
       if constexpr (MAX_MT >= 2) {
         if (m_end - m0 > 16) {
-          expert_pass<GATED, KS, GROUPS, MAX_MT, 2>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, m_end,
+          expert_pass<GATED, KS, GROUPS, MAX_MT, 2>(a, a_rows, wg, wu, out, smem, k_dim, n_dim, n0, m0, m_end,
                                                     s_begin, s_end);
           continue;
         }
       }
-      expert_pass<GATED, KS, GROUPS, MAX_MT, 1>(a, a_rows, wg, wu, out, part, k_dim, n_dim, n0, m0, m_end,
+      expert_pass<GATED, KS, GROUPS, MAX_MT, 1>(a, a_rows, wg, wu, out, smem, k_dim, n_dim, n0, m0, m_end,
                                                 s_begin, s_end);
     }
   }
@@ -203,9 +278,9 @@ EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv
 // moe_expert_fc2_bf16: act [rows, I] in row order, w_down [num_local, hidden, I], out [rows,
 // hidden]; grid groups * (hidden / EXP_TILE). Two warps split k (EXP_KS): each warp's serial
 // chain of loads halves, which is what a lone expert with a long k waits on (docs/layer.md
-// has the A/B against one warp). These take 16 rows per pass; the _m64 kernels (same
-// arguments, same bits) up to 64, for experts that may hold more than 16 rows: the passes of
-// more rows hold more registers, which the 16-row kernels need not reserve.
+// has the A/B against one warp). These take 16 rows per pass, loading them as the weights
+// from global memory; the _m64 kernels (same arguments, same bits) up to 64, staging them in
+// 48 KiB of shared memory per block, for experts that may hold more than 16 rows.
 constexpr int EXP_KS = 2;
 constexpr int EXP_TILE = 8 * EXP_WARPS / EXP_KS;  // output columns per block (moe.py: EXPERT_TILE)
 #define EP_EXPERT_KERNELS(SUFFIX, MAX_MT)                                                                            \

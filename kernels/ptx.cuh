@@ -117,6 +117,16 @@ EP_DEVICE void cp_async_4(void* shared, const void* global) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(s), "l"(global) : "memory");
 }
 EP_DEVICE void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+// 16 bytes, bypassing L1 (.cg); with !valid nothing is read and the 16 bytes become zeros.
+// Groups: cp_async_commit closes the copies issued since the last one into a group;
+// cp_async_wait<N> returns once at most N of this thread's groups are still in flight.
+EP_DEVICE void cp_async_16(void* shared, const void* global, bool valid) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" :: "r"(s), "l"(global), "r"(valid ? 16 : 0) : "memory");
+}
+EP_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+EP_DEVICE void cp_async_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 
 EP_DEVICE uint64_t globaltimer_ns() {
   uint64_t t; asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t)); return t;
