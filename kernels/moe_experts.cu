@@ -79,18 +79,20 @@ EP_DEVICE void partial_sums(const __nv_bfloat16* a, const int* a_rows, const uin
 }
 
 // The sums of MT m-tiles (rows m0 + 16 mt + g and + 8, as partial_sums' c[0..3] each) for the
-// _m64 kernels, with the rows' steps staged through shared memory: a ring of EXP_STAGES steps
-// holding both k shares, filled by the whole block with asynchronous copies and read by its
-// warps there. Loaded by every warp from global memory, a pass's rows would outweigh its
-// weights several times in L1 and L2 traffic. A
-// 16-byte chunk c of a staged row r sits at c ^ (r & 1), so that the 8 lanes of a 128-bit
-// shared load (rows g and g + 1, chunks 2t or 2t + 1) meet no bank twice. The weights stream
-// into registers two steps ahead. Ends with every copy landed and every warp past the ring.
-constexpr int EXP_STAGES = 3;
+// _m64 kernels, with the rows' steps staged through shared memory: a ring of STAGES steps
+// holding both k shares (48 KiB at 64 rows: 3 steps; fewer rows, more steps ahead), filled by
+// the whole block with asynchronous copies and read by its warps there. Loaded by every warp
+// from global memory, a pass's rows would outweigh its weights several times in L1 and L2
+// traffic. A 16-byte chunk c of a staged row r sits at c ^ (r & 1), so that the 8 lanes of a
+// 128-bit shared load (rows g and g + 1, chunks 2t or 2t + 1) meet no bank twice. The weights
+// stream into registers DB steps ahead. Ends with every copy landed and every warp past the
+// ring.
+constexpr int EXP_RING = 3;  // steps of 64 rows the ring holds
 template <bool GATED, int KS, int MT>
 EP_DEVICE void staged_sums(const __nv_bfloat16* a, const int* a_rows, const uint4* wg, const uint4* wu, int k_dim,
                            int m0, int end, uint4* ring, float (&cg)[MT][4], float (&cu)[MT][4]) {
   constexpr int ROWS = 16 * MT, STAGE = KS * ROWS * 8, THREADS = EXP_WARPS * 32, PER = STAGE / THREADS;
+  constexpr int STAGES = EXP_RING * 4 / MT < 8 ? EXP_RING * 4 / MT : 8, DB = MT == 4 ? 2 : 3;
   static_assert(STAGE % THREADS == 0 && THREADS == 128, "a thread copies rows tid / 8 + 16 j, chunk tid % 8");
   const int tid = threadIdx.x, lane = tid & 31, ks = (tid >> 5) / (EXP_WARPS / KS), g = lane >> 2, t = lane & 3;
   const int steps = k_dim / EXP_K, iters = (steps + KS - 1) / KS;
@@ -106,9 +108,9 @@ EP_DEVICE void staged_sums(const __nv_bfloat16* a, const int* a_rows, const uint
     src[j] = row_start(a, a_rows, valid[j] ? m0 + r : m0, k_dim) + (tid & 7);
     dst[j] = r * 8 + ((tid & 7) ^ (r & 1));
   }
-  auto stage = [&](int i) {  // step i of both shares into slot i % EXP_STAGES
+  auto stage = [&](int i) {  // step i of both shares into slot i % STAGES
     if (i >= iters) return;
-    uint4* slot = ring + (i % EXP_STAGES) * STAGE;
+    uint4* slot = ring + (i % STAGES) * STAGE;
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
       const int h = q / MT, j = q % MT, s = h * steps / KS + i;
@@ -120,40 +122,39 @@ EP_DEVICE void staged_sums(const __nv_bfloat16* a, const int* a_rows, const uint
 #pragma unroll
     for (int c = 0; c < 4; ++c) cg[mt][c] = cu[mt][c] = 0.f;
 #pragma unroll
-  for (int i = 0; i < EXP_STAGES - 1; ++i) {
+  for (int i = 0; i < STAGES - 1; ++i) {
     stage(i);
     cp_async_commit();
   }
-  uint4 bg0[2], bu0[2], bg1[2], bu1[2];
-  load2(bg0, wg + 8 * s_begin, s_begin < s_end);
-  if (GATED) load2(bu0, wu + 8 * s_begin, s_begin < s_end);
-  load2(bg1, wg + 8 * (s_begin + 1), s_begin + 1 < s_end);
-  if (GATED) load2(bu1, wu + 8 * (s_begin + 1), s_begin + 1 < s_end);
-  for (int i = 0; i < iters; ++i) {
-    const int s = s_begin + i;
-    uint4 bg2[2], bu2[2];
-    load2(bg2, wg + 8 * (s + 2), s + 2 < s_end);
-    if (GATED) load2(bu2, wu + 8 * (s + 2), s + 2 < s_end);
-    cp_async_wait<EXP_STAGES - 2>();  // this thread's copies of step i landed
-    __syncthreads();                  // everyone's, and every warp is past step i - 1's slot
-    stage(i + EXP_STAGES - 1);        // (into step i - 1's slot)
-    cp_async_commit();
-    if (s < s_end) {
-      const uint4* rows = ring + (i % EXP_STAGES) * STAGE + ks * ROWS * 8;
+  uint4 bg[DB][2], bu[DB][2];  // the weights of steps i .. i + DB - 1, at [i % DB]
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        if (mt > 0 && m0 + 16 * mt >= end) break;  // (warp-uniform: an m-tile without rows adds nothing)
-        const int r = 16 * mt + g, x = r & 1;  // (rows r and r + 8 share a parity)
-        const uint4 p[2] = {rows[r * 8 + ((2 * t) ^ x)], rows[r * 8 + ((2 * t + 1) ^ x)]};
-        const uint4 q[2] = {rows[(r + 8) * 8 + ((2 * t) ^ x)], rows[(r + 8) * 8 + ((2 * t + 1) ^ x)]};
-        mma_step(cg[mt], p, q, bg0);
-        if (GATED) mma_step(cu[mt], p, q, bu0);
+  for (int d = 0; d < DB; ++d) {
+    load2(bg[d], wg + 8 * (s_begin + d), s_begin + d < s_end);
+    if (GATED) load2(bu[d], wu + 8 * (s_begin + d), s_begin + d < s_end);
+  }
+  for (int i0 = 0; i0 < iters; i0 += DB) {
+#pragma unroll
+    for (int d = 0; d < DB; ++d) {
+      const int i = i0 + d, s = s_begin + i;
+      if (i >= iters) break;              // (the block's: every warp leaves here)
+      cp_async_wait<STAGES - 2>();        // this thread's copies of step i landed
+      __syncthreads();                    // everyone's, and every warp is past step i - 1's slot
+      stage(i + STAGES - 1);              // (into step i - 1's slot)
+      cp_async_commit();
+      if (s < s_end) {
+        const uint4* rows = ring + (i % STAGES) * STAGE + ks * ROWS * 8;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if (mt > 0 && m0 + 16 * mt >= end) break;  // (warp-uniform: an m-tile without rows adds nothing)
+          const int r = 16 * mt + g, x = r & 1;  // (rows r and r + 8 share a parity)
+          const uint4 p[2] = {rows[r * 8 + ((2 * t) ^ x)], rows[r * 8 + ((2 * t + 1) ^ x)]};
+          const uint4 q[2] = {rows[(r + 8) * 8 + ((2 * t) ^ x)], rows[(r + 8) * 8 + ((2 * t + 1) ^ x)]};
+          mma_step(cg[mt], p, q, bg[d]);
+          if (GATED) mma_step(cu[mt], p, q, bu[d]);
+        }
       }
-    }
-#pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      bg0[v] = bg1[v], bg1[v] = bg2[v];
-      if (GATED) bu0[v] = bu1[v], bu1[v] = bu2[v];
+      load2(bg[d], wg + 8 * (s + DB), s + DB < s_end);
+      if (GATED) load2(bu[d], wu + 8 * (s + DB), s + DB < s_end);
     }
   }
   cp_async_wait<0>();
@@ -233,7 +234,7 @@ template <bool GATED, int KS, int MAX_MT>
 EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_bfloat16* w, __nv_bfloat16* out,
                            const int* offsets, int num_local, int groups, int k_dim, int n_dim) {
   constexpr int GROUPS = EXP_WARPS / KS, TILE = 8 * GROUPS, UNIT = 16 * MAX_MT;
-  constexpr int RING = MAX_MT > 1 ? EXP_STAGES * KS * UNIT * 8 : 0, PART = KS * GROUPS * 2 * MAX_MT * 4 * 32 / 4;
+  constexpr int RING = MAX_MT > 1 ? EXP_RING * KS * UNIT * 8 : 0, PART = KS * GROUPS * 2 * MAX_MT * 4 * 32 / 4;
   __shared__ uint4 smem[RING > PART ? RING : PART];  // (uint4s: the ring of staged rows, or the table of sums)
   const int tiles = n_dim / TILE, tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp % GROUPS, ks = warp / GROUPS;
