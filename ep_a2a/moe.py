@@ -68,9 +68,13 @@ EXPERT_K = 64
 EXPERT_PASS_ROWS = 16
 EXPERT_WIDE_ROWS = 64
 _EXPERT_THREADS = 128
-# Rows per expert up to which the layer takes them (layers.torch): one pass of 16 rows reads
-# each expert's weights once; a second pass reads them again, from HBM where they outgrow L2.
-FUSED_MAX_ROWS = 16
+# Where the layers' gemm="auto" takes them (auto_expert_rows), as the graphed layer benchmark
+# found against torch's grouped GEMM (docs/layer.md): faster while an expert's rows take at
+# most two passes of 64 (past that, and under skewed routing from 64 tokens per rank, the
+# grouped GEMM's larger tiles win), and slower at every size with the long k and wide FC2 of
+# a 7168 hidden size.
+FUSED_MAX_ROWS = 128
+FUSED_MAX_HIDDEN = 4096
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
@@ -386,6 +390,15 @@ def expert_gemms_unsupported(hidden: int, inter: int, dtype: str = "bfloat16"):
     if inter % EXPERT_K:
         return f"intermediate={inter} (a multiple of {EXPERT_K} is needed)"
     return None
+
+
+def auto_expert_rows(hidden: int, inter: int, dtype: str = "bfloat16") -> int:
+    """The most rows an expert may get (ep_size * T^) for which gemm="auto" takes the expert
+    kernels with these shapes: FUSED_MAX_ROWS where they take the shapes and hidden is at most
+    FUSED_MAX_HIDDEN, else 0 (never)."""
+    if expert_gemms_unsupported(hidden, inter, dtype) is not None or hidden > FUSED_MAX_HIDDEN:
+        return 0
+    return FUSED_MAX_ROWS
 
 
 def _expert_weights(w, name: str, index: ExpertIndex, rows: int, k: int, s: int, dev: int) -> Tensor:

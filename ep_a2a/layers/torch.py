@@ -123,7 +123,9 @@ class TorchMoeLayer(LayerBase):
     a2a_rank: a RankAlltoAll (a2a.ranks[i]) of a MoeAlltoAll built with payloads=
       payload_specs(hidden, top_k), combine_hidden_size=hidden, combine_dtype="bfloat16".
     w_gate_up: bf16 [E_local, 2*I, hidden]; w_down: bf16 [E_local, hidden, I], on the rank's GPU.
-    gemm: "auto" (grouped GEMM where it works, else the loop), "grouped" or "loop".
+    gemm: "auto" (ep_a2a's expert kernels while an expert may get at most
+      moe.auto_expert_rows rows, else torch's grouped GEMM where it works, else the loop),
+      "fused" (the expert kernels at every size), "grouped" or "loop".
     """
 
     def __init__(self, a2a_rank, w_gate_up, w_down, *, renormalize: bool = True, gemm: str = "auto"):
@@ -148,13 +150,13 @@ class TorchMoeLayer(LayerBase):
 
         # the expert kernels of ep_a2a (gather, FC1 and activation in one, then FC2) where each
         # expert holds few rows (every step with gemm="fused"; with "auto" while ep_size * T^,
-        # the most rows an expert gets through the router, is at most FUSED_MAX_ROWS)
-        from ..moe import FUSED_MAX_ROWS, expert_gemms_unsupported
+        # the most rows an expert gets through the router, is at most moe.auto_expert_rows)
+        from ..moe import auto_expert_rows, expert_gemms_unsupported
         self.fused_reason = expert_gemms_unsupported(H, self.inter)
         if gemm == "fused" and self.fused_reason is not None:
             raise ValueError(f"gemm='fused': the expert kernels do not take {self.fused_reason}")
         self.fused_max_rows = (1 << 62 if gemm == "fused" else
-                               FUSED_MAX_ROWS if gemm == "auto" and self.fused_reason is None else 0)
+                               auto_expert_rows(H, self.inter) if gemm == "auto" else 0)
         self._gmm, self.gemm_reason = (None, "gemm='loop'") if gemm == "loop" else grouped_mm_support(self.device)
         if gemm == "grouped" and self._gmm is None:
             raise RuntimeError(f"gemm='grouped': {self.gemm_reason}")

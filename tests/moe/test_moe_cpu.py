@@ -275,8 +275,16 @@ def test_expert_kernels_take_bf16_multiples_of_their_k_step_only():
     assert "hidden=96" in moe.expert_gemms_unsupported(96, 64)
     assert "intermediate=80" in moe.expert_gemms_unsupported(128, 80)
     assert "bfloat16 only" in moe.expert_gemms_unsupported(128, 64, "float16")
-    # one pass of 16 rows covers an expert while the layer takes them (kernels/moe_experts.cu)
-    assert moe.FUSED_MAX_ROWS == 16 and moe.EXPERT_TILE == 16 and moe.EXPERT_K == 64
+    assert moe.EXPERT_TILE == 16 and moe.EXPERT_K == 64 and moe.EXPERT_WIDE_ROWS == 64
+
+
+def test_auto_takes_the_expert_kernels_up_to_two_passes_of_64_rows_below_a_hidden_of_4096():
+    assert moe.FUSED_MAX_ROWS == 2 * moe.EXPERT_WIDE_ROWS and moe.FUSED_MAX_HIDDEN == 4096
+    assert moe.auto_expert_rows(2048, 1024) == moe.FUSED_MAX_ROWS
+    assert moe.auto_expert_rows(4096, 64) == moe.FUSED_MAX_ROWS
+    assert moe.auto_expert_rows(7168, 2048) == 0   # (the DeepSeek-V3-like layer: torch's GEMM)
+    assert moe.auto_expert_rows(96, 64) == 0       # (shapes the kernels do not take)
+    assert moe.auto_expert_rows(2048, 1024, "float16") == 0
 
 
 def test_expert_calls_take_passes_of_64_rows_where_an_expert_may_hold_more_than_16():
