@@ -218,9 +218,9 @@ def run(args, profiles: dict) -> dict:
                 rows += _one_size(torch, args, T, layers, floor, rng, (H, I, E, top_k, ep), rate, say,
                                   moe_forward_all_ranks, max_relative_error,
                                   (ours_stage_times, baseline_stage_times, floor_stage_times))
-            rows, torch_gemm = layers[0].fused_max_rows, f"torch's {layers[0].gemm} ({layers[0].gemm_reason})"
-            gemm = (f"{args.gemm}: ep_a2a's expert kernels up to {rows} rows per expert (ep_size * T^), else "
-                    f"{torch_gemm}" if rows else f"{args.gemm}: {torch_gemm} at every size")
+            fused, torch_gemm = layers[0].fused_max_rows, f"torch's {layers[0].gemm} ({layers[0].gemm_reason})"
+            gemm = (f"{args.gemm}: ep_a2a's expert kernels up to {fused} rows per expert (ep_size * T^), else "
+                    f"{torch_gemm}" if fused else f"{args.gemm}: {torch_gemm} at every size")
         finally:
             torch.cuda.synchronize()
             for layer in layers:
