@@ -16,7 +16,8 @@ fork / join cancel. spread_us: the interquartile range of the same difference ta
 pair by replay pair.
 
 Stages: a one-step graph captured while torch.profiler (CUPTI) runs, replayed back to back;
-the kernel records are cut into replays and classified by name (bench_layer_stages.py). No
+the kernel records are cut into replays and classified by name (bench_layer_stages.py), after
+every size's step times (replays timed after a profile ran slower in the same process). No
 event, barrier or timestamp kernel between the stages. A stage spans from the first rank's
 first kernel of it to the last rank's last kernel of it; stages may overlap, so they add up
 to more than the layer.
@@ -214,10 +215,19 @@ def run(args, profiles: dict) -> dict:
             if layers[0].gemm != "grouped":  # (the loop GEMM reads counts on the host: not capturable)
                 raise RuntimeError(f"--graph needs torch's grouped GEMM: {layers[0].gemm_reason}")
             floor = GemmFloor(layers)
+            shape, fills = (H, I, E, top_k, ep), {}
+            # every size is timed before any stage is profiled: once CUPTI has run in the process,
+            # the replays it leaves behind run slower
             for T in args.tokens:
-                rows += _one_size(torch, args, T, layers, floor, rng, (H, I, E, top_k, ep), rate, say,
-                                  moe_forward_all_ranks, max_relative_error,
-                                  (ours_stage_times, baseline_stage_times, floor_stage_times))
+                rows += _one_size(torch, args, T, layers, floor, rng, shape, say, moe_forward_all_ranks,
+                                  max_relative_error, fills)
+            if args.stage_replays:
+                for T in args.tokens:
+                    _stages_of_size(torch, args, T, layers, floor, rng, shape, say, moe_forward_all_ranks,
+                                    [row for row in rows if row["tokens_per_rank"] == T], fills,
+                                    (ours_stage_times, baseline_stage_times, floor_stage_times))
+            for row in rows:
+                derive_figures(row, rate)
             fused, torch_gemm = layers[0].fused_max_rows, f"torch's {layers[0].gemm} ({layers[0].gemm_reason})"
             gemm = (f"{args.gemm}: ep_a2a's expert kernels up to {fused} rows per expert (ep_size * T^), else "
                     f"{torch_gemm}" if fused else f"{args.gemm}: {torch_gemm} at every size")
@@ -234,39 +244,32 @@ def run(args, profiles: dict) -> dict:
                 copy_tbps=rate, method=__doc__, rows=rows)
 
 
-def _one_size(torch, args, T, layers, floor, rng, shape, rate, say, forward, rel_err, parsers) -> list:
-    """Every routing at T tokens per rank: one set of graphs per size, refilled per routing."""
+def _one_size(torch, args, T, layers, floor, rng, shape, say, forward, rel_err, fills) -> list:
+    """Every routing at T tokens per rank: one set of graphs per size, refilled per routing;
+    the routings drawn go to fills[(T, routing)] (the stages replay them)."""
     H, I, E, top_k, ep = shape
-    dev = layers[0].device
     R = args.rounds
-    xs = [torch.empty(T, H, dtype=torch.bfloat16, device=dev) for _ in layers]
-    logits = [torch.empty(T, E, dtype=torch.float32, device=dev) for _ in layers]
-    base = AllGatherBaseline(layers, T)
-    ours_step = lambda: forward(layers, xs, logits, T)  # noqa: E731
-    base_step = lambda: base.step(xs, logits)  # noqa: E731
-    floor_step = lambda: floor.step(T)  # noqa: E731
-    fills = {}
-
+    xs, logits, base, steps = _size_inputs(torch, T, layers, floor, shape, forward)
     out_rows = []
     graphs = {}
     try:
         for routing in args.routing:  # eager steps: correctness, host cost, the floor's offsets
-            ids = fills[routing] = routing_ids(rng, routing, ep, T, top_k, E)
-            _refill(torch, rng, xs, logits, ids, E, dev, H)
-            ours = [o.clone() for o in forward(layers, xs, logits, T)]
-            theirs = [o.clone() for o in base_step()]
+            ids = fills[(T, routing)] = routing_ids(rng, routing, ep, T, top_k, E)
+            _refill(torch, rng, xs, logits, ids, E, layers[0].device, H)
+            ours = [o.clone() for o in steps["ours"]()]
+            theirs = [o.clone() for o in steps["baseline"]()]
             torch.cuda.synchronize()
             diff = max(rel_err(a.float().cpu().numpy(), b.float().cpu().numpy()) for a, b in zip(ours, theirs))
-            host = eager_host_us(torch, ours_step, args.host_iters)
+            host = eager_host_us(torch, steps["ours"], args.host_iters)
             phases = eager_host_phases_us(torch, layers, xs, logits, T, args.host_iters)
             out_rows.append(dict(tokens_per_rank=T, routing=routing, max_rel_diff_vs_baseline=diff,
                                  eager_host_us_per_rank=host / ep, eager_host_phases_us_per_rank=phases,
                                  **load_stats(ids, ep, T, top_k, E, H, I)))
         pool = torch.cuda.graph_pool_handle()
-        for name, step in (("ours", ours_step), ("baseline", base_step), ("gemm_floor", floor_step)):
+        for name, step in steps.items():
             graphs[name] = [capture(torch, step, n, pool) for n in (R, 2 * R)]
         for row in out_rows:
-            _refill(torch, rng, xs, logits, fills[row["routing"]], E, dev, H)
+            _refill(torch, rng, xs, logits, fills[(T, row["routing"])], E, layers[0].device, H)
             # the graph replays the eager step: the same fresh inputs through both, bitwise
             eager = [o.clone() for o in forward(layers, xs, logits, T)]
             graphs["ours"][0].replay()
@@ -277,28 +280,44 @@ def _one_size(torch, args, T, layers, floor, rng, shape, rate, say, forward, rel
             for name, (gs, gl) in graphs.items():
                 row[name] = time_pair(torch, gs, gl, R, args.replays)
             _summary_line(say, row)
-        graphs.clear()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        if args.stage_replays:
-            ours_p, base_p, floor_p = parsers
-            for row in out_rows:
-                _refill(torch, rng, xs, logits, fills[row["routing"]], E, dev, H)
-                forward(layers, xs, logits, T)
-                torch.cuda.synchronize()
-                floor.set_offsets()
-                row["ours"]["stages"] = profile_stages(torch, ours_step, args.stage_replays, ours_p)
-                row["baseline"]["stages"] = profile_stages(torch, base_step, args.stage_replays, base_p)
-                row["gemm_floor"]["stages"] = profile_stages(torch, floor_step, args.stage_replays, floor_p)
-                _stage_line(say, row)
-        for row in out_rows:
-            derive_figures(row, rate)
     finally:
         graphs.clear()
         torch.cuda.synchronize()
+        steps.clear()  # (the baseline's buffers go with it)
         del base
         torch.cuda.empty_cache()
     return out_rows
+
+
+def _stages_of_size(torch, args, T, layers, floor, rng, shape, say, forward, rows, fills, parsers) -> None:
+    """The stages of each row at T tokens per rank, from profiled replays of its routing."""
+    H, E = shape[0], shape[2]
+    xs, logits, base, steps = _size_inputs(torch, T, layers, floor, shape, forward)
+    try:
+        for row in rows:
+            _refill(torch, rng, xs, logits, fills[(T, row["routing"])], E, layers[0].device, H)
+            steps["ours"]()
+            torch.cuda.synchronize()
+            floor.set_offsets()
+            for (name, step), parse in zip(steps.items(), parsers):
+                row[name]["stages"] = profile_stages(torch, step, args.stage_replays, parse)
+            _stage_line(say, row)
+    finally:
+        torch.cuda.synchronize()
+        steps.clear()
+        del base
+        torch.cuda.empty_cache()
+
+
+def _size_inputs(torch, T, layers, floor, shape, forward) -> tuple:
+    """(xs, logits, the baseline, the steps ours / baseline / gemm_floor) at T tokens per rank."""
+    H, E, dev = shape[0], shape[2], layers[0].device
+    xs = [torch.empty(T, H, dtype=torch.bfloat16, device=dev) for _ in layers]
+    logits = [torch.empty(T, E, dtype=torch.float32, device=dev) for _ in layers]
+    base = AllGatherBaseline(layers, T)
+    steps = {"ours": lambda: forward(layers, xs, logits, T), "baseline": lambda: base.step(xs, logits),
+             "gemm_floor": lambda: floor.step(T)}
+    return xs, logits, base, steps
 
 
 def _refill(torch, rng, xs, logits, ids, E, dev, H) -> None:
