@@ -70,10 +70,10 @@ EXPERT_WIDE_ROWS = 64
 _EXPERT_THREADS = 128
 # Where the layers' gemm="auto" takes them (auto_expert_rows), as the graphed layer benchmark
 # found against torch's grouped GEMM (docs/layer.md): faster while an expert's rows take at
-# most two passes of 64 (past that, and under skewed routing from 64 tokens per rank, the
+# most four passes of 64 (past that, under skewed routing and at 128 rows per expert, the
 # grouped GEMM's larger tiles win), and slower at every size with the long k and wide FC2 of
 # a 7168 hidden size.
-FUSED_MAX_ROWS = 128
+FUSED_MAX_ROWS = 256
 FUSED_MAX_HIDDEN = 4096
 
 

@@ -278,8 +278,8 @@ def test_expert_kernels_take_bf16_multiples_of_their_k_step_only():
     assert moe.EXPERT_TILE == 16 and moe.EXPERT_K == 64 and moe.EXPERT_WIDE_ROWS == 64
 
 
-def test_auto_takes_the_expert_kernels_up_to_two_passes_of_64_rows_below_a_hidden_of_4096():
-    assert moe.FUSED_MAX_ROWS == 2 * moe.EXPERT_WIDE_ROWS and moe.FUSED_MAX_HIDDEN == 4096
+def test_auto_takes_the_expert_kernels_up_to_four_passes_of_64_rows_below_a_hidden_of_4096():
+    assert moe.FUSED_MAX_ROWS == 4 * moe.EXPERT_WIDE_ROWS and moe.FUSED_MAX_HIDDEN == 4096
     assert moe.auto_expert_rows(2048, 1024) == moe.FUSED_MAX_ROWS
     assert moe.auto_expert_rows(4096, 64) == moe.FUSED_MAX_ROWS
     assert moe.auto_expert_rows(7168, 2048) == 0   # (the DeepSeek-V3-like layer: torch's GEMM)
