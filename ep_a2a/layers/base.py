@@ -61,13 +61,17 @@ class LayerBase:
         st = self._step
         st["views"] = self.a2a_rank.dispatch(st["ids"], [st["x"], st["w"]], st["runtime_max"], stream=self.s)
 
-    def index_and_gather(self, rows):
+    def expert_index(self):
         """The start of phase 3, on this rank's stream: the expert index of the dispatched ids
-        (into self.index) and the dispatched hidden states gathered expert-major into `rows`."""
-        ids_v, (x_v, w_v) = self._step["views"]
-        idx = build_index(ids_v, w_v, num_experts=self.num_experts, ep_size=self.ep_size, rank=self.rank,
-                          stream=self.s, out=self.index)
-        gather_rows(idx, x_v, rows, stream=self.s)
+        (into self.index)."""
+        ids_v, (_, w_v) = self._step["views"]
+        return build_index(ids_v, w_v, num_experts=self.num_experts, ep_size=self.ep_size, rank=self.rank,
+                           stream=self.s, out=self.index)
+
+    def index_and_gather(self, rows):
+        """expert_index, then the dispatched hidden states gathered expert-major into `rows`."""
+        idx = self.expert_index()
+        gather_rows(idx, self._step["views"][1][0], rows, stream=self.s)
         return idx
 
     def finalize_partials(self, idx, fc2) -> None:

@@ -27,6 +27,10 @@ Three ways to run the experts (gemm=), none with a host sync but "loop":
     with cuMemcpyDtoDAsync.
   "auto": "ragged" below RAGGED_BELOW tokens per rank (T^), where the masked work is small
     and padded's gathers cost more, "padded" from there (expert_gemm).
+  "fused": ep_a2a's expert kernels (moe.expert_fc1 / expert_fc2, what TorchMoeLayer's "auto"
+    takes at decode sizes): FC1 reads the dispatched rows in place, no gather; traced, one
+    XLA call (JaxAlltoAll.experts). bf16, hidden and I multiples of 64. The layer keeps its
+    weights in both layouts (nn.Linear's for the kernels, transposed for the jnp functions).
 
 In-process ranks: the same phases as layers.torch.moe_forward_all_ranks (route, dispatch every
 rank, compute, combine every rank), for the same reason. JAX preallocates most of the GPU by
@@ -41,10 +45,10 @@ from ..driver.memory import copy_dtod_async, copy_dtoh
 from ..driver.stream import synchronize_stream
 from ..interop.arrays import empty
 from ..interop.tensor import as_tensor
-from ..moe import ExpertIndex
+from ..moe import ExpertIndex, expert_fc1, expert_fc2, expert_gemms_unsupported
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
-GEMMS = ("auto", "padded", "ragged", "loop")
+GEMMS = ("auto", "padded", "ragged", "loop", "fused")
 RAGGED_BELOW = 16
 _JIT = {}
 
@@ -155,7 +159,17 @@ class JaxMoeLayer(LayerBase):
         dev = a2a_rank.device
         self.index = ExpertIndex.for_rank(a2a_rank)
         cap = self.ep_size * a.max_tokens_per_rank * self.top_k
-        self._xg = empty((cap, H), "bfloat16", dev)       # expert-major rows (gather_rows)
+        self.w1 = self.w2 = None
+        if self.gemm == "fused":
+            why = expert_gemms_unsupported(H, I)
+            if why is not None:
+                raise ValueError(f"gemm='fused': the expert kernels do not take {why}")
+            put = lambda w: jax.device_put(jnp.asarray(w, jnp.bfloat16), self.jdev)  # noqa: E731
+            self.w1, self.w2 = put(w_gate_up), put(w_down)  # nn.Linear's layout, the kernels'
+            jax.block_until_ready((self.w1, self.w2))
+            self._w1_t, self._w2_t = as_tensor(self.w1, stream=-1), as_tensor(self.w2, stream=-1)
+            self._act = empty((cap, I), "bfloat16", dev)
+        self._xg = empty((cap, H), "bfloat16", dev)       # expert-major rows (gather_rows); fused: FC2's output
         self._y = empty((cap, H), "bfloat16", dev) if self.gemm == "loop" else None
         self._out = empty((a.max_tokens_per_rank, H), "bfloat16", dev)
         self._keep = []   # jax arrays an ep_a2a launch of this step still reads, or that alias our memory
@@ -212,9 +226,15 @@ class JaxMoeLayer(LayerBase):
         stream, the experts in JAX, finalize into the combine input on our stream."""
         import jax
         s, H = self.s, self.hidden
+        gemm = expert_gemm(self.gemm, self._step["runtime_max"])
+        if gemm == "fused":  # (FC1 reads the dispatched rows in place; FC2 writes our rows buffer)
+            idx = self.expert_index()
+            expert_fc1(idx, self._step["views"][1][0], self._w1_t, self._act, stream=s)
+            expert_fc2(idx, self._act, self._w2_t, self._xg, stream=s)
+            self.finalize_partials(idx, self._xg)
+            return
         idx = self.index_and_gather(self._xg)
         cap = idx.capacity
-        gemm = expert_gemm(self.gemm, self._step["runtime_max"])
         if gemm in ("padded", "ragged"):
             rows = self._xg.view(0, (cap, H))
             rows.stream = s  # JAX's stream waits for gather_rows
@@ -335,6 +355,12 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
               fns["router"](router, layer.top_k, layer.renormalize) for layer, router in zip(layers, routers)]
     routes = [(jax.numpy.asarray(i, jax.numpy.int32), jax.numpy.asarray(w, jax.numpy.float32)) for i, w in routes]
     d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], runtime_max)
+    fused = [expert_gemm(layer.gemm, runtime_max) == "fused" for layer in layers]
+    if any(fused):
+        if not all(fused):
+            raise ValueError(f"layers: a traced step runs gemm='fused' for every rank or none, got "
+                             f"{[layer.gemm for layer in layers]}")
+        return ops.combine_from_experts(ops.experts(d, [layer.w1 for layer in layers], [layer.w2 for layer in layers]), d)
     ours = not any(isinstance(router, (tuple, list)) for router in routers)
     fc2 = [fns["padded_ffn"](rows, counts, layer.w1t, layer.w2t, expert_rows_bound(layer, runtime_max, ours, rows.shape[0]))
            if expert_gemm(layer.gemm, runtime_max) == "padded" else fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)

@@ -63,6 +63,7 @@ from ..moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
 from ..validate import check_dispatch_inputs, check_expert_ids_on_host, check_partial_shape, check_runtime_max, require, token_tensor
 from . import jax_ffi
 from .jax_calls import RanksByDevice, buffer_ptr
+from .jax_experts import ExpertsCalls, JaxExperts
 from .jax_halves import HalvesCalls, JaxHalves, SendTicket, TraceOrder
 from .jax_plan import CopyOp, Group, encode, fake, pair_params, recorded, steady_pair, step_launch
 
@@ -140,8 +141,9 @@ class JaxAlltoAll:
         # the native path (jax_ffi.py): launch plans made while tracing, run by an FFI handler
         self.native = jax_ffi.native_or_warn()
         self._plans, self._combines = [], {}  # registered plans; dispatch site -> its combine's planned steps
+        self._roles = {}  # dispatch_to_experts site -> its (gather, weights) payloads
         self._order = TraceOrder()  # the trace's order of calls, whole and halves
-        self._halves = JaxHalves(self._halves_calls())
+        self._halves, self._experts = JaxHalves(self._halves_calls()), JaxExperts(self._experts_calls())
         a2a.on_close(self._release_plans)  # (a plan holds the ranks' streams and records: never past them)
 
     @classmethod
@@ -154,14 +156,26 @@ class JaxAlltoAll:
         self.rank_numbers = tuple(int(r) for r in rank_numbers)
         self.per_device = len(self.rank_numbers)
         self._indexes, self._own_indexes, self._sites = {}, [], 0
-        self.native, self._plans, self._combines = False, [], {}
+        self.native, self._plans, self._combines, self._roles = False, [], {}, {}
         self._order = TraceOrder()
-        self._halves = JaxHalves(self._halves_calls())
+        self._halves, self._experts = JaxHalves(self._halves_calls()), JaxExperts(self._experts_calls())
         return self
 
     def _halves_calls(self) -> HalvesCalls:
         return HalvesCalls(self, self.o, self.a2a, self.native, self._order, self._site, self._native,
                            self._check_dispatch, self._check_ticket, self._check_partials, Dispatched)
+
+    def _experts_calls(self) -> ExpertsCalls:
+        return ExpertsCalls(self.o, self.a2a, self.native, self._site, self._native, self._call, self._check_ticket,
+                            self._per_rank, self._num_local, self._rank_indexes, self._indexes.__getitem__,
+                            self._device, self._roles.__getitem__, self.rank_numbers)
+
+    def experts(self, dispatched, w_gate_up, w_down):
+        """The experts' FC1, SiLU(gate) * up and FC2 on what dispatch_to_experts delivered, as
+        ep_a2a's expert kernels (jax_experts.py): bf16 w_gate_up [E_local, 2 I, hidden] and
+        w_down [E_local, hidden, I] per rank -> fc2_out [ep_size * T^ * top_k, hidden] per rank,
+        for combine_from_experts."""
+        return self._experts.experts(dispatched, w_gate_up, w_down)
 
     # -- the halves (jax_halves.py) -----------------------------------------------------------------
     def dispatch_send(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None) -> SendTicket:
@@ -407,6 +421,7 @@ class JaxAlltoAll:
         counts = [jax.ShapeDtypeStruct((self._num_local(r),), np.int32) for r in self.rank_numbers]
         outs = (counts, [rows] * n, jax.ShapeDtypeStruct((1,), np.uint32))
         site = self._site()
+        self._roles[site] = (gather, weights)
         self._order.check("dispatch_to_experts", DISPATCH)
         if self.native:
             counts_o, rows_o, ticket = self._native(self._dispatch_ops(site, tmax, tokens, (gather, weights)), outs,

@@ -268,8 +268,9 @@ def parser() -> argparse.ArgumentParser:
                          "fence with --combine-quant)")
     ap.add_argument("--gemm", choices=("auto",) + GEMMS["torch"] + GEMMS["jax"], default="auto",
                     help="the experts' GEMMs: PyTorch one grouped GEMM or a loop over experts; JAX (ours and the "
-                         "baseline alike) a batched GEMM over rows padded per expert or jax.lax.ragged_dot; "
-                         "auto (default): grouped / layers.jax.expert_gemm")
+                         "baseline alike) a batched GEMM over rows padded per expert or jax.lax.ragged_dot; fused: "
+                         "ep_a2a's expert kernels (the JAX baseline then runs auto's); auto (default): "
+                         "ep_a2a's expert kernels at decode sizes, else grouped (torch) / layers.jax.expert_gemm")
     ap.add_argument("--combine-quant", choices=("fp8",), default=None,
                     help="FP8 combine (FENCE): finalize writes e4m3 partials, combine pulls those")
     ap.add_argument("--iters", type=positive_int, default=20, help="timed steps per token count (default 20)")
@@ -282,7 +283,7 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-GEMMS = {"torch": ("grouped", "loop", "fused"), "jax": ("padded", "ragged")}  # the experts' GEMMs of each framework
+GEMMS = {"torch": ("grouped", "loop", "fused"), "jax": ("padded", "ragged", "fused")}  # the experts' GEMMs of each framework
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -29,7 +29,8 @@ from .bench_layer_profiles import layer_shape, run_seed
 
 def all_gather_step(layers, gemm: str):
     """The jitted all-gather baseline over these layers: f(xs, logits) -> one output per rank.
-    gemm: the layers' gemm ("auto", "padded" or "ragged"), resolved per T^ as theirs (expert_gemm)."""
+    gemm: the layers' gemm ("auto", "padded" or "ragged"), resolved per T^ as theirs (expert_gemm);
+    for "fused" (ep_a2a's expert kernels, which a layer without ep_a2a has not) as "auto"."""
     import jax
     import jax.numpy as jnp
     from ..layers.jax import expert_gemm, traced_functions
@@ -37,7 +38,7 @@ def all_gather_step(layers, gemm: str):
     router = fns["router"]
 
     def experts(layer, rows, counts, tokens):  # a token selects an expert at most once
-        if expert_gemm(gemm, tokens // len(layers)) == "padded":
+        if expert_gemm("auto" if gemm == "fused" else gemm, tokens // len(layers)) == "padded":
             return fns["padded_ffn"](rows, counts, layer.w1t, layer.w2t, tokens)
         return fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)
 

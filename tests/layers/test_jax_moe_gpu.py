@@ -1,7 +1,8 @@
 """The JAX MoE layer (ep_a2a/layers/jax.py) on in-process ranks of one GPU, against the same dense
 float64 NumPy reference and bf16 tolerances as the PyTorch layer (ep_a2a/layers/torch.py); the
-jitted layer (the MoE pair: dispatch_to_experts / combine_from_experts, on the native path where
-its library is built) bitwise equal to the eager layer, bf16 and FP8 combine, both protocols."""
+jitted layer (the MoE pair: dispatch_to_experts / combine_from_experts, with ep_a2a's expert
+kernels between them for gemm="fused", on the native path where its library is built) bitwise
+equal to the eager layer, bf16 and FP8 combine, both protocols."""
 import contextlib
 import os
 
@@ -61,7 +62,7 @@ def _jax_layers(dev, rng, ep, E, top_k, H, I, tmax, gemm, **options):
                 layer.close()
 
 
-@pytest.mark.parametrize("gemm", ["padded", "ragged", "loop"])
+@pytest.mark.parametrize("gemm", ["padded", "ragged", "loop", "fused"])
 @pytest.mark.parametrize("protocol", ["fence", "sentinel"])
 @pytest.mark.parametrize("ep,E,top_k,H,I,tmax", CASES)
 def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, gemm):
@@ -99,7 +100,9 @@ def test_jax_layer_matches_dense_reference(ep, E, top_k, H, I, tmax, protocol, g
 
 
 @pytest.mark.parametrize("protocol,quant,gemm", [("fence", None, "padded"), ("sentinel", None, "padded"),
-                                                 ("fence", "fp8", "padded"), ("sentinel", None, "ragged")])
+                                                 ("fence", "fp8", "padded"), ("sentinel", None, "ragged"),
+                                                 ("fence", None, "fused"), ("sentinel", None, "fused"),
+                                                 ("fence", "fp8", "fused")])
 def test_jitted_layer_is_the_eager_layer_bitwise(protocol, quant, gemm):
     from ep_a2a.layers.jax import jit_forward_all_ranks, moe_forward_all_ranks
     from ep_a2a.ops import jax_ffi

@@ -159,3 +159,40 @@ def test_a_program_on_the_cpu_is_refused_with_the_reason():
     with pytest.raises(Exception) as e:
         f(jnp.zeros((2, K), jnp.int32), jnp.zeros((2, H), jnp.bfloat16), jnp.ones((2, K), jnp.float32)).block_until_ready()
     assert "ep_a2a's jit calls run on CUDA GPUs only" in str(e.value), str(e.value)[-500:]
+
+
+def test_experts_call_shapes_and_its_trace_time_errors():
+    """JaxAlltoAll.experts between the MoE pair: fc2_out [ep_size * T^ * top_k, hidden] bf16 per
+    rank; its weights' rules (dtype, shapes from each rank's local experts, the kernels' multiples
+    of 64) and its pairing with dispatch_to_experts, refused while tracing with the argument named."""
+    ops = JaxAlltoAll.traced_only(_options(), rank_numbers=(0, 1, 2, 3))  # 10 experts: 3, 3, 2, 2
+    ids, pays = _inputs((8, 3, 0, 5))
+    L, inter = (3, 3, 2, 2), 128
+    w1 = [S((n, 2 * inter, H), jnp.bfloat16) for n in L]
+    w2 = [S((n, H, inter), jnp.bfloat16) for n in L]
+
+    def step(ids, pays, w1, w2):
+        d = ops.dispatch_to_experts(ids, pays, 8)
+        fc2 = ops.experts(d, w1, w2)
+        return fc2, ops.combine_from_experts(fc2, d)
+
+    fc2, y = jax.eval_shape(step, ids, pays, w1, w2)
+    assert all((f.shape, f.dtype) == ((EP * 8 * K, H), jnp.bfloat16) for f in fc2)
+    assert [o.shape for o in y] == [(8, H), (3, H), (0, H), (5, H)]
+
+    def with_weights(a, b, pair="dispatch_to_experts"):
+        def f(ids, pays):
+            d = getattr(ops, pair)(ids, pays, 8)
+            return ops.experts(d, a, b)
+        return f
+    _raises(ValueError, "w_gate_up[1]: shape must be [E_local=3, 2 * I, hidden=64], got [2, 256, 64]",
+            with_weights([w1[0], w1[2], w1[2], w1[3]], w2), ids, pays)
+    _raises(ValueError, "w_down[0]: shape must be [E_local=3, hidden=64, I=128], got [3, 128, 64]",
+            with_weights(w1, [S((3, inter, H), jnp.bfloat16)] + w2[1:]), ids, pays)
+    _raises(TypeError, "w_gate_up[0]: dtype must be bfloat16, got float32",
+            with_weights([S(w.shape, jnp.float32) for w in w1], w2), ids, pays)
+    _raises(ValueError, "w_gate_up[0]: the expert kernels do not take intermediate=96",
+            with_weights([S((n, 192, H), jnp.bfloat16) for n in L], [S((n, H, 96), jnp.bfloat16) for n in L]), ids, pays)
+    _raises(ValueError, "w_gate_up: needs one entry per rank", with_weights(w1[:2], w2), ids, pays)
+    _raises(ValueError, "dispatched: came from dispatch(); this call pairs with dispatch_to_experts()",
+            with_weights(w1, w2, pair="dispatch"), ids, pays)

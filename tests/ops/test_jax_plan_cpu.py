@@ -212,6 +212,53 @@ def test_traced_moe_pair_plans_index_gather_and_finalize(monkeypatch, quant):
     a2a.close()
 
 
+def test_traced_experts_call_plans_the_expert_kernels(monkeypatch):
+    """JaxAlltoAll.experts between the MoE pair, traced and lowered on the CPU with the native
+    path: one call of its own whose plan is FC1 then FC2 on the rank's stream, the kernel pair
+    that moe.expert_fc1 / expert_fc2 take for this T^ (16-row passes while ep_size * T^ <= 16),
+    FC1 reading the dispatched hidden states in the workspace and operand 0 (w_gate_up) into
+    result 4 (the activations), FC2 reading those and operand 1 (w_down) into result 3."""
+    import types
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    require_library()
+    import ep_a2a.moe as moe
+    from ep_a2a.ops import jax as ops_jax
+    events = []
+    trace.patch_driver(monkeypatch.setattr, events)
+    monkeypatch.setattr(moe, "Device", types.SimpleNamespace)
+    made = record_plans(monkeypatch, ops_jax)
+    rng = random.Random()
+    with hooks.dry_run():
+        a2a, r = trace.make_rank(events, "fence", None, True, 8, local=True)
+    ops = ops_jax.JaxAlltoAll(a2a)
+    tmax = rng.choice([1, 2, 4, 16])
+    T = rng.randint(1, tmax)
+    specs, L, inter = a2a.payload_specs, ops._num_local(r.rank), 64
+
+    def step(ids, pays, w1, w2):
+        d = ops.dispatch_to_experts(ids, pays, tmax, gather=0, weights=2)
+        return ops.combine_from_experts(ops.experts(d, w1, w2), d)
+    args = (jax.ShapeDtypeStruct((T, trace.TOP_K), jnp.int32),
+            [jax.ShapeDtypeStruct((T,) + tuple(s.shape), jnp.dtype(s.dtype)) for s in specs],
+            jax.ShapeDtypeStruct((L, 2 * inter, trace.H), jnp.bfloat16),
+            jax.ShapeDtypeStruct((L, trace.H, inter), jnp.bfloat16))
+    text = jax.jit(step).lower(*args).as_text()
+    assert text.count("custom_call @ep_a2a_run") == 3
+    (_,), (experts,), (_,) = made
+    fc1, fc2 = experts.ops
+    idx = ops._rank_indexes()[0]
+    pair = "" if a2a.ep_size * tmax <= moe.EXPERT_PASS_ROWS else "_m64"
+    assert fc1.function == idx._experts.function(f"moe_expert_fc1{pair}_bf16")
+    assert fc2.function == idx._experts.function(f"moe_expert_fc2{pair}_bf16")
+    words1 = jax_plan._arg_words(fc1.args)[1]
+    assert int(words1[0]) == r.dispatch_views(tmax)[1][0].ptr  # (the dispatched hidden states, in place)
+    assert [b for _, b, _ in jax_plan.patches(words1)] == [0, 4]
+    assert [b for _, b, _ in jax_plan.patches(jax_plan._arg_words(fc2.args)[1])] == [4, 1, 3]
+    ops.close()
+    a2a.close()
+
+
 def test_a_released_plan_id_is_never_reused():
     """A compiled program naming a released plan must find none, never a newer plan."""
     require_library()

@@ -1,0 +1,130 @@
+"""The experts' GEMMs of the MoE pair inside jax.jit: ep_a2a's expert kernels (moe.expert_fc1 /
+expert_fc2, kernels/moe_experts.cu) as one XLA call between dispatch_to_experts and
+combine_from_experts.
+
+    d = ops.dispatch_to_experts(ids, [x, w], T_hat)
+    fc2 = ops.experts(d, w_gate_up, w_down)       # [ep_size * T^ * top_k, hidden] bf16 per rank
+    y = ops.combine_from_experts(fc2, d)
+
+FC1 reads each row where dispatch left it in the workspace (the index's rows), with SiLU(gate)
+* up fused, so d.rows is not read; FC2's input (the activations) is a second result of the
+call that XLA allocates and nobody needs after it. The weights are TorchMoeLayer's: bf16
+w_gate_up [E_local, 2 I, hidden], w_down [E_local, hidden, I]; hidden and I multiples of 64
+(moe.expert_gemms_unsupported), checked while tracing. Rows past the device total of each
+rank are not written. On the native path (jax_ffi.py) both launches of every rank are planned
+while tracing, as moe.* would make them for this T^ (jax_plan.recorded); otherwise a Python
+callback launches them through moe.* at run time.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import numpy as np
+
+from ..interop.tensor import CUDA, Tensor
+from ..moe import build_index, expert_fc1, expert_fc2, expert_gemms_unsupported
+from ..validate import require
+from .jax_plan import fake, recorded
+
+
+class ExpertsCalls(NamedTuple):
+    """What the expert call takes from its JaxAlltoAll (ops/jax.py), handed over when it is made."""
+    options: object               # the all-to-all's config.Options
+    a2a: object                   # its MoeAlltoAll (None: traced_only)
+    native: bool                  # whether the native FFI path is in use
+    site: Callable                # () -> a new call site number
+    native_call: Callable         # (ops_for, outs, *args) -> results: one FFI call
+    callback_call: Callable       # (body, outs, *args) -> results: one Python callback call
+    check_ticket: Callable        # (dispatched, kind) -> (T^, single)
+    per_rank: Callable            # (x, name) -> (one entry per rank, single)
+    num_local: Callable           # rank number -> its local experts
+    rank_indexes: Callable        # () -> the ExpertIndex of every rank of the all-to-all (trace time)
+    index_of: Callable            # rank number -> its ExpertIndex (run time)
+    device_of: Callable           # ticket buffer -> the jax_calls.DeviceRanks that holds it
+    roles_of: Callable            # dispatch site -> (gather payload, weights payload)
+    rank_numbers: tuple           # the ranks of one call, by position
+
+
+class JaxExperts:
+    """JaxAlltoAll.experts (module docstring)."""
+
+    def __init__(self, calls: ExpertsCalls):
+        self.calls = calls
+
+    def experts(self, dispatched, w_gate_up, w_down) -> list:
+        c = self.calls
+        a = c.options
+        tmax, single = c.check_ticket(dispatched, "dispatch_to_experts")
+        gather = c.roles_of(dispatched.site)[0]
+        H, cap = a.payloads[gather].shape[0], a.ep_size * tmax * a.top_k
+        w1s, w2s = c.per_rank(w_gate_up, "w_gate_up")[0], c.per_rank(w_down, "w_down")[0]
+        inter = None
+        for i, (w1, w2, r) in enumerate(zip(w1s, w2s, c.rank_numbers)):
+            at = "" if single else f"[{i}]"
+            L = c.num_local(r)
+            for name, w in ((f"w_gate_up{at}", w1), (f"w_down{at}", w2)):
+                if not hasattr(w, "shape") or not hasattr(w, "dtype"):
+                    raise TypeError(f"{name}: expected a JAX array, got {type(w).__name__}")
+                if str(np.dtype(w.dtype)) != "bfloat16":
+                    raise TypeError(f"{name}: dtype must be bfloat16, got {w.dtype}")
+            require(len(w1.shape) == 3 and w1.shape[0] == L and w1.shape[2] == H and w1.shape[1] % 2 == 0,
+                    f"w_gate_up{at}", f"shape must be [E_local={L}, 2 * I, hidden={H}], got {list(w1.shape)}")
+            inter = w1.shape[1] // 2
+            require(tuple(w2.shape) == (L, H, inter), f"w_down{at}",
+                    f"shape must be [E_local={L}, hidden={H}, I={inter}], got {list(w2.shape)}")
+            why = expert_gemms_unsupported(H, inter)
+            require(why is None, f"w_gate_up{at}", f"the expert kernels do not take {why}")
+        outs = ([jax.ShapeDtypeStruct((cap, H), jax.numpy.bfloat16)] * len(w1s),
+                [jax.ShapeDtypeStruct((cap, inter), jax.numpy.bfloat16)] * len(w1s))
+        site = c.site()
+        if c.native:
+            fc2, _ = c.native_call(self._ops(dispatched, gather, H, inter), outs, w1s, w2s, dispatched.ticket)
+        else:
+            body = functools.partial(self._body, site, tmax, gather, H, inter)
+            fc2, _ = c.callback_call(body, outs, w1s, w2s, dispatched.ticket)
+        return fc2[0] if single else fc2
+
+    def _ops(self, dispatched, gather, H, inter):
+        """ops_for of the call: operands w_gate_up[n], w_down[n], ticket; results fc2[n], act[n]."""
+        c, tmax = self.calls, dispatched.tmax
+        a = c.options
+
+        def ops_for(dev, n_in):
+            n, ops, ordinal = len(dev.ranks), [], dev.device.ordinal
+            for i, r in enumerate(dev.ranks):
+                idx = c.rank_indexes()[c.a2a.ranks.index(r)]
+                L, cap = idx.num_local_experts, a.ep_size * tmax * a.top_k
+                ids_v, pays_v = r.dispatch_views(tmax)
+                w1 = Tensor(fake(i), (L, 2 * inter, H), "bfloat16", device=(CUDA, ordinal))
+                w2 = Tensor(fake(n + i), (L, H, inter), "bfloat16", device=(CUDA, ordinal))
+                y = Tensor(fake(n_in + i), (cap, H), "bfloat16", device=(CUDA, ordinal))
+                act = Tensor(fake(n_in + n + i), (cap, inter), "bfloat16", device=(CUDA, ordinal))
+                weights = c.roles_of(dispatched.site)[1]
+                # (the index is rebuilt, unlaunched, so that its sizes are this T^'s: they pick the kernels)
+                recorded(i, lambda: build_index(ids_v, pays_v[weights], num_experts=a.num_experts, ep_size=a.ep_size,
+                                                rank=r.rank, stream=r.default_stream, out=idx))
+
+                def run():
+                    expert_fc1(idx, pays_v[gather], w1, act, stream=r.default_stream)
+                    expert_fc2(idx, act, w2, y, stream=r.default_stream)
+                ops += recorded(i, run)
+            return ops
+        return ops_for
+
+    def _body(self, site, tmax, gather, H, inter, ctx, out, w1s, w2s, ticket) -> None:
+        c = self.calls
+        dev = c.device_of(ticket)
+
+        def launch(streams):
+            for i, (r, s) in enumerate(zip(dev.ranks, streams)):
+                idx = c.index_of(r.rank)
+                L, cap = idx.num_local_experts, idx.capacity
+                w1 = dev.slot((site, i, "w1"), (L, 2 * inter, H), "bfloat16", i).at(w1s[i])
+                w2 = dev.slot((site, i, "w2"), (L, H, inter), "bfloat16", i).at(w2s[i])
+                y = dev.slot((site, i, "y"), (cap, H), "bfloat16", i).at(out[0][i])
+                act = dev.slot((site, i, "act"), (cap, inter), "bfloat16", i).at(out[1][i])
+                expert_fc1(idx, r.dispatch_views(tmax)[1][gather], w1, act, stream=s)
+                expert_fc2(idx, act, w2, y, stream=s)
+        dev.run(ctx.stream, launch)
