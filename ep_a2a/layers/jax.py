@@ -167,7 +167,7 @@ class JaxMoeLayer(LayerBase):
             put = lambda w: jax.device_put(jnp.asarray(w, jnp.bfloat16), self.jdev)  # noqa: E731
             self.w1, self.w2 = put(w_gate_up), put(w_down)  # nn.Linear's layout, the kernels'
             jax.block_until_ready((self.w1, self.w2))
-            self._w1_t, self._w2_t = as_tensor(self.w1, stream=-1), as_tensor(self.w2, stream=-1)
+            self._w1_t, self._w2_t = as_tensor(self.w1, stream=self.s), as_tensor(self.w2, stream=self.s)
             self._act = empty((cap, I), "bfloat16", dev)
         self._xg = empty((cap, H), "bfloat16", dev)       # expert-major rows (gather_rows); fused: FC2's output
         self._y = empty((cap, H), "bfloat16", dev) if self.gemm == "loop" else None
