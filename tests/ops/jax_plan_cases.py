@@ -64,3 +64,22 @@ def record_plans(monkeypatch, ops_jax) -> list:
     real_encode = ops_jax.encode
     monkeypatch.setattr(ops_jax, "encode", lambda groups, *a: made.append(groups) or real_encode(groups, *a))
     return made
+
+
+def native_moe_ops(monkeypatch, combine_quant=None) -> tuple:
+    """(JaxAlltoAll on the native path over launch_trace's rank with the driver replaced and
+    the MoE helpers' device stood in, the groups each traced call encodes, the all-to-all, its
+    rank): the setting of the MoE pair's plan tests."""
+    import types
+    import ep_a2a.moe as moe
+    from ep_a2a.ops import jax as ops_jax
+    from ep_a2a.testing import hooks
+    require_library()
+    events = []
+    trace.patch_driver(monkeypatch.setattr, events)
+    monkeypatch.setattr(moe, "Device", types.SimpleNamespace)
+    made = record_plans(monkeypatch, ops_jax)
+    with hooks.dry_run():
+        a2a, r = trace.make_rank(events, "fence", combine_quant, True, 8, local=True)
+    return ops_jax.JaxAlltoAll(a2a), made, a2a, r
+

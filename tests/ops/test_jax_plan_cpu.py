@@ -15,7 +15,7 @@ from ep_a2a.layout import A2AParams, PayloadDesc
 from ep_a2a.ops import jax_ffi, jax_plan
 from ep_a2a.testing import hooks
 from common import ROOT, kernels_build
-from jax_plan_cases import CONFIGS, block, launched, random_step, record_plans, require_library, trace
+from jax_plan_cases import CONFIGS, block, launched, native_moe_ops, random_step, record_plans, require_library, trace
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: "-".join(map(str, c)))
 def test_planned_blocks_equal_eager_launches(monkeypatch, cfg):
@@ -167,20 +167,10 @@ def test_traced_moe_pair_plans_index_gather_and_finalize(monkeypatch, quant):
     path: the index and gather kernels read the received views and write result 1 (the rows),
     the counts are copied into result 0, finalize reads operand 0 (fc2_out) into the combine
     input (FP8 with combine_quant="fp8", whose combine then skips its own pass)."""
-    import types
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
-    require_library()
-    import ep_a2a.moe as moe
-    from ep_a2a.ops import jax as ops_jax
-    events = []
-    trace.patch_driver(monkeypatch.setattr, events)
-    monkeypatch.setattr(moe, "Device", types.SimpleNamespace)
-    made = record_plans(monkeypatch, ops_jax)
+    ops, made, a2a, r = native_moe_ops(monkeypatch, quant)
     rng = random.Random()
-    with hooks.dry_run():
-        a2a, r = trace.make_rank(events, "fence", quant, True, 8, local=True)
-    ops = ops_jax.JaxAlltoAll(a2a)
     tmax = rng.choice([1, 4, 16])
     T = rng.randint(1, tmax)
     specs = a2a.payload_specs
@@ -218,20 +208,11 @@ def test_traced_experts_call_plans_the_expert_kernels(monkeypatch):
     that moe.expert_fc1 / expert_fc2 take for this T^ (16-row passes while ep_size * T^ <= 16),
     FC1 reading the dispatched hidden states in the workspace and operand 0 (w_gate_up) into
     result 4 (the activations), FC2 reading those and operand 1 (w_down) into result 3."""
-    import types
+    import ep_a2a.moe as moe
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
-    require_library()
-    import ep_a2a.moe as moe
-    from ep_a2a.ops import jax as ops_jax
-    events = []
-    trace.patch_driver(monkeypatch.setattr, events)
-    monkeypatch.setattr(moe, "Device", types.SimpleNamespace)
-    made = record_plans(monkeypatch, ops_jax)
+    ops, made, a2a, r = native_moe_ops(monkeypatch)
     rng = random.Random()
-    with hooks.dry_run():
-        a2a, r = trace.make_rank(events, "fence", None, True, 8, local=True)
-    ops = ops_jax.JaxAlltoAll(a2a)
     tmax = rng.choice([1, 2, 4, 16])
     T = rng.randint(1, tmax)
     specs, L, inter = a2a.payload_specs, ops._num_local(r.rank), 64
