@@ -5,13 +5,13 @@
 //
 // Why not a library GEMM: at a few rows per expert the GEMMs only stream weights, and a
 // grouped GEMM that tiles 64-128 rows per block keeps most SMs idle while it does. Here a
-// warp owns 8 output columns (one mma n8 tile) of up to 16 rows over its share of k (KS warps
-// split k and add their sums in shared memory, in k order), so the blocks of one expert cover
-// its weights in 8-column slices and every SM streams. Experts without rows read nothing (the
-// offsets are read on the device, so a captured graph adapts per step). Rows past a pass (16,
-// or 64 in the _m64 kernels) run further passes that read the weights again (from L2 only
-// where they meet there): the layer uses these kernels while few passes cover an expert
-// (moe.FUSED_MAX_ROWS).
+// warp owns 8 output columns (one mma n8 tile) of up to 16 rows (64 in the _m64 kernels) over
+// its share of k (KS warps split k and add their sums in shared memory, in k order), so the
+// blocks of one expert cover its weights in 8-column slices and every SM streams. Experts
+// without rows read nothing (the offsets are read on the device, so a captured graph adapts
+// per step). Rows past a pass (16, or 64 in the _m64 kernels) run further passes that read
+// the weights again (from L2 only where they meet there): the layer uses these kernels while
+// few passes cover an expert (moe.FUSED_MAX_ROWS).
 //
 // The k order inside a 64-wide step is permuted so that each lane loads 16 contiguous
 // elements (two 16-byte loads) of its weight row and of its two A rows: for mma j (0..3) of
