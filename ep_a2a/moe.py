@@ -419,8 +419,9 @@ def _expert_grid(index: ExpertIndex, n_dim: int) -> tuple:
 
 
 def _expert_kernel(fc: str, index: ExpertIndex) -> str:
-    """The kernel of a call: 16 rows per pass while no expert can hold more (the 64-row passes
-    hold registers that fewer rows do not need), else up to 64."""
+    """The kernel of a call: 16 rows per pass while no expert can hold more (the 64-row kernels
+    reserve 48 KiB of shared memory and more registers per block, which those do not need),
+    else up to 64."""
     return f"moe_expert_{fc}_bf16" if index.slots <= EXPERT_PASS_ROWS else f"moe_expert_{fc}_m64_bf16"
 
 

@@ -14,7 +14,7 @@ JAX's). JAX arrays whose memory an ep_a2a launch still reads are kept alive unti
 end, when moe_forward_all_ranks synchronizes (JAX would otherwise reuse their memory on its
 own stream, unaware of ours).
 
-Three ways to run the experts (gemm=), none with a host sync but "loop":
+The ways to run the experts (gemm=), none with a host sync but "loop":
   "padded": each local expert's rows padded to a bound and multiplied as one batched GEMM
     (padded_ffn). The bound is ep_size * T^ rows (a token picks an expert at most once)
     where the router is ours, and every row of the workspace where the caller passes ids
