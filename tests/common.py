@@ -5,6 +5,17 @@ import os
 import numpy as np
 
 
+POISON = -21846  # 0xAAAA in every 16-bit output element before a call: a row written past the total shows
+
+
+def torch_cuda(torch):
+    """torch's cuda:0, or the test skips (torch built without a CUDA device)."""
+    import pytest
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    return torch.device("cuda", 0)
+
+
 def fresh_rng():
     """A generator on a fresh random seed, and the 'seed=N' label every failure message carries."""
     seed = int.from_bytes(os.urandom(8), "little")

@@ -4,18 +4,10 @@ as poisoned, at every vector width; under CUDA graph replays with another total 
 torch.library.opcheck of the op. Fresh random inputs every run; the seed is in every message."""
 import numpy as np
 import pytest
-from common import fresh_rng
+from common import POISON, fresh_rng, torch_cuda
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
-
-POISON = -21846  # 0xAAAA in every output element before a call: a row written past the total shows
-
-
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    return torch.device("cuda", 0)
 
 
 def _index(dev, ep, top_k, tmax, num_experts, rank):
@@ -78,7 +70,7 @@ CASES = [(1, 1, 1, 8), (8, 8, 1, 1024), (8, 8, 4, 1024), (8, 8, 16, 2048), (3, 2
 @pytest.mark.parametrize("ep,top_k,tmax,inter", CASES)
 def test_activation_bitwise_equals_torch_eager(ep, top_k, tmax, inter, dtype):
     from ep_a2a.ops import torch as ep_ops
-    dev = _cuda()
+    dev = torch_cuda(torch)
     rng, seed = fresh_rng()
     dt = getattr(torch, dtype)
     num_experts = 4 * ep + 1
@@ -110,7 +102,7 @@ def test_activation_follows_the_device_total_under_graph_replays():
     """build_index + activation captured once (T^ = 16, 8 ranks' slots, top-8); every replay
     with new routing has another total, and computes exactly those rows."""
     from ep_a2a.ops import torch as ep_ops
-    dev = _cuda()
+    dev = torch_cuda(torch)
     rng, seed = fresh_rng()
     ep, top_k, tmax, inter, E = 8, 8, 16, 1024, 64
     cap = ep * tmax * top_k
@@ -158,7 +150,7 @@ def test_activation_follows_the_device_total_under_graph_replays():
 
 def test_opcheck_of_the_activation_op():
     from ep_a2a.ops import torch as ep_ops
-    dev = _cuda()
+    dev = torch_cuda(torch)
     rng, seed = fresh_rng()
     ep, top_k, tmax, inter = 2, 4, 8, 64
     ix = _index(dev, ep, top_k, tmax, 9, 1)

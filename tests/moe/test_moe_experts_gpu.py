@@ -6,18 +6,10 @@ bitwise equal to eager calls; bad arguments refused before any launch. Fresh ran
 every run; the seed is in every message."""
 import numpy as np
 import pytest
-from common import fresh_rng
+from common import POISON, fresh_rng, torch_cuda
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
-
-POISON = -21846  # 0xAAAA in every output element before a call: a row written past the total shows
-
-
-def _cuda():
-    if not torch.cuda.is_available():
-        pytest.skip("torch has no CUDA device")
-    return torch.device("cuda", 0)
 
 
 def _index(dev, ep, top_k, tmax, num_experts):
@@ -76,7 +68,7 @@ def _close(got, want, what, msg):
                                                        (8, 8, 4, 1.0), (8, 4, 8, 0.6)])
 def test_expert_gemms_match_float64(H, I, ep, top_k, tmax, local_share):
     from ep_a2a.ops import torch as ep_ops
-    dev = _cuda()
+    dev = torch_cuda(torch)
     rng, seed = fresh_rng()
     E = 4 * ep
     msg = f"{seed} H={H} I={I} ep={ep} top_k={top_k} T^={tmax} local={local_share}"
@@ -104,7 +96,7 @@ def test_graph_replays_equal_eager_calls(tmax):
     """build_index + expert_fc1 + expert_fc2 captured once, replayed with new routing and
     inputs each time (another total per replay): bitwise what eager calls give."""
     from ep_a2a.ops import torch as ep_ops
-    dev = _cuda()
+    dev = torch_cuda(torch)
     rng, seed = fresh_rng()
     ep, top_k, H, I, E = 8, 8, 256, 128, 64
     ix = _index(dev, ep, top_k, tmax, E)
@@ -148,7 +140,7 @@ def test_passes_of_64_rows_give_the_bits_of_passes_of_16(H, I, monkeypatch):
     depend on the pass that held it), rows past the total untouched by both."""
     from ep_a2a import moe
     from ep_a2a.ops import torch as ep_ops
-    dev = _cuda()
+    dev = torch_cuda(torch)
     rng, seed = fresh_rng()
     ep, top_k, tmax, E = 8, 8, 6, 32
     ix = _index(dev, ep, top_k, tmax, E)
@@ -179,7 +171,7 @@ def test_passes_of_64_rows_give_the_bits_of_passes_of_16(H, I, monkeypatch):
 
 def test_bad_arguments_are_refused_before_any_launch():
     from ep_a2a import moe
-    dev = _cuda()
+    dev = torch_cuda(torch)
     rng, seed = fresh_rng()
     ep, top_k, tmax, H, I, E = 2, 2, 4, 128, 64, 8
     ix = _index(dev, ep, top_k, tmax, E)
