@@ -3,8 +3,9 @@
 Python computes every offset here; the kernels read them from `A2AParams`, whose C
 declaration (kernels/generated/params.cuh) is generated from the ctypes structures below
 by kernels/build.py (`make header`), so the two sides cannot drift apart. The same header
-carries the MoE index kernels' argument block (MoeIndexArgs) and the packing of the slot
-records dispatch leaves for combine (record_target / record_slot).
+carries the MoE index kernels' argument block (MoeIndexArgs), the expert FC2's finalize
+block (FinalizeArgs) and the packing of the slot records dispatch leaves for combine
+(record_target / record_slot).
 
 Standard library only: kernels/build.py loads this file by its path with a bare python3,
 before any dependency is installed (`python3 -I -S ep_a2a/layout.py --header` prints the
@@ -226,6 +227,20 @@ class MoeIndexArgs(ctypes.Structure):
                  "rows": "int*", "row_weight": "float*", "row_of": "int*", "tile_counts": "int*"}
 
 
+class FinalizeArgs(ctypes.Structure):
+    """The finalize that FC2 of the expert kernels runs after its rows (kernels/moe_experts.cu,
+    moe.expert_fc2(finalize_into=...)); out = 0: none."""
+    _fields_ = [
+        ("out", ctypes.c_uint64),           # [slots, hidden] bf16: the combine input
+        ("row_of", ctypes.c_uint64),        # [slots, top_k] of the index
+        ("row_weight", ctypes.c_uint64),    # [slots * top_k] of the index
+        ("done", ctypes.c_uint64),          # a count per column tile, zero between calls (the last block resets it)
+        ("slots", ctypes.c_int32),
+        ("top_k", ctypes.c_int32),
+    ]
+    _c_types_ = {"out": "void*", "row_of": "const int*", "row_weight": "const float*", "done": "int*"}
+
+
 def align(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
@@ -374,7 +389,7 @@ def c_header() -> str:
     parts = ["// Generated from ep_a2a/layout.py by kernels/build.py (make header). Do not edit.",
              "#pragma once"]
     parts += [f"#define EP_{k} {v}" for k, v in consts.items()]
-    parts += [_c_struct(s) for s in (PayloadDesc, A2AParams, ErrorRecord, MoeIndexArgs)]
+    parts += [_c_struct(s) for s in (PayloadDesc, A2AParams, ErrorRecord, MoeIndexArgs, FinalizeArgs)]
     return "\n".join(parts) + "\n"
 
 

@@ -9,9 +9,9 @@ dispatch and combine (the router before dispatch is router.py; its names are re-
     ...  FC1 (grouped GEMM over index.offsets) -> h [rows, 2 * I] ...
     activation(index, h, act)                 # act[p] = silu(h[p, :I]) * h[p, I:], rows < total
     ...  FC2 -> fc2_out[p] = expert(x_rows[p]) ...
-    # or, at decode sizes, gather + FC1 + activation and FC2 as ep_a2a's own kernels:
-    expert_fc1(index, x, w_gate_up, act); expert_fc2(index, act, w_down, fc2_out)
     finalize(index, fc2_out, r.combine_input(T_hat))   # weighted sum per slot, into the workspace
+    # or, at decode sizes, gather + FC1 + activation, and FC2 + finalize, as ep_a2a's kernels:
+    expert_fc1(index, x, w_gate_up, act); expert_fc2(index, act, w_down, fc2_out, r.combine_input(T_hat))
     y = r.combine(r.combine_input(T_hat), T_hat)
 
 Slots: slot s = source rank * T^ + i is the i-th token source rank sent here. Every selection
@@ -21,11 +21,11 @@ slot then k. The order is a stable counting sort (kernels/moe_compute.cu), so it
 on every run; moe_reference.py computes the same index, gather and finalize in NumPy.
 
 Everything runs on the device without host synchronisation, with launch shapes fixed by T^,
-so build_index + gather_rows + activation + finalize capture into a CUDA graph: create the ExpertIndex
-first (`ExpertIndex(...)` or `ExpertIndex.for_rank(a2a.ranks[i])`) and pass it as `out=`.
-Do the same with several ranks in one process: without `out=` every call allocates an index,
-and freeing the previous one (cuMemFree synchronizes the device) between two ranks' launches
-of a phase would block the host on a kernel that waits for the next rank.
+so every piece captures into a CUDA graph: create the ExpertIndex first (`ExpertIndex(...)`
+or `.for_rank(a2a.ranks[i])`) and pass it as `out=`, with several ranks in one process too:
+without it every call allocates an index, and freeing the last one (cuMemFree synchronizes
+the device) between two ranks' launches of a phase would block on a kernel that waits for
+the next rank.
 """
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ from .config import Fp8Partial, REDUCE_DTYPES
 from .driver.device import Device, get_device
 from .driver.launch import Launch
 from .driver.lifetime import Owned
-from .driver.memory import DeviceAllocation
+from .driver.memory import DeviceAllocation, memset_d8_async
 from .driver.module import load
-from .driver.stream import stream_handle
+from .driver.stream import stream_handle, synchronize_stream
 from .interop.tensor import CUDA, Tensor, float32, int32
-from .layout import MAX_RANKS, MAX_TOP_K, Q8_BLOCK, MoeIndexArgs
+from .layout import MAX_RANKS, MAX_TOP_K, Q8_BLOCK, FinalizeArgs, MoeIndexArgs
 from .schedule import vector_bytes
 from .validate import check_int, cuda_tensor, require
 # the router before dispatch lives in router.py; moe.route and its names stay here too
@@ -68,13 +68,14 @@ EXPERT_K = 64
 EXPERT_PASS_ROWS = 16
 EXPERT_WIDE_ROWS = 64
 _EXPERT_THREADS = 128
-# Where the layers' gemm="auto" takes them (auto_expert_rows), as the graphed layer benchmark
-# found against torch's grouped GEMM (docs/layer.md): faster while an expert's rows take at
-# most four passes of 64 (past that, under skewed routing and at 128 rows per expert, the
-# grouped GEMM's larger tiles win), and slower at every size with the long k and wide FC2 of
-# a 7168 hidden size.
+# Where gemm="auto" takes them (auto_expert_rows), as the graphed layer benchmark found against
+# torch's grouped GEMM (docs/layer.md): faster up to four passes of 64 rows per expert (past
+# that, skewed routing and 128 rows per expert favour its larger tiles), slower at every size
+# with the long k and wide FC2 of a 7168 hidden size.
 FUSED_MAX_ROWS = 256
 FUSED_MAX_HIDDEN = 4096
+# expert_fc2(finalize_into=) counts its blocks per column tile (hidden / EXPERT_TILE) in these.
+FINALIZE_TILES = 1024
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
@@ -124,8 +125,7 @@ class ExpertIndex(Owned):
       row_of      int32 [ep_size * T^, top_k]     permuted row of (slot, k); -1: not a local expert
 
     capacity = ep_size * T^ * top_k for the T^ of the last build; entries of rows and row_weight
-    past the total are not written. Memory is allocated once, for max_tokens_per_rank, and
-    reused by every build_index(..., out=index) with T^ <= max_tokens_per_rank.
+    past the total are not written. Allocated once, for max_tokens_per_rank (build_index(out=)).
     """
     _kind = "indexes"
 
@@ -143,12 +143,15 @@ class ExpertIndex(Owned):
         # the [local expert][tile] table of the multi-kernel path (fused plans need none; fusion
         # is monotone in the entry count, so a fused capacity means every T^ is fused)
         table = 0 if index_plan(cap, L)[0] else _MAX_TABLE
-        sizes = {"counts": L, "offsets": L + 1, "rows": cap, "row_weight": cap, "row_of": cap, "tile_counts": table}
+        sizes = {"counts": L, "offsets": L + 1, "rows": cap, "row_weight": cap, "row_of": cap, "tile_counts": table,
+                 "fin_done": FINALIZE_TILES}
         offsets, end = {}, 0
         for name, n in sizes.items():
             offsets[name], end = end, end + -(-4 * n // 256) * 256
         self._alloc = DeviceAllocation(self.device, end)  # contents are undefined until the first build
         self._base = {k: self._alloc.ptr + o for k, o in offsets.items()}
+        memset_d8_async(self._base["fin_done"], 0, 4 * FINALIZE_TILES, 0)  # (FC2's counts start at zero)
+        synchronize_stream(0)
         self.nbytes = end
         self.counts = self._tensor("counts", (L,), int32)
         self.offsets = self._tensor("offsets", (L + 1,), int32)
@@ -168,6 +171,7 @@ class ExpertIndex(Owned):
         for f in ("counts", "offsets", "rows", "row_weight", "row_of", "tile_counts"):
             setattr(a, f, self._base[f])
         a.top_k, a.first_expert, a.num_local = top_k, self.first_local_expert, L
+        self._fin = FinalizeArgs(0, self._base["row_of"], self._base["row_weight"], self._base["fin_done"], 0, top_k)
         self._opened()
 
     @classmethod
@@ -442,10 +446,8 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
     src: bf16 [ep_size, T^, hidden] (or [ep_size * T^, hidden]), the dispatched hidden states;
     w_gate_up: bf16 [num_local_experts, 2 * I, hidden] (gate rows, then up rows), contiguous;
     out: bf16 [rows >= index.capacity, I]. hidden and I multiples of 64 (expert_gemms_unsupported),
-    pointers 16-byte aligned. Made for decode sizes: a block streams 16 columns of one expert's
-    weights (two warps splitting k per 8 columns) for 16 rows at a time, or up to 64 where an
-    expert may hold more than 16 (index.slots); more rows run further passes over the same
-    weights.
+    pointers 16-byte aligned. Made for decode sizes (EXPERT_KERNELS' comment says how): an
+    expert's rows past a pass of 16 or 64 read its weights again.
     stream: default, the stream of the index's build.
     """
     _check_built(index, "expert_fc1")
@@ -459,8 +461,7 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
                          f"{list(x.shape)} and {list(y.shape)}")
     hidden, inter = inner[0], y.shape[1]
     why = expert_gemms_unsupported(hidden, inter)
-    if why is not None:
-        raise ValueError(f"src, out: the expert kernels do not take {why}")
+    require(why is None, "src, out", f"the expert kernels do not take {why}")
     w = _expert_weights(w_gate_up, "w_gate_up", index, 2 * inter, hidden, s, dev)
     _aligned16(("src", x), ("w_gate_up", w), ("out", y))
     grid, groups = _expert_grid(index, inter)
@@ -471,7 +472,7 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
     index.last_issued = (index._launch(_expert_kernel("fc1", index), args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
 
-def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
+def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=None) -> None:
     """FC2 of the local experts: out[p] = act[p] @ w_down[e].T for every permuted row p < total
     (rows past it untouched), fp32 accumulation rounded to bf16.
 
@@ -479,6 +480,10 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
     w_down: bf16 [num_local_experts, hidden, I], contiguous; out: bf16 [rows >= capacity,
     hidden] (finalize's fc2_out). Shapes and alignment as expert_fc1. stream: default, the
     stream of the index's build.
+    finalize_into: bf16 [ep_size, T^, hidden] (or [ep_size * T^, hidden]), 16-byte aligned,
+    hidden <= FINALIZE_TILES * EXPERT_TILE: also finalize(index, out, finalize_into) in the same
+    kernel, the same bits (each column tile's last block to finish sums it). Calls of one
+    index with it run one at a time (they share the index's counts).
     """
     _check_built(index, "expert_fc2")
     s = _stream(stream, index.stream)
@@ -490,16 +495,28 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None) -> None:
                          f"{list(a.shape)} and {list(y.shape)}")
     inter, hidden = a.shape[1], y.shape[1]
     why = expert_gemms_unsupported(hidden, inter)
-    if why is not None:
-        raise ValueError(f"act, out: the expert kernels do not take {why}")
+    require(why is None, "act, out", f"the expert kernels do not take {why}")
     w = _expert_weights(w_down, "w_down", index, hidden, inter, s, dev)
     _aligned16(("act", a), ("w_down", w), ("out", y))
+    fin = index._fin
+    fin.out = 0 if finalize_into is None else _finalize_target(index, finalize_into, hidden, s, dev)
+    fin.slots = index.slots
     grid, groups = _expert_grid(index, hidden)
     args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),
             ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(groups),
-            ctypes.c_int32(inter), ctypes.c_int32(hidden)]
+            ctypes.c_int32(inter), ctypes.c_int32(hidden), fin]
     index.device.make_current()
     index.last_issued = (index._launch(_expert_kernel("fc2", index), args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+
+
+def _finalize_target(index: ExpertIndex, t, hidden: int, s: int, dev: int) -> int:
+    """The pointer of expert_fc2's finalize_into, checked."""
+    c = cuda_tensor(t, "finalize_into", s, dev, dtype="bfloat16")
+    require(_slot_rows(c, "finalize_into", index) == (hidden,) and hidden <= FINALIZE_TILES * EXPERT_TILE,
+            "finalize_into", f"must be [ep_size, T^, hidden] or [slots, hidden], hidden={hidden} <= "
+            f"{FINALIZE_TILES * EXPERT_TILE}; got {list(c.shape)}")
+    _aligned16(("finalize_into", c))
+    return c.ptr
 
 
 def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:

@@ -223,6 +223,65 @@ EP_DEVICE void expert_pass(const __nv_bfloat16* a, const int* a_rows, const uint
     }
 }
 
+// FC2 with finalize (moe_compute.cu's, into the combine input), run per column tile by the
+// tile's last block to finish: no second launch, and no kernel waiting for FC2's slowest block
+// before it can start. out[s, the tile's columns] = sum over k ascending, row = row_of[s, k] >=
+// 0, of row_weight[row] * fc2[row] in fp32, each product and sum rounded apart: finalize_slots'
+// sums, so its bits. The tile's blocks count themselves in done[tile] after their stores; the
+// last to count reads every block's rows (through L2: this kernel wrote them), a slot per
+// thread, the rows of EXP_FIN_K selections loaded together. FinalizeArgs: generated/params.cuh
+// (ep_a2a/layout.py); `last`: a word of the block's shared memory no warp reads any more.
+constexpr int EXP_FIN_K = 4;
+template <int TILE>
+EP_DEVICE void finalize_tile(const FinalizeArgs& f, const __nv_bfloat16* fc2, int n_dim, int tile, int groups,
+                             int& last) {
+  static_assert(TILE == 16, "a thread's slot row is two 16-byte vectors");
+  using Row = union { uint4 raw[2]; __nv_bfloat16 el[TILE]; };
+  __syncthreads();  // every warp of the block stored its rows (and read its table of sums)
+  if (threadIdx.x == 0) {
+    __threadfence();  // (the block's stores, before its count)
+    last = atomicAdd(f.done + tile, 1) == groups - 1;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // (the others' counts, before their rows are read)
+  const int c0 = tile * TILE;
+  for (int s = threadIdx.x; s < f.slots; s += blockDim.x) {
+    const int* sel = f.row_of + static_cast<long long>(s) * f.top_k;
+    float acc[TILE];
+#pragma unroll
+    for (int c = 0; c < TILE; ++c) acc[c] = 0.f;
+    for (int k0 = 0; k0 < f.top_k; k0 += EXP_FIN_K) {
+      int row[EXP_FIN_K];
+      float w[EXP_FIN_K];
+      Row x[EXP_FIN_K];
+#pragma unroll
+      for (int j = 0; j < EXP_FIN_K; ++j) row[j] = k0 + j < f.top_k ? sel[k0 + j] : -1;
+#pragma unroll
+      for (int j = 0; j < EXP_FIN_K; ++j) {
+        if (row[j] < 0) continue;
+        const uint4* at = reinterpret_cast<const uint4*>(fc2 + static_cast<long long>(row[j]) * n_dim + c0);
+        w[j] = f.row_weight[row[j]];
+        x[j].raw[0] = __ldcg(at);
+        x[j].raw[1] = __ldcg(at + 1);
+      }
+#pragma unroll
+      for (int j = 0; j < EXP_FIN_K; ++j) {
+        if (row[j] < 0) continue;
+#pragma unroll
+        for (int c = 0; c < TILE; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(w[j], __bfloat162float(x[j].el[c])));
+      }
+    }
+    Row o;
+#pragma unroll
+    for (int c = 0; c < TILE; ++c) o.el[c] = __float2bfloat16(acc[c]);
+    uint4* y = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(f.out) + static_cast<long long>(s) * n_dim + c0);
+    y[0] = o.raw[0];
+    y[1] = o.raw[1];
+  }
+  if (threadIdx.x == 0) f.done[tile] = 0;
+}
+
 // out[p, n] for every row: an expert's rows split into units of up to 16 MAX_MT rows (a pass
 // each), numbered over the experts in order; block b covers column tile b % tiles of units
 // b / tiles, + groups, + 2 groups, ... (the host sizes `groups` to a few blocks per SM: a block
@@ -232,7 +291,8 @@ EP_DEVICE void expert_pass(const __nv_bfloat16* a, const int* a_rows, const uint
 // if GATED) * N, K]. KS warps split each column group's k steps.
 template <bool GATED, int KS, int MAX_MT>
 EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_bfloat16* w, __nv_bfloat16* out,
-                           const int* offsets, int num_local, int groups, int k_dim, int n_dim) {
+                           const int* offsets, int num_local, int groups, int k_dim, int n_dim,
+                           const FinalizeArgs* fin = nullptr) {
   constexpr int GROUPS = EXP_WARPS / KS, TILE = 8 * GROUPS, UNIT = 16 * MAX_MT;
   constexpr int RING = MAX_MT > 1 ? EXP_RING * KS * UNIT * 8 : 0, PART = KS * GROUPS * 2 * MAX_MT * 4 * 32 / 4;
   __shared__ uint4 smem[RING > PART ? RING : PART];  // (uint4s: the ring of staged rows, or the table of sums)
@@ -271,13 +331,16 @@ EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv
                                                 s_begin, s_end);
     }
   }
+  if (fin != nullptr && fin->out != nullptr)
+    finalize_tile<TILE>(*fin, out, n_dim, tile, groups, *reinterpret_cast<int*>(smem));
 }
 
 // moe_expert_fc1_bf16: grid groups * (I / EXP_TILE) blocks of EXP_WARPS warps; src [slots, K]
 // (the dispatched hidden states), rows / offsets of the index, w_gate_up [num_local, 2 I, K],
 // act [rows, I]. K a multiple of EXP_K, I of EXP_TILE, every pointer 16-byte aligned.
 // moe_expert_fc2_bf16: act [rows, I] in row order, w_down [num_local, hidden, I], out [rows,
-// hidden]; grid groups * (hidden / EXP_TILE). Two warps split k (EXP_KS): each warp's serial
+// hidden]; grid groups * (hidden / EXP_TILE); with fin.out, also the finalize into it (fin.done:
+// hidden / EXP_TILE counts, zero). Two warps split k (EXP_KS): each warp's serial
 // chain of loads halves, which is what a lone expert with a long k waits on (docs/layer.md
 // has the A/B against one warp). These take 16 rows per pass, loading them as the weights
 // from global memory; the _m64 kernels (same arguments, same bits) up to 64, staging them in
@@ -292,8 +355,8 @@ constexpr int EXP_TILE = 8 * EXP_WARPS / EXP_KS;  // output columns per block (m
   }                                                                                                                \
   extern "C" __global__ void __launch_bounds__(EXP_WARPS * 32) moe_expert_fc2##SUFFIX(                             \
       const __nv_bfloat16* act, const int* offsets, const __nv_bfloat16* w_down, __nv_bfloat16* out,             \
-      int num_local, int groups, int inter, int hidden) {                                                          \
-    expert_gemm<false, EXP_KS, MAX_MT>(act, nullptr, w_down, out, offsets, num_local, groups, inter, hidden);   \
+      int num_local, int groups, int inter, int hidden, FinalizeArgs fin) {                                       \
+    expert_gemm<false, EXP_KS, MAX_MT>(act, nullptr, w_down, out, offsets, num_local, groups, inter, hidden, &fin); \
   }
 EP_EXPERT_KERNELS(_bf16, 1)
 EP_EXPERT_KERNELS(_m64_bf16, 4)

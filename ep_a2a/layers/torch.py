@@ -151,8 +151,9 @@ class TorchMoeLayer(LayerBase):
         # the expert kernels of ep_a2a (gather, FC1 and activation in one, then FC2) where each
         # expert holds few rows (every step with gemm="fused"; with "auto" while ep_size * T^,
         # the most rows an expert gets through the router, is at most moe.auto_expert_rows)
-        from ..moe import auto_expert_rows, expert_gemms_unsupported
+        from ..moe import EXPERT_TILE, FINALIZE_TILES, auto_expert_rows, expert_gemms_unsupported
         self.fused_reason = expert_gemms_unsupported(H, self.inter)
+        self._fc2_finalizes = not self._fp8 and H <= FINALIZE_TILES * EXPERT_TILE  # (FC2's kernel finalizes too)
         if gemm == "fused" and self.fused_reason is not None:
             raise ValueError(f"gemm='fused': the expert kernels do not take {self.fused_reason}")
         self.fused_max_rows = (1 << 62 if gemm == "fused" else
@@ -288,7 +289,8 @@ class TorchMoeLayer(LayerBase):
 
     def compute(self) -> None:
         """Phase 3: index, gather, FC1, activation, FC2 (at most fused_max_rows rows per expert:
-        the expert kernels, gather, FC1 and activation in one), finalize into the combine input.
+        the expert kernels, gather, FC1 and activation in one, and FC2 with the finalize but
+        under FP8 combine), finalize into the combine input.
         Call it only once every rank of the process has dispatched (the loop GEMM syncs the host)."""
         import torch
         import torch.nn.functional as F
@@ -299,8 +301,12 @@ class TorchMoeLayer(LayerBase):
             runtime_max = self._step["runtime_max"]
             if self.ep_size * runtime_max <= self.fused_max_rows:
                 ops.expert_fc1(self.tix, x_v, self.w_gate_up, self._act)  # reads the rows in place
-                ops.expert_fc2(self.tix, self._act, self.w_down, self._xg)
-                ops.finalize(self.tix, self._xg, ops.combine_input(self.tr, runtime_max, fp8=self._fp8))
+                ci = ops.combine_input(self.tr, runtime_max, fp8=self._fp8)
+                if self._fc2_finalizes:  # (one launch fewer)
+                    ops.expert_fc2(self.tix, self._act, self.w_down, self._xg, finalize_into=ci)
+                else:
+                    ops.expert_fc2(self.tix, self._act, self.w_down, self._xg)
+                    ops.finalize(self.tix, self._xg, ci)
                 return
             ops.gather_rows(self.tix, x_v, self._xg)
             cap = self.index.capacity

@@ -13,6 +13,7 @@ torch.cuda.graph capture.
     # at decode sizes instead of gather, FC1, activation and FC2 (ep_a2a's expert kernels):
     ep_ops.expert_fc1(ix, x, w_gate_up, act); ep_ops.expert_fc2(ix, act, w_down, fc2_out)
     ep_ops.finalize(ix, fc2_out, ep_ops.combine_input(tr, T_hat))
+    # or FC2 and finalize in one kernel: ep_ops.expert_fc2(ix, act, w_down, fc2_out, ep_ops.combine_input(tr, T_hat))
     y = ep_ops.combine(tr, ep_ops.combine_input(tr, T_hat), T_hat)      # [local tokens, hidden]
 
 Each op writes into tensors it declares mutated (`Tensor(a!)`) and returns nothing, so
@@ -87,6 +88,8 @@ SCHEMAS = {
     "expert_fc1": "expert_fc1(int index, Tensor rows, Tensor offsets, Tensor src, Tensor w_gate_up, Tensor(a!) out, "
                   "int stream=-1) -> ()",
     "expert_fc2": "expert_fc2(int index, Tensor offsets, Tensor act, Tensor w_down, Tensor(a!) out, int stream=-1) -> ()",
+    "expert_fc2_finalize": "expert_fc2_finalize(int index, Tensor offsets, Tensor row_of, Tensor row_weight, Tensor act, "
+                           "Tensor w_down, Tensor(a!) out, Tensor(b!) finalize_into, int stream=-1) -> ()",
     "finalize": "finalize(int index, Tensor row_of, Tensor row_weight, Tensor fc2_out, Tensor(a!) out, "
                 "int stream=-1) -> ()",
     "finalize_fp8": "finalize_fp8(int index, Tensor row_of, Tensor row_weight, Tensor fc2_out, Tensor(a!) values, "
@@ -215,7 +218,7 @@ def _index_piece(ix: TorchIndex, op: str, piece, tensors, stream: int) -> None:
 _PIECE_SLOTS = {op: tuple(f"{op}.{n}" for n in names) for op, names in
                 (("gather_rows", ("src", "out")), ("activation", ("fc1_out", "out")),
                  ("expert_fc1", ("src", "w_gate_up", "out")), ("expert_fc2", ("act", "w_down", "out")),
-                 ("finalize", ("fc2_out", "out")))}
+                 ("expert_fc2_finalize", ("act", "w_down", "out", "finalize_into")), ("finalize", ("fc2_out", "out")))}
 
 
 def gather_rows_impl(index, rows, offsets, src, out, stream=-1):
@@ -232,6 +235,15 @@ def expert_fc1_impl(index, rows, offsets, src, w_gate_up, out, stream=-1):
 
 def expert_fc2_impl(index, offsets, act, w_down, out, stream=-1):
     _index_piece(lookup(INDEXES, index, "index"), "expert_fc2", moe_expert_fc2, (act, w_down, out), stream)
+
+
+def _fc2_finalize(index, act, w_down, out, finalize_into, stream):
+    moe_expert_fc2(index, act, w_down, out, stream=stream, finalize_into=finalize_into)
+
+
+def expert_fc2_finalize_impl(index, offsets, row_of, row_weight, act, w_down, out, finalize_into, stream=-1):
+    _index_piece(lookup(INDEXES, index, "index"), "expert_fc2_finalize", _fc2_finalize, (act, w_down, out, finalize_into),
+                 stream)
 
 
 def finalize_impl(index, row_of, row_weight, fc2_out, out, stream=-1):
@@ -304,7 +316,7 @@ def route_impl(logits, ids, weights, renormalize=True, stream=-1):
 
 IMPLS = {"route": route_impl, "dispatch": dispatch_impl, "combine": combine_impl, "build_index": build_index_impl,
          "gather_rows": gather_rows_impl, "activation": activation_impl, "expert_fc1": expert_fc1_impl,
-         "expert_fc2": expert_fc2_impl, "finalize": finalize_impl,
+         "expert_fc2": expert_fc2_impl, "expert_fc2_finalize": expert_fc2_finalize_impl, "finalize": finalize_impl,
          "finalize_fp8": finalize_fp8_impl}
 
 
@@ -459,11 +471,17 @@ def expert_fc1(index: TorchIndex, src, w_gate_up, out, stream=None) -> None:
     op(index.handle, index.rows, index.offsets, src, w_gate_up, out, _stream_arg(stream))
 
 
-def expert_fc2(index: TorchIndex, act, w_down, out, stream=None) -> None:
-    """moe.expert_fc2: out[p] = act[p] @ w_down[e].T for the rows of the last build."""
-    op = expert_fc2_impl if plain_eager() and type(act) is _Tensor and type(w_down) is _Tensor \
-        and type(out) is _Tensor else OPS["expert_fc2"]
-    op(index.handle, index.offsets, act, w_down, out, _stream_arg(stream))
+def expert_fc2(index: TorchIndex, act, w_down, out, stream=None, finalize_into=None) -> None:
+    """moe.expert_fc2: out[p] = act[p] @ w_down[e].T for the rows of the last build; with
+    finalize_into (a bf16 combine_input(T^)), finalize(index, out, finalize_into) in the same kernel."""
+    direct = plain_eager() and type(act) is _Tensor and type(w_down) is _Tensor and type(out) is _Tensor
+    if finalize_into is None:
+        (expert_fc2_impl if direct else OPS["expert_fc2"])(index.handle, index.offsets, act, w_down, out,
+                                                            _stream_arg(stream))
+    else:
+        op = expert_fc2_finalize_impl if direct and type(finalize_into) is _Tensor else OPS["expert_fc2_finalize"]
+        op(index.handle, index.offsets, index.row_of, index.row_weight, act, w_down, out, finalize_into,
+           _stream_arg(stream))
 
 
 def finalize(index: TorchIndex, fc2_out, out, stream=None) -> None:

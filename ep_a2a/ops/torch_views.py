@@ -243,7 +243,8 @@ class Replays:
 
 _INDEX_SLOTS = {"build_index": ("expert_ids", "weights"), "gather_rows": ("src", "out"),
                 "activation": ("fc1_out", "out"), "expert_fc1": ("src", "w_gate_up", "out"),
-                "expert_fc2": ("act", "w_down", "out"), "finalize": ("fc2_out", "out"),
+                "expert_fc2": ("act", "w_down", "out"), "expert_fc2_finalize": ("act", "w_down", "out", "finalize_into"),
+                "finalize": ("fc2_out", "out"),
                 "finalize_fp8": ("fc2_out", "values", "scales")}
 
 

@@ -91,10 +91,45 @@ def test_expert_gemms_match_float64(H, I, ep, top_k, tmax, local_share):
         ix.index.close()
 
 
+def _poisoned_slots(dev, ep, tmax, H):
+    return torch.full((ep, tmax, H), POISON, dtype=torch.int16, device=dev).view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("H,I", [(64, 64), (2048, 1024)])
+@pytest.mark.parametrize("ep,top_k,tmax,local_share", [(1, 1, 1, 1.0), (8, 8, 1, 0.3), (8, 8, 2, 1.0),
+                                                       (3, 4, 5, 0.5), (8, 8, 6, 0.8), (2, 2, 3, 0.0)])
+def test_fc2_with_finalize_gives_the_bits_of_fc2_then_finalize(H, I, ep, top_k, tmax, local_share):
+    """expert_fc2(finalize_into=...) (each column tile's last block sums the tile) against
+    expert_fc2 then finalize, both from poisoned outputs: the same bits in FC2's rows and in
+    every slot; three calls with new routing each (the tiles' counts start at zero each time)."""
+    from ep_a2a.ops import torch as ep_ops
+    dev = torch_cuda(torch)
+    rng, seed = fresh_rng()
+    E = 4 * ep
+    ix = _index(dev, ep, top_k, tmax, E)
+    try:
+        for call in range(3):
+            msg = f"{seed} H={H} I={I} ep={ep} top_k={top_k} T^={tmax} local={local_share} call {call}"
+            ids, w = _routing(rng, ep, tmax, top_k, E, local_share, dev)
+            ep_ops.build_index(ix, ids, w)
+            src, w1, w2, act, y = _tensors(rng, dev, ep * tmax, E // ep, H, I, ix.index.capacity)
+            ep_ops.expert_fc1(ix, src, w1, act)
+            y2, fin, ref = y.clone(), _poisoned_slots(dev, ep, tmax, H), _poisoned_slots(dev, ep, tmax, H)
+            ep_ops.expert_fc2(ix, act, w2, y)
+            ep_ops.finalize(ix, y, ref)
+            ep_ops.expert_fc2(ix, act, w2, y2, finalize_into=fin)
+            torch.cuda.synchronize()
+            assert torch.equal(y.view(torch.int16), y2.view(torch.int16)), f"{msg}: FC2's rows differ"
+            assert torch.equal(fin.view(torch.int16), ref.view(torch.int16)), f"{msg}: the finalized slots differ"
+    finally:
+        ix.index.close()
+
+
+@pytest.mark.parametrize("fin", [False, True])  # FC2 alone, or with the finalize
 @pytest.mark.parametrize("tmax", [2, 8])  # the kernels of 16-row passes, of up to 64
-def test_graph_replays_equal_eager_calls(tmax):
-    """build_index + expert_fc1 + expert_fc2 captured once, replayed with new routing and
-    inputs each time (another total per replay): bitwise what eager calls give."""
+def test_graph_replays_equal_eager_calls(tmax, fin):
+    """build_index + expert_fc1 + expert_fc2 (+ its finalize) captured once, replayed with new
+    routing and inputs each time (another total per replay): bitwise what eager calls give."""
     from ep_a2a.ops import torch as ep_ops
     dev = torch_cuda(torch)
     rng, seed = fresh_rng()
@@ -103,11 +138,12 @@ def test_graph_replays_equal_eager_calls(tmax):
     try:
         ids, w = _routing(rng, ep, tmax, top_k, E, 0.5, dev)
         src, w1, w2, act, y = _tensors(rng, dev, ep * tmax, E // ep, H, I, ix.index.capacity)
+        slots = _poisoned_slots(dev, ep, tmax, H)
 
         def step():
             ep_ops.build_index(ix, ids, w)
             ep_ops.expert_fc1(ix, src, w1, act)
-            ep_ops.expert_fc2(ix, act, w2, y)
+            ep_ops.expert_fc2(ix, act, w2, y, finalize_into=slots if fin else None)
         s = torch.cuda.Stream(dev)
         s.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(s):
@@ -124,11 +160,12 @@ def test_graph_replays_equal_eager_calls(tmax):
             g.replay()
             torch.cuda.synchronize()
             total = int(torch.from_dlpack(ix.index.offsets)[-1])
-            got_act, got_y = act[:total].clone(), y[:total].clone()
+            got_act, got_y, got_slots = act[:total].clone(), y[:total].clone(), slots.clone()
             step()
             torch.cuda.synchronize()
             assert torch.equal(got_act.view(torch.int16), act[:total].view(torch.int16)), f"{seed} replay {rep}: act"
             assert torch.equal(got_y.view(torch.int16), y[:total].view(torch.int16)), f"{seed} replay {rep}: y"
+            assert torch.equal(got_slots.view(torch.int16), slots.view(torch.int16)), f"{seed} replay {rep}: slots"
     finally:
         ix.index.close()
 
@@ -195,8 +232,13 @@ def test_bad_arguments_are_refused_before_any_launch():
         shifted = torch.zeros((cap + 1) * H, dtype=torch.bfloat16, device=dev)[4:4 + cap * H].view(cap, H)
         with pytest.raises(ValueError, match="16-byte"):
             moe.expert_fc2(i, act, w2, shifted)
+        slots = _poisoned_slots(dev, ep, tmax, H)
+        with pytest.raises(ValueError, match="finalize_into"):
+            moe.expert_fc2(i, act, w2, y, finalize_into=slots[:, :, :64])
+        with pytest.raises(TypeError, match="finalize_into"):
+            moe.expert_fc2(i, act, w2, y, finalize_into=slots.float())
         torch.cuda.synchronize()
-        for t, name in ((act, "act"), (y, "y")):
+        for t, name in ((act, "act"), (y, "y"), (slots, "finalize_into")):
             assert bool((t.view(torch.int16) == POISON).all()), f"{seed}: {name} written by a refused call"
     finally:
         ix.index.close()

@@ -16,7 +16,8 @@ from ep_a2a.validate import token_tensor  # noqa: E402
 MUTATED = {"dispatch": {"recv_expert_ids", "recv_payloads"}, "combine": {"out"},
            "build_index": {"counts", "offsets", "rows", "row_weight", "row_of"}, "gather_rows": {"out"},
            "finalize": {"out"}, "finalize_fp8": {"values", "scales"}, "activation": {"out"},
-           "expert_fc1": {"out"}, "expert_fc2": {"out"}, "route": {"ids", "weights"}}
+           "expert_fc1": {"out"}, "expert_fc2": {"out"}, "expert_fc2_finalize": {"out", "finalize_into"},
+           "route": {"ids", "weights"}}
 
 
 def test_every_op_is_registered_with_its_schema_and_declares_what_it_mutates():
@@ -48,6 +49,9 @@ def _args(name, fake_like):
                        t((16, 64), torch.bfloat16)),
         "expert_fc2": (2, t((4,), i32), t((16, 64), torch.bfloat16), t((3, 64, 64), torch.bfloat16),
                        t((16, 64), torch.bfloat16)),
+        "expert_fc2_finalize": (2, t((4,), i32), t((8, 2), i32), t((16,), f32), t((16, 64), torch.bfloat16),
+                                t((3, 64, 64), torch.bfloat16), t((16, 64), torch.bfloat16),
+                                t((2, 4, 64), torch.bfloat16)),
         "finalize_fp8": (2, t((8, 2), i32), t((16,), f32), t((16, 128), f32), t((2, 4, 128), torch.float8_e4m3fn),
                          t((2, 4, 1), f32), "bfloat16"),
     }[name]

@@ -83,6 +83,7 @@ def patch_driver(setattr_, events):
         "DeviceAllocation": lambda dev, n: types.SimpleNamespace(ptr=1 << 32, close=lambda: None),
         "copy_dtod_async": lambda *args: events.append(["copy", *args]),
         "memset_d8_async": lambda *args: events.append(["memset", *args]),
+        "synchronize_stream": lambda handle: None,
         "SymmetricWorkspace": lambda group, nbytes: _Workspace(),
     }
     for name, module in list(sys.modules.items()):
