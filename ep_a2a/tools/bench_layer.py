@@ -266,7 +266,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--protocol", choices=("fence", "sentinel", "auto"), default=None,
                     help="the all-to-all's protocol (default auto: SENTINEL for small batches, FENCE above; "
                          "fence with --combine-quant)")
-    ap.add_argument("--gemm", choices=("auto",) + GEMMS["torch"] + GEMMS["jax"], default="auto",
+    ap.add_argument("--gemm", choices=("auto",) + tuple(dict.fromkeys(GEMMS["torch"] + GEMMS["jax"])), default="auto",
                     help="the experts' GEMMs: PyTorch one grouped GEMM or a loop over experts; JAX (ours and the "
                          "baseline alike) a batched GEMM over rows padded per expert or jax.lax.ragged_dot; fused: "
                          "ep_a2a's expert kernels (the JAX baseline then runs auto's); auto (default): "

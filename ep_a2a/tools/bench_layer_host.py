@@ -5,8 +5,9 @@ per token count: the host µs to issue one eager step of all ranks (moe_forward_
 median of --iters, the GPU drained before each), per rank; then the host µs per call of one
 rank's pieces, each called --calls times in a row on its own outputs (the launches repeat
 the same work): the route, build_index, gather_rows, activation and finalize ops, torch's
-grouped GEMM (FC1, FC2), ep_a2a's expert kernels (expert_fc1, expert_fc2: what --gemm auto
-runs at decode sizes instead of gather, FC1, activation and FC2), one kernel launch alone
+grouped GEMM (FC1, FC2), ep_a2a's expert kernels (expert_fc1, expert_fc2 alone and with its
+finalize: what --gemm auto runs at decode sizes instead of gather, FC1, activation, FC2 and
+finalize), one kernel launch alone
 (Launch.__call__: the cuLaunchKernelEx of cuda.bindings), a stream switch through the layer's
 OnStream and through torch.cuda.stream.
 Dispatch and combine are left out: alone they would wait for peers. --cprofile DIR also
@@ -58,6 +59,8 @@ def _pieces(torch, layer, logits, T: int, calls: int, reps: int) -> dict:
                   "fc2": lambda: layer.fc2(act, layer._offs), "finalize": lambda: ops.finalize(layer.tix, y, ci),
                   "expert_fc1": lambda: ops.expert_fc1(layer.tix, x_v, layer.w_gate_up, layer._act),
                   "expert_fc2": lambda: ops.expert_fc2(layer.tix, layer._act, layer.w_down, layer._xg),
+                  "expert_fc2 + finalize": lambda: ops.expert_fc2(layer.tix, layer._act, layer.w_down, layer._xg,
+                                                                  finalize_into=ci),
                   "launch alone": lambda: launch(s), "OnStream": on_stream, "torch.cuda.stream": torch_stream}
         return {k: eager_host_us(torch, lambda f=f: [f() for _ in range(calls)], reps) / calls for k, f in pieces.items()}
 
