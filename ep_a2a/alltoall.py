@@ -197,7 +197,7 @@ class RankAlltoAll:
 
     def __init__(self, a2a: MoeAlltoAll, index: int, rank):
         self.a2a, self.index, self.rank, self.device = a2a, index, rank.rank, rank.device
-        self.default_stream = rank.stream.handle
+        self.default_stream, self.ranks_on_device = rank.stream.handle, rank.ranks_on_device  # (GPU shared: grids)
         self.base = a2a.workspace.base(index)
         self.record_page = HostMapped(ctypes.sizeof(ErrorRecord), self.device)  # where kernels write failures
         self.record = ErrorRecord.from_address(self.record_page.host_ptr)

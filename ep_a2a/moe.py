@@ -21,11 +21,10 @@ slot then k. The order is a stable counting sort (kernels/moe_compute.cu), so it
 on every run; moe_reference.py computes the same index, gather and finalize in NumPy.
 
 Everything runs on the device without host synchronisation, with launch shapes fixed by T^,
-so every piece captures into a CUDA graph: create the ExpertIndex first (`ExpertIndex(...)`
-or `.for_rank(a2a.ranks[i])`) and pass it as `out=`, with several ranks in one process too:
-without it every call allocates an index, and freeing the last one (cuMemFree synchronizes
-the device) between two ranks' launches of a phase would block on a kernel that waits for
-the next rank.
+so every piece captures into a CUDA graph: make the ExpertIndex first (`ExpertIndex(...)`,
+`.for_rank(a2a.ranks[i])`) and pass it as `out=`, with several ranks in one process too (else
+each call allocates one, and a cuMemFree between two ranks' launches of a phase blocks on a
+kernel that waits for the next rank).
 """
 from __future__ import annotations
 
@@ -68,6 +67,7 @@ EXPERT_K = 64
 EXPERT_PASS_ROWS = 16
 EXPERT_WIDE_ROWS = 64
 _EXPERT_THREADS = 128
+_EXPERT_BLOCKS_PER_SM = 4
 # Where gemm="auto" takes them (auto_expert_rows), as the graphed layer benchmark found against
 # torch's grouped GEMM (docs/layer.md): faster up to four passes of 64 rows per expert (past
 # that, skewed routing and 128 rows per expert favour its larger tiles), slower at every size
@@ -129,9 +129,11 @@ class ExpertIndex(Owned):
     """
     _kind = "indexes"
 
-    def __init__(self, device, *, num_experts: int, ep_size: int, rank: int, max_tokens_per_rank: int, top_k: int):
+    def __init__(self, device, *, num_experts: int, ep_size: int, rank: int, max_tokens_per_rank: int, top_k: int,
+                 ranks_on_device: int = 1):
         num_experts, ep_size, rank = _check_routing(num_experts, ep_size, rank)
         top_k = check_int(top_k, "top_k", 1, MAX_TOP_K)
+        self.ranks_on_device = check_int(ranks_on_device, "ranks_on_device", 1, MAX_RANKS)
         max_tokens_per_rank = check_int(max_tokens_per_rank, "max_tokens_per_rank", 1)
         require(ep_size * max_tokens_per_rank * top_k < 2 ** 31, "max_tokens_per_rank",
                  "ep_size * max_tokens_per_rank * top_k must stay below 2**31 (int32 rows)")
@@ -153,8 +155,7 @@ class ExpertIndex(Owned):
         memset_d8_async(self._base["fin_done"], 0, 4 * FINALIZE_TILES, 0)  # (FC2's counts start at zero)
         synchronize_stream(0)
         self.nbytes = end
-        self.counts = self._tensor("counts", (L,), int32)
-        self.offsets = self._tensor("offsets", (L + 1,), int32)
+        self.counts, self.offsets = self._tensor("counts", (L,), int32), self._tensor("offsets", (L + 1,), int32)
         # every kernel is fetched (hence loaded, under lazy loading) now, never during a graph capture
         self._module = load("moe_compute", self.device)
         for name in _KERNELS:
@@ -176,10 +177,10 @@ class ExpertIndex(Owned):
 
     @classmethod
     def for_rank(cls, rank_a2a) -> "ExpertIndex":
-        """An index sized for one rank of a MoeAlltoAll (a2a.ranks[i])."""
+        """An index sized for one rank of a MoeAlltoAll (a2a.ranks[i]), its GPU shared as the rank's."""
         a = rank_a2a.a2a
         return cls(rank_a2a.device, num_experts=a.num_experts, ep_size=a.ep_size, rank=rank_a2a.rank,
-                   max_tokens_per_rank=a.max_tokens_per_rank, top_k=a.top_k)
+                   max_tokens_per_rank=a.max_tokens_per_rank, top_k=a.top_k, ranks_on_device=rank_a2a.ranks_on_device)
 
     # -- shapes of the last build ---------------------------------------------------------------
     @property
@@ -414,11 +415,12 @@ def _expert_weights(w, name: str, index: ExpertIndex, rows: int, k: int, s: int,
 
 
 def _expert_grid(index: ExpertIndex, n_dim: int) -> tuple:
-    """(blocks, expert groups) of an expert kernel: N / EXPERT_TILE column tiles times a number
-    of expert groups (a block walks the experts of its group) that makes about four blocks per
-    SM, at most one group per local expert."""
+    """(blocks, expert groups): N / EXPERT_TILE column tiles times the expert groups (a block walks
+    its group's experts) that make about _EXPERT_BLOCKS_PER_SM blocks per SM of this rank's share
+    of the GPU (idle groups' blocks take slots co-resident ranks' kernels want), one per expert at most."""
     tiles = n_dim // EXPERT_TILE
-    groups = max(1, min(index.num_local_experts, -(-4 * index.device.sm_count // tiles)))
+    share = _EXPERT_BLOCKS_PER_SM * index.device.sm_count / index.ranks_on_device
+    groups = max(1, min(index.num_local_experts, math.ceil(share / tiles)))
     return tiles * groups, groups
 
 
@@ -460,8 +462,7 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
         raise ValueError(f"src, out: must be [slots, hidden] and [rows >= capacity={index.capacity}, I], got "
                          f"{list(x.shape)} and {list(y.shape)}")
     hidden, inter = inner[0], y.shape[1]
-    why = expert_gemms_unsupported(hidden, inter)
-    require(why is None, "src, out", f"the expert kernels do not take {why}")
+    require((why := expert_gemms_unsupported(hidden, inter)) is None, "src, out", f"the expert kernels do not take {why}")
     w = _expert_weights(w_gate_up, "w_gate_up", index, 2 * inter, hidden, s, dev)
     _aligned16(("src", x), ("w_gate_up", w), ("out", y))
     grid, groups = _expert_grid(index, inter)
@@ -494,8 +495,7 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=
         raise ValueError(f"act, out: must be [rows >= capacity={index.capacity}, I] and [rows, hidden], got "
                          f"{list(a.shape)} and {list(y.shape)}")
     inter, hidden = a.shape[1], y.shape[1]
-    why = expert_gemms_unsupported(hidden, inter)
-    require(why is None, "act, out", f"the expert kernels do not take {why}")
+    require((why := expert_gemms_unsupported(hidden, inter)) is None, "act, out", f"the expert kernels do not take {why}")
     w = _expert_weights(w_down, "w_down", index, hidden, inter, s, dev)
     _aligned16(("act", a), ("w_down", w), ("out", y))
     fin = index._fin

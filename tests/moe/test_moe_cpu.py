@@ -299,14 +299,19 @@ def test_expert_calls_take_passes_of_64_rows_where_an_expert_may_hold_more_than_
 
 @pytest.mark.parametrize("num_local,n_dim,sms", [(8, 1024, 132), (8, 2048, 132), (32, 7168, 132), (1, 64, 8),
                                                  (256, 2048, 132)])
-def test_expert_grid_covers_every_expert_and_tile(num_local, n_dim, sms):
+@pytest.mark.parametrize("ranks_on_device", [1, 3, 8])
+def test_expert_grid_covers_every_expert_and_tile(num_local, n_dim, sms, ranks_on_device):
     """Block b covers tile b % tiles of experts b // tiles, + groups, ... (the kernel's walk):
-    every (expert, tile) exactly once, about four blocks per SM, at most a group per expert."""
+    every (expert, tile) exactly once, about four blocks per SM of the rank's share of the GPU
+    (not fewer, not many more), at most a group per expert."""
     from types import SimpleNamespace
-    index = SimpleNamespace(num_local_experts=num_local, device=SimpleNamespace(sm_count=sms))
+    index = SimpleNamespace(num_local_experts=num_local, device=SimpleNamespace(sm_count=sms),
+                            ranks_on_device=ranks_on_device)
     blocks, groups = moe._expert_grid(index, n_dim)
     tiles = n_dim // moe.EXPERT_TILE
     assert blocks == tiles * groups and 1 <= groups <= num_local
     seen = sorted((e, b % tiles) for b in range(blocks) for e in range(b // tiles, num_local, groups))
     assert seen == [(e, t) for e in range(num_local) for t in range(tiles)]
-    assert groups == num_local or blocks >= 4 * sms
+    share = 4 * sms / ranks_on_device
+    assert groups == num_local or blocks >= share
+    assert groups == 1 or blocks < share + tiles
