@@ -70,8 +70,8 @@ _EXPERT_THREADS = 128
 _EXPERT_BLOCKS_PER_SM = 4
 # Where gemm="auto" takes them (auto_expert_rows), as the graphed layer benchmark found against
 # torch's grouped GEMM (docs/layer.md): faster up to four passes of 64 rows per expert (past
-# that, skewed routing and 128 rows per expert favour its larger tiles), slower at every size
-# with the long k and wide FC2 of a 7168 hidden size.
+# that, skewed routing and 128 rows per expert favour its larger tiles); with the long k and
+# wide FC2 of a 7168 hidden size, faster in one 16-row pass only.
 FUSED_MAX_ROWS = 256
 FUSED_MAX_HIDDEN = 4096
 # expert_fc2(finalize_into=) counts its blocks per column tile (hidden / EXPERT_TILE) in these.
@@ -400,10 +400,10 @@ def expert_gemms_unsupported(hidden: int, inter: int, dtype: str = "bfloat16"):
 def auto_expert_rows(hidden: int, inter: int, dtype: str = "bfloat16") -> int:
     """The most rows an expert may get (ep_size * T^) for which gemm="auto" takes the expert
     kernels with these shapes: FUSED_MAX_ROWS where they take the shapes and hidden is at most
-    FUSED_MAX_HIDDEN, else 0 (never)."""
-    if expert_gemms_unsupported(hidden, inter, dtype) is not None or hidden > FUSED_MAX_HIDDEN:
+    FUSED_MAX_HIDDEN, one 16-row pass (EXPERT_PASS_ROWS) above it, 0 (never) where they do not."""
+    if expert_gemms_unsupported(hidden, inter, dtype) is not None:
         return 0
-    return FUSED_MAX_ROWS
+    return FUSED_MAX_ROWS if hidden <= FUSED_MAX_HIDDEN else EXPERT_PASS_ROWS
 
 
 def _expert_weights(w, name: str, index: ExpertIndex, rows: int, k: int, s: int, dev: int) -> Tensor:

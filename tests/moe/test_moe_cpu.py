@@ -282,7 +282,7 @@ def test_auto_takes_the_expert_kernels_up_to_four_passes_of_64_rows_below_a_hidd
     assert moe.FUSED_MAX_ROWS == 4 * moe.EXPERT_WIDE_ROWS and moe.FUSED_MAX_HIDDEN == 4096
     assert moe.auto_expert_rows(2048, 1024) == moe.FUSED_MAX_ROWS
     assert moe.auto_expert_rows(4096, 64) == moe.FUSED_MAX_ROWS
-    assert moe.auto_expert_rows(7168, 2048) == 0   # (the DeepSeek-V3-like layer: torch's GEMM)
+    assert moe.auto_expert_rows(7168, 2048) == moe.EXPERT_PASS_ROWS == 16  # (DeepSeek-V3-like: one pass)
     assert moe.auto_expert_rows(96, 64) == 0       # (shapes the kernels do not take)
     assert moe.auto_expert_rows(2048, 1024, "float16") == 0
 
