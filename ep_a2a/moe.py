@@ -67,7 +67,6 @@ EXPERT_K = 64
 EXPERT_PASS_ROWS = 16
 EXPERT_WIDE_ROWS = 64
 _EXPERT_THREADS = 128
-_EXPERT_BLOCKS_PER_SM = 4
 # Where gemm="auto" takes them (auto_expert_rows), as the graphed layer benchmark found against
 # torch's grouped GEMM (docs/layer.md): faster up to four passes of 64 rows per expert (past
 # that, skewed routing and 128 rows per expert favour its larger tiles); with the long k and
@@ -172,7 +171,8 @@ class ExpertIndex(Owned):
         for f in ("counts", "offsets", "rows", "row_weight", "row_of", "tile_counts"):
             setattr(a, f, self._base[f])
         a.top_k, a.first_expert, a.num_local = top_k, self.first_local_expert, L
-        self._fin = FinalizeArgs(0, self._base["row_of"], self._base["row_weight"], self._base["fin_done"], 0, top_k)
+        self._fin = {k: FinalizeArgs(0, self._base["row_of"], self._base["row_weight"], self._base["fin_done"], 0, top_k)
+                     for k in EXPERT_KERNELS if "fc2" in k}  # (per kernel: a relaunch (Replays) keeps its last call's)
         self._opened()
 
     @classmethod
@@ -416,10 +416,10 @@ def _expert_weights(w, name: str, index: ExpertIndex, rows: int, k: int, s: int,
 
 def _expert_grid(index: ExpertIndex, n_dim: int) -> tuple:
     """(blocks, expert groups): N / EXPERT_TILE column tiles times the expert groups (a block walks
-    its group's experts) that make about _EXPERT_BLOCKS_PER_SM blocks per SM of this rank's share
-    of the GPU (idle groups' blocks take slots co-resident ranks' kernels want), one per expert at most."""
+    its group's experts) that make about four blocks per SM of this rank's share of the GPU (idle
+    groups' blocks take slots co-resident ranks' kernels want), one per expert at most."""
     tiles = n_dim // EXPERT_TILE
-    share = _EXPERT_BLOCKS_PER_SM * index.device.sm_count / index.ranks_on_device
+    share = 4 * index.device.sm_count / index.ranks_on_device
     groups = max(1, min(index.num_local_experts, math.ceil(share / tiles)))
     return tiles * groups, groups
 
@@ -498,15 +498,15 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=
     require((why := expert_gemms_unsupported(hidden, inter)) is None, "act, out", f"the expert kernels do not take {why}")
     w = _expert_weights(w_down, "w_down", index, hidden, inter, s, dev)
     _aligned16(("act", a), ("w_down", w), ("out", y))
-    fin = index._fin
-    fin.out = 0 if finalize_into is None else _finalize_target(index, finalize_into, hidden, s, dev)
-    fin.slots = index.slots
+    target = 0 if finalize_into is None else _finalize_target(index, finalize_into, hidden, s, dev)
+    fin = index._fin[name := _expert_kernel("fc2", index)]
+    fin.out, fin.slots = target, index.slots
     grid, groups = _expert_grid(index, hidden)
     args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),
             ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(groups),
             ctypes.c_int32(inter), ctypes.c_int32(hidden), fin]
     index.device.make_current()
-    index.last_issued = (index._launch(_expert_kernel("fc2", index), args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+    index.last_issued = (index._launch(name, args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
 
 def _finalize_target(index: ExpertIndex, t, hidden: int, s: int, dev: int) -> int:

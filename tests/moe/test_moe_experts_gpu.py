@@ -125,6 +125,38 @@ def test_fc2_with_finalize_gives_the_bits_of_fc2_then_finalize(H, I, ep, top_k, 
         ix.index.close()
 
 
+def test_fc2_relaunched_by_the_op_finalizes_after_other_calls_of_the_other_kernel():
+    """The torch op relaunches its last launch where its tensors and T^ are as they were: FC2 with
+    the finalize at T^ = 1 (the 16-row kernel), FC2 alone at T^ = 8 (the _m64 kernel), then the
+    first call again: it still finalizes (each FC2 kernel keeps its own finalize arguments)."""
+    from ep_a2a.ops import torch as ep_ops
+    dev = torch_cuda(torch)
+    rng, seed = fresh_rng()
+    ep, top_k, H, I, E = 8, 8, 64, 64, 32
+    ix = _index(dev, ep, top_k, 8, E)
+    try:
+        src, w1, w2, act, y = _tensors(rng, dev, ep * 8, E // ep, H, I, ix.index.capacity)
+        ids1, w_1 = _routing(rng, ep, 1, top_k, E, 0.5, dev)
+        ids8, w_8 = _routing(rng, ep, 8, top_k, E, 0.5, dev)
+        x1, fin, ref = src[:ep].contiguous(), _poisoned_slots(dev, ep, 1, H), _poisoned_slots(dev, ep, 1, H)
+
+        def at_one():
+            ep_ops.build_index(ix, ids1, w_1)
+            ep_ops.expert_fc1(ix, x1, w1, act)
+            ep_ops.expert_fc2(ix, act, w2, y, finalize_into=fin)
+        at_one()
+        ep_ops.build_index(ix, ids8, w_8)
+        ep_ops.expert_fc1(ix, src, w1, act)
+        ep_ops.expert_fc2(ix, act, w2, y)
+        fin.copy_(_poisoned_slots(dev, ep, 1, H))
+        at_one()
+        ep_ops.finalize(ix, y, ref)
+        torch.cuda.synchronize()
+        assert torch.equal(fin.view(torch.int16), ref.view(torch.int16)), f"{seed}: the relaunched FC2 did not finalize"
+    finally:
+        ix.index.close()
+
+
 @pytest.mark.parametrize("fin", [False, True])  # FC2 alone, or with the finalize
 @pytest.mark.parametrize("tmax", [2, 8])  # the kernels of 16-row passes, of up to 64
 def test_graph_replays_equal_eager_calls(tmax, fin):
