@@ -315,3 +315,13 @@ EP_DEVICE void collect_sources(const int* records, int top_k, int i, Where where
   if (threadIdx.x >= 32) return;
   place_sources(load_record(records, top_k, i), where, src, tgt, n);
 }
+
+// The finalize's selections (moe_compute.cu, and FC2's in moe_experts.cu): the rows of FIN_K of
+// them are loaded together, so each local one then costs one latency, not a chain.
+constexpr int FIN_K = 4;
+
+// Rows of selections k0 .. k0 + FIN_K - 1 of one slot (-1: none).
+EP_DEVICE void load_selections(const int* sel, int k0, int top_k, int (&row)[FIN_K]) {
+#pragma unroll
+  for (int j = 0; j < FIN_K; ++j) row[j] = k0 + j < top_k ? sel[k0 + j] : -1;
+}

@@ -258,15 +258,8 @@ EP_SWIGLU(f16, __half)
 // the weight and the row, k after k). The rows of FIN_K selections are loaded together
 // first; then each local selection costs one latency (its weight and row load in parallel),
 // added in k order as before (the same bits). Only the rows are held, not the loaded values,
-// and FIN_K stays small: the kernel keeps its 32 registers, so the occupancy (bytes in
-// flight) that the byte-bound large sizes need.
-constexpr int FIN_K = 4;
-
-// Rows of selections k0 .. k0 + FIN_K - 1 of one slot (-1: none).
-EP_DEVICE void load_selections(const int* sel, int k0, int top_k, int (&row)[FIN_K]) {
-#pragma unroll
-  for (int j = 0; j < FIN_K; ++j) row[j] = k0 + j < top_k ? sel[k0 + j] : -1;
-}
+// and FIN_K (moe_common.cuh, load_selections) stays small: the kernel keeps its 32 registers,
+// so the occupancy (bytes in flight) that the byte-bound large sizes need.
 
 template <typename TIn, typename TOut, int E>
 EP_DEVICE void finalize_slots(const TIn* fc2, TOut* out, const int* row_of, const float* row_weight, int slots,

@@ -229,9 +229,9 @@ EP_DEVICE void expert_pass(const __nv_bfloat16* a, const int* a_rows, const uint
 // 0, of row_weight[row] * fc2[row] in fp32, each product and sum rounded apart: finalize_slots'
 // sums, so its bits. The tile's blocks count themselves in done[tile] after their stores; the
 // last to count reads every block's rows (through L2: this kernel wrote them), a slot per
-// thread, the rows of EXP_FIN_K selections loaded together. FinalizeArgs: generated/params.cuh
-// (ep_a2a/layout.py); `last`: a word of the block's shared memory no warp reads any more.
-constexpr int EXP_FIN_K = 4;
+// thread, the rows of FIN_K selections loaded together (load_selections). FinalizeArgs:
+// generated/params.cuh (ep_a2a/layout.py); `last`: a word of the block's shared memory no warp
+// reads any more.
 template <int TILE>
 EP_DEVICE void finalize_tile(const FinalizeArgs& f, const __nv_bfloat16* fc2, int n_dim, int tile, int groups,
                              int& last) {
@@ -251,14 +251,13 @@ EP_DEVICE void finalize_tile(const FinalizeArgs& f, const __nv_bfloat16* fc2, in
     float acc[TILE];
 #pragma unroll
     for (int c = 0; c < TILE; ++c) acc[c] = 0.f;
-    for (int k0 = 0; k0 < f.top_k; k0 += EXP_FIN_K) {
-      int row[EXP_FIN_K];
-      float w[EXP_FIN_K];
-      Row x[EXP_FIN_K];
+    for (int k0 = 0; k0 < f.top_k; k0 += FIN_K) {
+      int row[FIN_K];
+      float w[FIN_K];
+      Row x[FIN_K];
+      load_selections(sel, k0, f.top_k, row);
 #pragma unroll
-      for (int j = 0; j < EXP_FIN_K; ++j) row[j] = k0 + j < f.top_k ? sel[k0 + j] : -1;
-#pragma unroll
-      for (int j = 0; j < EXP_FIN_K; ++j) {
+      for (int j = 0; j < FIN_K; ++j) {
         if (row[j] < 0) continue;
         const uint4* at = reinterpret_cast<const uint4*>(fc2 + static_cast<long long>(row[j]) * n_dim + c0);
         w[j] = f.row_weight[row[j]];
@@ -266,7 +265,7 @@ EP_DEVICE void finalize_tile(const FinalizeArgs& f, const __nv_bfloat16* fc2, in
         x[j].raw[1] = __ldcg(at + 1);
       }
 #pragma unroll
-      for (int j = 0; j < EXP_FIN_K; ++j) {
+      for (int j = 0; j < FIN_K; ++j) {
         if (row[j] < 0) continue;
 #pragma unroll
         for (int c = 0; c < TILE; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(w[j], __bfloat162float(x[j].el[c])));
