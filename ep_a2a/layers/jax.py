@@ -25,12 +25,15 @@ The ways to run the experts (gemm=), none with a host sync but "loop":
   "loop": host counts (one sync per rank, in the compute phase), one jitted FFN per expert
     with rows (compiled once per distinct row count), outputs copied into a buffer of ours
     with cuMemcpyDtoDAsync.
-  "auto": "ragged" below RAGGED_BELOW tokens per rank (T^), where the masked work is small
-    and padded's gathers cost more, "padded" from there (expert_gemm).
-  "fused": ep_a2a's expert kernels (moe.expert_fc1 / expert_fc2, what TorchMoeLayer's "auto"
-    takes at decode sizes): FC1 reads the dispatched rows in place, no gather; traced, one
-    XLA call (JaxAlltoAll.experts). bf16, hidden and I multiples of 64. The layer keeps its
-    weights in both layouts (nn.Linear's for the kernels, transposed for the jnp functions).
+  "fused": ep_a2a's expert kernels (moe.expert_fc1 / expert_fc2, FC2's kernel finalizing into
+    the combine input): FC1 reads the dispatched rows in place, no gather; traced, the
+    experts, finalize and combine are one XLA call (JaxAlltoAll.experts_combine). bf16, hidden
+    and I multiples of 64.
+  "auto": "fused" while an expert may get at most moe.auto_expert_rows rows (ep_size * T^:
+    TorchMoeLayer's rule), else "ragged" below RAGGED_BELOW tokens per rank (T^), where the
+    masked work is small and padded's gathers cost more, "padded" from there (expert_gemm).
+    Where the kernels may run beside the jnp functions the layer keeps its weights in both
+    layouts (nn.Linear's for the kernels, transposed for the jnp functions).
 
 In-process ranks: the same phases as layers.torch.moe_forward_all_ranks (route, dispatch every
 rank, compute, combine every rank), for the same reason. JAX preallocates most of the GPU by
@@ -45,7 +48,7 @@ from ..driver.memory import copy_dtod_async, copy_dtoh
 from ..driver.stream import synchronize_stream
 from ..interop.arrays import empty
 from ..interop.tensor import as_tensor
-from ..moe import ExpertIndex, expert_fc1, expert_fc2, expert_gemms_unsupported
+from ..moe import EXPERT_TILE, FINALIZE_TILES, ExpertIndex, auto_expert_rows, expert_fc1, expert_fc2, expert_gemms_unsupported
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
 GEMMS = ("auto", "padded", "ragged", "loop", "fused")
@@ -108,12 +111,15 @@ def traced_functions() -> dict:
     return _jitted()["traced"]
 
 
-def expert_gemm(gemm: str, runtime_max: int) -> str:
+def expert_gemm(gemm: str, runtime_max: int, fused_max_rows: int = 0, ep_size: int = 1) -> str:
     """The expert function a step of T^ = runtime_max runs for a layer's `gemm` (eager and traced
-    alike, so the two stay bitwise equal)."""
+    alike, so the two stay bitwise equal); "auto" takes the expert kernels while ep_size * T^
+    is at most fused_max_rows (0: never)."""
     import jax
     if gemm != "auto":
         return gemm
+    if ep_size * max(1, runtime_max) <= fused_max_rows:
+        return "fused"
     return "ragged" if runtime_max < RAGGED_BELOW and hasattr(jax.lax, "ragged_dot") else "padded"
 
 
@@ -160,10 +166,12 @@ class JaxMoeLayer(LayerBase):
         self.index = ExpertIndex.for_rank(a2a_rank)
         cap = self.ep_size * a.max_tokens_per_rank * self.top_k
         self.w1 = self.w2 = None
-        if self.gemm == "fused":
-            why = expert_gemms_unsupported(H, I)
-            if why is not None:
-                raise ValueError(f"gemm='fused': the expert kernels do not take {why}")
+        why = expert_gemms_unsupported(H, I)
+        if gemm == "fused" and why is not None:
+            raise ValueError(f"gemm='fused': the expert kernels do not take {why}")
+        self.fused_max_rows = 1 << 62 if gemm == "fused" else auto_expert_rows(H, I) if gemm == "auto" else 0
+        self._fc2_finalizes = not self._fp8 and H <= FINALIZE_TILES * EXPERT_TILE  # (FC2's kernel finalizes too)
+        if self.ep_size <= self.fused_max_rows:  # (the kernels run at T^ = 1 at least)
             put = lambda w: jax.device_put(jnp.asarray(w, jnp.bfloat16), self.jdev)  # noqa: E731
             self.w1, self.w2 = put(w_gate_up), put(w_down)  # nn.Linear's layout, the kernels'
             jax.block_until_ready((self.w1, self.w2))
@@ -175,6 +183,10 @@ class JaxMoeLayer(LayerBase):
         self._keep = []   # jax arrays an ep_a2a launch of this step still reads, or that alias our memory
         self._jit_ops = None  # the ops.jax.JaxAlltoAll of traced steps (moe_forward_traced), made on first use
         _jitted()
+
+    def expert_gemm(self, runtime_max: int) -> str:
+        """The expert function of a step of T^ = runtime_max (module function expert_gemm)."""
+        return expert_gemm(self.gemm, runtime_max, self.fused_max_rows, self.ep_size)
 
     # -- phases ------------------------------------------------------------------------------------
     def route(self, logits):
@@ -226,12 +238,16 @@ class JaxMoeLayer(LayerBase):
         stream, the experts in JAX, finalize into the combine input on our stream."""
         import jax
         s, H = self.s, self.hidden
-        gemm = expert_gemm(self.gemm, self._step["runtime_max"])
+        gemm = self.expert_gemm(self._step["runtime_max"])
         if gemm == "fused":  # (FC1 reads the dispatched rows in place; FC2 writes our rows buffer)
             idx = self.expert_index()
             expert_fc1(idx, self._step["views"][1][0], self._w1_t, self._act, stream=s)
-            expert_fc2(idx, self._act, self._w2_t, self._xg, stream=s)
-            self.finalize_partials(idx, self._xg)
+            if self._fc2_finalizes:
+                expert_fc2(idx, self._act, self._w2_t, self._xg, stream=s,
+                           finalize_into=self.a2a_rank.combine_input(self._step["runtime_max"]))
+            else:
+                expert_fc2(idx, self._act, self._w2_t, self._xg, stream=s)
+                self.finalize_partials(idx, self._xg)
             return
         idx = self.index_and_gather(self._xg)
         cap = idx.capacity
@@ -324,9 +340,10 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
     jax.jit (jit_forward_all_ranks does). The same numerics as moe_forward_all_ranks (the same
     router and expert functions: expert_gemm of the layers' gemm, "ragged" for "loop" layers),
     with dispatch, index and gather in one XLA call and finalize and combine in another
-    (ep_a2a/ops/jax.py): the dispatched rows
-    are gathered straight into XLA's buffer and combine writes straight into the result, so no
-    workspace copy remains. layers: one per rank of the all-to-all on that GPU, in a2a.ranks
+    (ep_a2a/ops/jax.py): the dispatched rows are gathered straight into XLA's buffer and
+    combine writes straight into the result, so no workspace copy remains. With the expert
+    kernels ("fused") there is no gather, and the experts, finalize and combine are one call.
+    layers: one per rank of the all-to-all on that GPU, in a2a.ranks
     order; xs, routers: as moe_forward_all_ranks (T^ defaults to the largest T_r, at least 1).
     Returns one bf16 [T_r, hidden] array per rank. JAX runs a jitted call asynchronously: wait
     for its results (jax.block_until_ready) before an eager step of the same layers."""
@@ -354,17 +371,19 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
     routes = [tuple(router) if isinstance(router, (tuple, list)) else
               fns["router"](router, layer.top_k, layer.renormalize) for layer, router in zip(layers, routers)]
     routes = [(jax.numpy.asarray(i, jax.numpy.int32), jax.numpy.asarray(w, jax.numpy.float32)) for i, w in routes]
-    d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], runtime_max)
-    fused = [expert_gemm(layer.gemm, runtime_max) == "fused" for layer in layers]
-    if any(fused):
-        if not all(fused):
-            raise ValueError(f"layers: a traced step runs gemm='fused' for every rank or none, got "
-                             f"{[layer.gemm for layer in layers]}")
-        return ops.combine_from_experts(ops.experts(d, [layer.w1 for layer in layers], [layer.w2 for layer in layers]), d)
+    gemms = [layer.expert_gemm(runtime_max) for layer in layers]
+    fused = gemms[0] == "fused"
+    if fused != all(g == "fused" for g in gemms):
+        raise ValueError(f"layers: a traced step runs the expert kernels for every rank or none, got {gemms} "
+                         f"(gemm={[layer.gemm for layer in layers]}) at T^={runtime_max}")
+    d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], runtime_max,
+                                rows=not fused)
+    if fused:  # (FC1 reads the dispatched rows in place; FC2 finalizes into the combine input)
+        return ops.experts_combine(d, [layer.w1 for layer in layers], [layer.w2 for layer in layers])
     ours = not any(isinstance(router, (tuple, list)) for router in routers)
     fc2 = [fns["padded_ffn"](rows, counts, layer.w1t, layer.w2t, expert_rows_bound(layer, runtime_max, ours, rows.shape[0]))
-           if expert_gemm(layer.gemm, runtime_max) == "padded" else fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)
-           for layer, rows, counts in zip(layers, d.rows, d.counts)]
+           if g == "padded" else fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)
+           for layer, g, rows, counts in zip(layers, gemms, d.rows, d.counts)]
     return ops.combine_from_experts(fc2, d)
 
 

@@ -67,6 +67,7 @@ from .jax_experts import ExpertsCalls, JaxExperts
 from .jax_halves import HalvesCalls, JaxHalves, SendTicket, TraceOrder
 from .jax_plan import CopyOp, Group, encode, fake, pair_params, recorded, steady_pair, step_launch
 
+jnp_dtype = jax.numpy.dtype
 _PROBE_PTR = 256  # the address of the trace-time stand-ins (aligned for every dtype; never read)
 
 
@@ -115,10 +116,6 @@ class Dispatched:
         return cls(*children, ops=ops, kind=kind, tmax=tmax, num_tokens=num_tokens, site=site)
 
 
-def _jdtype(name: str):
-    return jax.numpy.dtype(name)
-
-
 def _on_gpu(buf) -> None:
     if buf.__dlpack_device__()[0] != DLDeviceType.kDLCUDA:
         raise RuntimeError("ep_a2a's jit calls run on CUDA GPUs only: this program runs on "
@@ -141,7 +138,7 @@ class JaxAlltoAll:
         # the native path (jax_ffi.py): launch plans made while tracing, run by an FFI handler
         self.native = jax_ffi.native_or_warn()
         self._plans, self._combines = [], {}  # registered plans; dispatch site -> its combine's planned steps
-        self._roles = {}  # dispatch_to_experts site -> its (gather, weights) payloads
+        self._roles = {}  # dispatch_to_experts site -> its (gather, weights) payloads and whether it gathers
         self._order = TraceOrder()  # the trace's order of calls, whole and halves
         self._halves, self._experts = JaxHalves(self._halves_calls()), JaxExperts(self._experts_calls())
         a2a.on_close(self._release_plans)  # (a plan holds the ranks' streams and records: never past them)
@@ -166,9 +163,10 @@ class JaxAlltoAll:
                            self._check_dispatch, self._check_ticket, self._check_partials, Dispatched)
 
     def _experts_calls(self) -> ExpertsCalls:
-        return ExpertsCalls(self.o, self.a2a, self.native, self._site, self._native, self._call, self._check_ticket,
-                            self._per_rank, self._num_local, self._rank_indexes, self._indexes.__getitem__,
-                            self._device, self._roles.__getitem__, self.rank_numbers)
+        return ExpertsCalls(self.o, self.a2a, self.native, self._order, self._site, self._native, self._call,
+                            self._check_ticket, self._per_rank, self._num_local, self._rank_indexes,
+                            self._indexes.__getitem__, self._device, self._roles.__getitem__, self._planned_combine,
+                            self.rank_numbers)
 
     def experts(self, dispatched, w_gate_up, w_down):
         """The experts' FC1, SiLU(gate) * up and FC2 on what dispatch_to_experts delivered, as
@@ -176,6 +174,11 @@ class JaxAlltoAll:
         w_down [E_local, hidden, I] per rank -> fc2_out [ep_size * T^ * top_k, hidden] per rank,
         for combine_from_experts."""
         return self._experts.experts(dispatched, w_gate_up, w_down)
+
+    def experts_combine(self, dispatched, w_gate_up, w_down):
+        """experts(), its finalize and combine_from_experts' combine in one call (FC2's kernel
+        finalizes into the combine input): what combine_from_experts(experts(...)) returns."""
+        return self._experts.experts_combine(dispatched, w_gate_up, w_down)
 
     # -- the halves (jax_halves.py) -----------------------------------------------------------------
     def dispatch_send(self, token_selected_experts, payloads=(), runtime_max_tokens_per_rank: int = None) -> SendTicket:
@@ -295,7 +298,7 @@ class JaxAlltoAll:
         a = self.o
         tmax, ids_l, pays_l, single, tokens = self._check_dispatch(token_selected_experts, payloads,
                                                                    runtime_max_tokens_per_rank)
-        shapes = [jax.ShapeDtypeStruct((a.ep_size, tmax) + tuple(s.shape), _jdtype(s.dtype)) for s in a.payloads]
+        shapes = [jax.ShapeDtypeStruct((a.ep_size, tmax) + tuple(s.shape), jnp_dtype(s.dtype)) for s in a.payloads]
         n = len(ids_l)
         outs = ([jax.ShapeDtypeStruct((a.ep_size, tmax, a.top_k), np.int32)] * n, [shapes] * n,
                 jax.ShapeDtypeStruct((1,), np.uint32))
@@ -354,7 +357,7 @@ class JaxAlltoAll:
         a = self.o
         tmax, single = self._check_ticket(dispatched, "dispatch")
         parts = self._check_partials(partial, tmax, single)
-        outs = [jax.ShapeDtypeStruct((T, a.combine_hidden_size), _jdtype(a.combine_dtype.name))
+        outs = [jax.ShapeDtypeStruct((T, a.combine_hidden_size), jnp_dtype(a.combine_dtype.name))
                 for T in dispatched.num_tokens]
         self._order.check("combine", COMBINE)
         if self.native:
@@ -398,12 +401,14 @@ class JaxAlltoAll:
 
     # -- the MoE pair -------------------------------------------------------------------------------
     def dispatch_to_experts(self, token_selected_experts, payloads, runtime_max_tokens_per_rank: int, *,
-                            gather: int = 0, weights: int = 1) -> Dispatched:
+                            gather: int = 0, weights: int = 1, rows: bool = True) -> Dispatched:
         """dispatch, then moe.build_index over the dispatched ids and router weights (payload
         `weights`: fp32 [top_k]) and moe.gather_rows of payload `gather`, in one call. Returns a
         Dispatched whose .rows per rank are [ep_size * T^ * top_k, *shape] expert-major (rows
         past the total are not written) and .counts int32 [local experts]: the grouped GEMM's
-        input and group sizes (jax.lax.ragged_dot). Pair it with combine_from_experts."""
+        input and group sizes (jax.lax.ragged_dot). Pair it with combine_from_experts.
+        rows=False: no gather (.rows is None), for expert kernels that read payload `gather` where
+        dispatch left it (experts, experts_combine)."""
         a = self.o
         specs = a.payloads
         require(isinstance(gather, int) and 0 <= gather < len(specs), "gather",
@@ -415,26 +420,24 @@ class JaxAlltoAll:
                                                                    runtime_max_tokens_per_rank)
         if self.a2a is not None:
             self._rank_indexes()  # (allocated now, while tracing: never inside a call)
-        g = specs[gather]
-        n = len(ids_l)
-        rows = jax.ShapeDtypeStruct((a.ep_size * tmax * a.top_k,) + tuple(g.shape), _jdtype(g.dtype))
+        g, n, roles = specs[gather], len(ids_l), (gather, weights, bool(rows))
+        gathered = jax.ShapeDtypeStruct((a.ep_size * tmax * a.top_k,) + tuple(g.shape), jnp_dtype(g.dtype))
         counts = [jax.ShapeDtypeStruct((self._num_local(r),), np.int32) for r in self.rank_numbers]
-        outs = (counts, [rows] * n, jax.ShapeDtypeStruct((1,), np.uint32))
+        outs = (counts, [gathered] * n if rows else None, jax.ShapeDtypeStruct((1,), np.uint32))
         site = self._site()
-        self._roles[site] = (gather, weights)
+        self._roles[site] = roles
         self._order.check("dispatch_to_experts", DISPATCH)
         if self.native:
-            counts_o, rows_o, ticket = self._native(self._dispatch_ops(site, tmax, tokens, (gather, weights)), outs,
-                                                    ids_l, pays_l)
+            counts_o, rows_o, ticket = self._native(self._dispatch_ops(site, tmax, tokens, roles), outs, ids_l, pays_l)
         else:
-            body = functools.partial(self._dispatch_body, site, tmax, tokens, (gather, weights))
+            body = functools.partial(self._dispatch_body, site, tmax, tokens, roles)
             counts_o, rows_o, ticket = self._call(body, outs, ids_l, pays_l)
         self._order.done(DISPATCH)
-        return Dispatched(counts_o[0] if single else counts_o, rows_o[0] if single else rows_o, ticket,
+        return Dispatched(counts_o[0] if single else counts_o, rows_o[0] if single and rows else rows_o, ticket,
                           ops=self, kind="dispatch_to_experts", tmax=tmax, num_tokens=tokens, site=site)
 
     def _index_and_gather(self, dev, site, roles, i, ids_v, pays_v, out, s) -> None:
-        gather, weights = roles
+        gather, weights, into_rows = roles
         r, a = dev.ranks[i], self.o
         idx = self._indexes[r.rank]
         counts = out[0][i]
@@ -442,9 +445,10 @@ class JaxAlltoAll:
             raise RuntimeError(f"rank {r.rank} owns {idx.num_local_experts} local experts, but the traced call "
                                f"expected {counts.shape[0]}: under shard_map every GPU's ranks must own as many")
         build_index(ids_v, pays_v[weights], num_experts=a.num_experts, ep_size=a.ep_size, rank=r.rank, stream=s, out=idx)
-        g = a.payloads[gather]
-        rows = dev.slot((site, i, "rows"), (idx.capacity,) + tuple(g.shape), g.dtype, i).at(out[1][i])
-        gather_rows(idx, pays_v[gather], rows, stream=s)
+        if into_rows:
+            g = a.payloads[gather]
+            rows = dev.slot((site, i, "rows"), (idx.capacity,) + tuple(g.shape), g.dtype, i).at(out[1][i])
+            gather_rows(idx, pays_v[gather], rows, stream=s)
         copy_dtod_async(buffer_ptr(counts), idx.counts.ptr, idx.counts.nbytes, s)
 
     def combine_from_experts(self, fc2_out, dispatched: Dispatched):
@@ -464,7 +468,7 @@ class JaxAlltoAll:
                     f"dtype must be one of ('bfloat16', 'float16', 'float32'), got {x.dtype}")
             require(len(x.shape) == 2 and x.shape[1] == H and x.shape[0] >= cap, name,
                     f"shape must be [rows >= capacity={cap}, hidden={H}], got {list(x.shape)}")
-        outs = [jax.ShapeDtypeStruct((T, H), _jdtype(a.combine_dtype.name)) for T in dispatched.num_tokens]
+        outs = [jax.ShapeDtypeStruct((T, H), jnp_dtype(a.combine_dtype.name)) for T in dispatched.num_tokens]
         geo = [(tuple(x.shape), str(np.dtype(x.dtype))) for x in fc2]
         self._order.check("combine_from_experts", COMBINE)
         if self.native:
@@ -541,7 +545,7 @@ class JaxAlltoAll:
 
     def _index_ops(self, dev, i, roles, tmax, ids_v, pays_v, counts_at, rows_at) -> list:
         """The MoE index and gather of rank i, as moe.build_index and moe.gather_rows launch them."""
-        gather, weights = roles
+        gather, weights, into_rows = roles
         r, a = dev.ranks[i], self.o
         idx = self._rank_indexes()[self.a2a.ranks.index(r)]
         counts = self._num_local(self.rank_numbers[i])
@@ -554,7 +558,8 @@ class JaxAlltoAll:
         def run():
             build_index(ids_v, pays_v[weights], num_experts=a.num_experts, ep_size=a.ep_size, rank=r.rank,
                         stream=r.default_stream, out=idx)
-            gather_rows(idx, pays_v[gather], rows, stream=r.default_stream)
+            if into_rows:
+                gather_rows(idx, pays_v[gather], rows, stream=r.default_stream)
         return recorded(i, run) + [CopyOp(i, counts_at, idx.counts.ptr, idx.counts.nbytes)]
 
     def _combine_ops(self, dispatched, fc2_geo):
@@ -563,20 +568,25 @@ class JaxAlltoAll:
         a, tmax = self.o, dispatched.tmax
         if dispatched.site not in self._combines:
             raise RuntimeError("combine: its dispatch was traced by another JaxAlltoAll or not at all")
-        roles, planned = self._combines[dispatched.site]
+        roles = self._combines[dispatched.site][0]
         fp8 = a.combine_quant == "fp8"
 
         def ops_for(dev, n_in):
             ops = []
             for i, r in enumerate(dev.ranks):
-                c, c_bytes = planned[dev.device.ordinal][i]
                 if fc2_geo is None:
                     ops.append(CopyOp(i, r.plan.combine_input, fake(i), a.ep_size * tmax * r.plan.combine_bytes))
                 else:
                     ops += self._finalize_ops(dev, i, tmax, fc2_geo[i], fp8, roles[1])
-                ops.append(step_launch(r.plan, i, c, c_bytes))
+                ops.append(self._planned_combine(dispatched, dev, i))
             return ops
         return ops_for
+
+    def _planned_combine(self, dispatched, dev, i):
+        """The combine launch of rank i of dev that dispatched's dispatch planned, its output
+        buffer n + 1 + i (the combine call's: operands partial[n] and the ticket, then out[n])."""
+        c, c_bytes = self._combines[dispatched.site][1][dev.device.ordinal][i]
+        return step_launch(dev.ranks[i].plan, i, c, c_bytes)
 
     def _finalize_ops(self, dev, i, tmax, geo, fp8, weights) -> list:
         """moe.finalize of rank i's fc2_out (operand i) into its combine input, as it launches it."""

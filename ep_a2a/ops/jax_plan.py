@@ -250,6 +250,19 @@ def encode(groups, buffers: int, first_steps: int) -> np.ndarray:
     return np.array(w, dtype=np.uint64)
 
 
+def renumbered(op: LaunchOp, moves: dict) -> LaunchOp:
+    """op with every stand-in address of buffer k (a key of moves) naming buffer moves[k]
+    instead, the same byte in it: a launch planned for one call's buffer layout, in another's."""
+    def move(arg: bytes) -> bytes:
+        words = np.frombuffer(arg + b"\0" * (-len(arg) % 8), np.uint64).copy()
+        for j, w in enumerate(words.tolist()):
+            hit = buffer_of(w)
+            if hit is not None and hit[0] in moves:
+                words[j] = fake(moves[hit[0]], hit[1])
+        return words.tobytes()[:len(arg)]
+    return dataclasses.replace(op, args=[move(a) for a in op.args])
+
+
 def recorded(rank_pos: int, run) -> list:
     """The launches `run()` makes (the MoE helpers, moe.py), as LaunchOps of rank position
     `rank_pos`, none issued (testing.hooks.dry_run: nothing else in them touches the GPU)."""

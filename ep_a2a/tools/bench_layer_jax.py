@@ -3,10 +3,12 @@ in-process ranks of one GPU, jitted (moe_forward_traced: one XLA program for eve
 dispatch and combine as XLA calls on its stream) against the same layer eager
 (moe_forward_all_ranks) and against a jitted all-gather baseline a JAX user would write
 without ep_a2a: every rank's tokens, ids and weights concatenated (the all-gather), each rank's
-local experts over the selections of all tokens (sorted by expert; the same expert function as
-our layer's, --gemm: padded_ffn with at most one row per token and expert, or
-jax.lax.ragged_dot; the router weight applied in fp32 and scattered back per token), the ranks'
-outputs summed and each rank's own rows sliced out (the reduce-scatter).
+local experts over the selections of all tokens (sorted by expert; XLA's expert function of
+--gemm: padded_ffn with at most one row per token and expert, or jax.lax.ragged_dot, "auto"
+choosing between them as our layer does when it does not take ep_a2a's expert kernels, which
+a layer without ep_a2a has not; the router weight applied in fp32 and scattered back per
+token), the ranks' outputs summed and each rank's own rows sliced out (the reduce-scatter).
+Each row names the expert function our layer ran (`gemm`).
 
 Method: wall time of a whole step on the host, from the call to the results being ready
 (jax.block_until_ready; the eager layer synchronizes itself), median over --iters after
@@ -139,14 +141,15 @@ def run(args, profiles: dict, commit) -> dict:
                 theirs = [np.asarray(o) for o in jax.block_until_ready(base(xs, logits))]
                 same = all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(ours, eager))
                 diff = max(max_relative_error(a.astype(np.float32), b.astype(np.float32)) for a, b in zip(ours, theirs))
-                row = dict(tokens_per_rank=T, jit_equals_eager_bitwise=same, max_rel_diff_vs_baseline=diff,
+                row = dict(tokens_per_rank=T, gemm=layers[0].expert_gemm(T), jit_equals_eager_bitwise=same,
+                           max_rel_diff_vs_baseline=diff,
                            jit_us=_median_us(lambda: jitted(xs, logits), args.iters, args.warmup),
                            eager_us=_median_us(lambda: moe_forward_all_ranks(layers, xs, logits, T), args.iters, args.warmup),
                            baseline_us=_median_us(lambda: base(xs, logits), args.iters, args.warmup))
                 row["device_us"] = (_median_us(lambda: many(xs, logits), args.iters, args.warmup) - row["jit_us"]) / CHAIN
                 row["host_us"] = row["jit_us"] - row["device_us"]
                 rows.append(row)
-                print(f"T={T:5d}  jit {row['jit_us']:9.1f} µs   eager {row['eager_us']:9.1f} µs   all-gather (jit) "
+                print(f"T={T:5d} {row['gemm']:6s} jit {row['jit_us']:9.1f} µs   eager {row['eager_us']:9.1f} µs   all-gather (jit) "
                       f"{row['baseline_us']:9.1f} µs   x{row['baseline_us'] / row['jit_us']:.2f} vs baseline, "
                       f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; device {row['device_us']:.1f} µs "
                       f"(jit/device x{row['jit_us'] / row['device_us']:.2f}); jit == eager bitwise: {same}; "

@@ -65,3 +65,11 @@ def test_auto_takes_ragged_dot_below_the_threshold_and_padded_from_it():
     small = "ragged" if hasattr(jax.lax, "ragged_dot") else "padded"
     assert [expert_gemm("auto", t) for t in (1, RAGGED_BELOW - 1, RAGGED_BELOW, 1024)] == [small, small, "padded", "padded"]
     assert [expert_gemm(g, 1) for g in ("padded", "ragged", "loop")] == ["padded", "ragged", "loop"]
+
+
+def test_auto_takes_the_expert_kernels_while_an_expert_gets_few_rows():
+    small = "ragged" if hasattr(jax.lax, "ragged_dot") else "padded"
+    # (8 ranks: 256 rows while T^ <= 32; one 16-row pass while T^ <= 2; T^ 0 counts as 1)
+    assert [expert_gemm("auto", t, 256, 8) for t in (0, 1, 32, 33)] == ["fused", "fused", "fused", "padded"]
+    assert [expert_gemm("auto", t, 16, 8) for t in (2, 3)] == ["fused", small]
+    assert [expert_gemm(g, 1, 256, 8) for g in ("padded", "ragged", "loop")] == ["padded", "ragged", "loop"]

@@ -2,9 +2,12 @@
 float64 NumPy reference and bf16 tolerances as the PyTorch layer (ep_a2a/layers/torch.py); the
 jitted layer (the MoE pair: dispatch_to_experts / combine_from_experts, with ep_a2a's expert
 kernels between them for gemm="fused", on the native path where its library is built) bitwise
-equal to the eager layer, bf16 and FP8 combine, both protocols."""
+equal to the eager layer, bf16 and FP8 combine, both protocols; the expert kernels' step under
+XLA's command buffers and on the Python callbacks (subprocesses)."""
 import contextlib
 import os
+import subprocess
+import sys
 
 # JAX takes 75% of the GPU at its first use unless told otherwise; ep_a2a's workspaces and the
 # other frameworks of this test process need room too. Set before jax is imported.
@@ -157,3 +160,93 @@ def test_padded_experts_take_every_row_when_the_caller_repeats_an_expert(protoco
             check_layer_output(np.asarray(eager[r]).astype(np.float32), want[r * tmax:(r + 1) * tmax], msg)
             assert np.array_equal(np.asarray(jitted[r]).view(np.uint16), np.asarray(eager[r]).view(np.uint16)), \
                 f"{msg}: jit differs from eager"
+
+
+@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
+def test_auto_runs_the_expert_kernels_up_to_its_rows_and_xla_past_them(protocol):
+    """gemm="auto": the expert kernels while ep_size * T^ <= moe.auto_expert_rows (8 ranks, hidden
+    256: T^ <= 32), XLA's experts past it, in one set of layers; jitted and eager bitwise equal
+    at both sizes (each their own jit), and both against the float64 reference."""
+    from ep_a2a.layers.jax import jit_forward_all_ranks, moe_forward_all_ranks
+    from ep_a2a.moe import auto_expert_rows
+    from ep_a2a.testing.layer_oracle import check_layer_output, dense_reference, distinct_logits, route_reference
+    from ep_a2a.testing.reference import from_float32
+    dev = _gpu()
+    rng, seed = fresh_rng()
+    ep, E, top_k, H, I = 8, 16, 4, 256, 128
+    edge = auto_expert_rows(H, I) // ep
+    with _jax_layers(dev, rng, ep, E, top_k, H, I, edge + 1, "auto", protocol=protocol) as (layers, (w1_bits, w2_bits)):
+        for tmax, want_gemm in ((edge, "fused"), (edge + 1, "padded"), (edge, "fused")):
+            assert [layer.expert_gemm(tmax) for layer in layers] == [want_gemm] * ep
+            tokens = [int(t) for t in rng.integers(0, tmax + 1, ep)]
+            tokens[int(rng.integers(ep))] = tmax
+            msg = f"{seed} {protocol} T^={tmax} ({want_gemm}) tokens={tokens}"
+            xs_bits = [from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16") for T in tokens]
+            logits = [distinct_logits(rng, T, E) for T in tokens]
+            routing = [route_reference(lg, top_k) for lg in logits]
+            xs = [_bf16(x, dev) for x in xs_bits]
+            lg = [jax.device_put(jnp.asarray(x), dev) for x in logits]
+            jitted = jax.block_until_ready(jit_forward_all_ranks(layers, tmax)(xs, lg))
+            eager = moe_forward_all_ranks(layers, xs, lg, tmax)
+            want = dense_reference(np.concatenate(xs_bits), np.concatenate([r[0] for r in routing]),
+                                   np.concatenate([r[1] for r in routing]), w1_bits, w2_bits)
+            start = 0
+            for r, T in enumerate(tokens):
+                check_layer_output(np.asarray(eager[r]).astype(np.float32), want[start:start + T], f"{msg} rank {r}")
+                assert np.array_equal(np.asarray(jitted[r]).view(np.uint16), np.asarray(eager[r]).view(np.uint16)), \
+                    f"{msg} rank {r}: jit differs from eager"
+                start += T
+
+
+FUSED_CHILD = """
+import os, sys
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path[:0] = [{root!r}, {tests!r}]
+import jax, jax.numpy as jnp, numpy as np
+from common import fresh_rng
+import test_jax_moe_gpu as t
+from ep_a2a.layers.jax import jit_forward_all_ranks, moe_forward_all_ranks
+from ep_a2a.testing.layer_oracle import distinct_logits
+from ep_a2a.testing.reference import from_float32
+rng, seed = fresh_rng()
+dev = jax.devices("gpu")[0]
+ep, E, top_k, H, I, tmax = 8, 16, 4, 256, 128, 8
+with t._jax_layers(dev, rng, ep, E, top_k, H, I, tmax, "fused", protocol={protocol!r}) as (layers, _):
+    f = jit_forward_all_ranks(layers, tmax)
+    for step in range(5):
+        tokens = [tmax] * ep if step % 2 == 0 else [int(x) for x in rng.integers(0, tmax + 1, ep)]
+        xs = [t._bf16(from_float32(rng.standard_normal((T, H)).astype(np.float32), "bfloat16"), dev) for T in tokens]
+        lg = [jax.device_put(jnp.asarray(distinct_logits(rng, T, E)), dev) for T in tokens]
+        got = jax.block_until_ready(f(xs, lg))
+        eager = moe_forward_all_ranks(layers, xs, lg, tmax)
+        for r, (g, e) in enumerate(zip(got, eager)):
+            assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(e).view(np.uint16)), \\
+                f"{{seed}} step {{step}} tokens={{tokens}} rank {{r}}: jit differs from eager"
+    ops = layers[0]._jit_ops
+    path = "native" if ops.native and any(p.calls(0) > 0 for p in ops._plans) else "python"
+print("CHILD OK", path)
+"""
+CAPTURE = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
+
+@pytest.mark.parametrize("protocol,flags,native", [("fence", CAPTURE, True), ("sentinel", CAPTURE, True),
+                                                   ("fence", None, False)])
+def test_the_expert_kernels_step_under_command_buffers_and_on_the_python_path(protocol, flags, native):
+    """The jitted step of gemm="fused" (dispatch_to_experts without rows, experts_combine) bitwise
+    equal to the eager step over five steps of changing token counts, with XLA's command buffers
+    capturing it, and through the Python callbacks (EP_A2A_JAX_NATIVE=0)."""
+    from ep_a2a.ops import jax_ffi
+    _gpu()
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    if flags:
+        env["XLA_FLAGS"] = flags
+    if not native:
+        env["EP_A2A_JAX_NATIVE"] = "0"
+    code = FUSED_CHILD.format(root=os.path.dirname(os.path.dirname(here)), tests=os.path.dirname(here), protocol=protocol)
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300, cwd=here)
+    assert p.returncode == 0 and "CHILD OK" in p.stdout, f"{protocol} XLA_FLAGS={flags!r}: rc={p.returncode}\n" \
+        f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
+    want = "native" if native and jax_ffi.LIBRARY.is_file() else "python"
+    assert f"CHILD OK {want}" in p.stdout, p.stdout[-2000:]

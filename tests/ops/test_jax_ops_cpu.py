@@ -196,3 +196,26 @@ def test_experts_call_shapes_and_its_trace_time_errors():
     _raises(ValueError, "w_gate_up: needs one entry per rank", with_weights(w1[:2], w2), ids, pays)
     _raises(ValueError, "dispatched: came from dispatch(); this call pairs with dispatch_to_experts()",
             with_weights(w1, w2, pair="dispatch"), ids, pays)
+
+
+def test_experts_combine_shapes_and_its_trace_time_errors():
+    """JaxAlltoAll.experts_combine after dispatch_to_experts(rows=False): the combine's output
+    [T_r, hidden] per rank and no rows; refused while tracing after dispatch() and with a
+    combine that does not take the experts' bf16 rows."""
+    ops = JaxAlltoAll.traced_only(_options(), rank_numbers=(0, 1, 2, 3))  # 10 experts: 3, 3, 2, 2
+    ids, pays = _inputs((8, 3, 0, 5))
+    L, inter = (3, 3, 2, 2), 128
+    w1 = [S((n, 2 * inter, H), jnp.bfloat16) for n in L]
+    w2 = [S((n, H, inter), jnp.bfloat16) for n in L]
+
+    def step(ids, pays, w1, w2):
+        d = ops.dispatch_to_experts(ids, pays, 8, rows=False)
+        assert d.rows is None and len(d.counts) == 4
+        return ops.experts_combine(d, w1, w2)
+    y = jax.eval_shape(step, ids, pays, w1, w2)
+    assert [(o.shape, o.dtype) for o in y] == [((t, H), jnp.bfloat16) for t in (8, 3, 0, 5)]
+    _raises(ValueError, "dispatched: came from dispatch(); this call pairs with dispatch_to_experts()",
+            lambda i, p: ops.experts_combine(ops.dispatch(i, p, 8), w1, w2), ids, pays)
+    fp32 = JaxAlltoAll.traced_only(_options(combine_dtype="float32"), rank_numbers=(0, 1, 2, 3))
+    _raises(ValueError, "dispatched: the combine must take the experts' bf16 rows of hidden=64, got combine_hidden_size=64, "
+            "combine_dtype=float32", lambda i, p: fp32.experts_combine(fp32.dispatch_to_experts(i, p, 8), w1, w2), ids, pays)

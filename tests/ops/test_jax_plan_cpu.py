@@ -254,3 +254,61 @@ def test_a_released_plan_id_is_never_reused():
     assert jax_ffi.library().ep_a2a_ffi_calls(old, 0) == 0
     for q in again:
         q.release()
+
+
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_traced_experts_combine_finalizes_in_fc2_and_combines_into_its_result(monkeypatch, quant):
+    """dispatch_to_experts(rows=False) then experts_combine, traced and lowered on the CPU with the
+    native path: the dispatch plans no gather (no launch of it names an XLA buffer but the
+    counts' copy); the one call of experts_combine (operands w_gate_up, w_down, ticket; results
+    out, fc2 rows, activations) runs FC1, FC2 finalizing into the combine input (bf16), or FC2
+    then a finalize writing the FP8 input (combine_quant="fp8"), then the combine its dispatch
+    planned with its output moved to result 0 (buffer 3)."""
+    from ep_a2a.layout import FinalizeArgs
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    ops, made, a2a, r = native_moe_ops(monkeypatch, quant)
+    rng = random.Random()
+    tmax = rng.choice([1, 2, 4, 16])
+    T = rng.randint(1, tmax)
+    specs, L, inter = a2a.payload_specs, ops._num_local(r.rank), 64
+
+    def step(ids, pays, w1, w2):
+        d = ops.dispatch_to_experts(ids, pays, tmax, gather=0, weights=2, rows=False)
+        assert d.rows is None
+        return d.counts, ops.experts_combine(d, w1, w2)
+    args = (jax.ShapeDtypeStruct((T, trace.TOP_K), jnp.int32),
+            [jax.ShapeDtypeStruct((T,) + tuple(s.shape), jnp.dtype(s.dtype)) for s in specs],
+            jax.ShapeDtypeStruct((L, 2 * inter, trace.H), jnp.bfloat16),
+            jax.ShapeDtypeStruct((L, trace.H, inter), jnp.bfloat16))
+    lowered = jax.jit(step).lower(*args)
+    assert lowered.as_text().count("custom_call @ep_a2a_run") == 2
+    counts, y = lowered.out_info
+    assert (y.shape, y.dtype) == ((T, trace.H), jnp.bfloat16) and counts.shape == (L,)
+    (dispatch,), (call,) = made
+    P = len(specs)
+    assert type(dispatch.ops[-1]).__name__ == "CopyOp" and dispatch.ops[-1].dst == jax_plan.fake(P + 1)
+    assert not [op for op in dispatch.ops[1:-1] if jax_plan.patches(jax_plan._arg_words(op.args)[1])]
+    fc1, fc2, *fin, c_launch = call.ops
+    assert len(fin) == (quant == "fp8")
+    assert [b for _, b, _ in jax_plan.patches(jax_plan._arg_words(fc1.args)[1])] == [0, 5]
+    assert [b for _, b, _ in jax_plan.patches(jax_plan._arg_words(fc2.args)[1])] == [5, 1, 4]
+    target = FinalizeArgs.from_buffer_copy(fc2.args[-1]).out
+    assert target == (0 if quant else r.combine_input(tmax).ptr)
+    if fin:
+        assert [b for _, b, _ in jax_plan.patches(jax_plan._arg_words(fin[0].args)[1])] == [4]
+    c_block = A2AParams.from_buffer_copy(c_launch.args[0])
+    assert c_block.combine_out == jax_plan.fake(3) and c_block.combine_prequantized == int(quant == "fp8")
+    ops.close()
+    a2a.close()
+
+
+def test_renumbered_moves_only_the_named_buffers():
+    p = A2AParams()
+    p.payloads[0].src = jax_plan.fake(1, 32)
+    p.combine_out = jax_plan.fake(2, 64)
+    op = jax_plan.LaunchOp(0, 0x1234, 5, 256, 0, 1, True, [bytes(p), b"\x07" * 12])
+    moved = jax_plan.renumbered(op, {2: 9})
+    q = A2AParams.from_buffer_copy(moved.args[0])
+    assert (q.payloads[0].src, q.combine_out) == (jax_plan.fake(1, 32), jax_plan.fake(9, 64))
+    assert moved.args[1] == b"\x07" * 12 and op.args[0] == bytes(p)  # (odd sizes kept; the original untouched)
