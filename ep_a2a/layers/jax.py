@@ -1,11 +1,13 @@
 """The MoE layer of layers/torch.py in JAX (eager), on the rank-major all-to-all.
 
-    router (jnp) -> dispatch -> build_index -> gather_rows -> FC1 / SiLU(gate) * up / FC2 (jnp)
+    router -> dispatch -> build_index -> gather_rows -> FC1 / SiLU(gate) * up / FC2 (jnp)
     -> finalize (into the combine input) -> combine
 
 Same weights layout, router and numerics as TorchMoeLayer (read its module docstring): bf16
 w_gate_up [E_local, 2*I, hidden], w_down [E_local, hidden, I]; bf16 GEMMs accumulating in
 fp32 (XLA may keep SiLU(gate) * up in fp32 inside a fusion: that only removes roundings).
+The router is ep_a2a's kernel (moe.route; traced, JaxAlltoAll.route) where it takes the
+logits (fp32 / bf16 / fp16, num_experts <= 1024, top_k <= 32), else XLA's top_k and softmax.
 
 Data exchange is DLPack both ways, never through the host: the gathered rows and the index
 counts reach JAX with jax.dlpack.from_dlpack (zero copy; JAX's stream waits for ours), and
@@ -49,6 +51,7 @@ from ..driver.stream import synchronize_stream
 from ..interop.arrays import empty
 from ..interop.tensor import as_tensor
 from ..moe import EXPERT_TILE, FINALIZE_TILES, ExpertIndex, auto_expert_rows, expert_fc1, expert_fc2, expert_gemms_unsupported
+from ..router import route as moe_route, route_unsupported
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
 GEMMS = ("auto", "padded", "ragged", "loop", "fused")
@@ -180,6 +183,7 @@ class JaxMoeLayer(LayerBase):
         self._xg = empty((cap, H), "bfloat16", dev)       # expert-major rows (gather_rows); fused: FC2's output
         self._y = empty((cap, H), "bfloat16", dev) if self.gemm == "loop" else None
         self._out = empty((a.max_tokens_per_rank, H), "bfloat16", dev)
+        self._routes = empty((2 * a.max_tokens_per_rank * self.top_k,), "int32", dev)  # route(): ids, then weights
         self._keep = []   # jax arrays an ep_a2a launch of this step still reads, or that alias our memory
         self._jit_ops = None  # the ops.jax.JaxAlltoAll of traced steps (moe_forward_traced), made on first use
         _jitted()
@@ -191,8 +195,26 @@ class JaxMoeLayer(LayerBase):
     # -- phases ------------------------------------------------------------------------------------
     def route(self, logits):
         """(ids int32 [T, top_k], weights fp32 [T, top_k]): top_k logits, softmax over them
-        (renormalize=False: the full softmax's probabilities of those experts)."""
-        return _JIT["router"](logits, self.top_k, self.renormalize)
+        (renormalize=False: the full softmax's probabilities of those experts). ep_a2a's router
+        kernel on this rank's stream where it takes the logits (fused_route), into the layer's
+        buffers (the arrays alias them until the next step), else XLA's top_k and softmax."""
+        import jax
+        T = int(logits.shape[0])
+        if not self.fused_route(logits):
+            return _JIT["router"](logits, self.top_k, self.renormalize)
+        views = [self._routes.view(0, (T, self.top_k), "int32"),
+                 self._routes.view(self._routes.nbytes // 2, (T, self.top_k), "float32")]
+        moe_route(as_tensor(logits, stream=self.s), *views, renormalize=self.renormalize, stream=self.s)
+        for v in views:
+            v.stream = self.s  # (JAX's stream waits for the router)
+        self._keep.append(logits)
+        return tuple(jax.dlpack.from_dlpack(v) for v in views)
+
+    def fused_route(self, logits) -> bool:
+        """Whether route() runs ep_a2a's router kernel on these logits (eager and traced alike):
+        the kernel takes them (router.route_unsupported) and there are tokens."""
+        return int(logits.shape[0]) > 0 and route_unsupported(self.num_experts, self.top_k,
+                                                              str(np.dtype(logits.dtype))) is None
 
     def check_inputs(self, x, router) -> int:
         """The number of tokens of x, after the rules on x and router (eager and traced alike)."""
@@ -369,7 +391,13 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
     runtime_max = max([1] + tokens) if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
     fns = traced_functions()
     routes = [tuple(router) if isinstance(router, (tuple, list)) else
-              fns["router"](router, layer.top_k, layer.renormalize) for layer, router in zip(layers, routers)]
+              None if layer.fused_route(router) else fns["router"](router, layer.top_k, layer.renormalize)
+              for layer, router in zip(layers, routers)]
+    if None in routes:  # ep_a2a's router kernel, one call for the ranks it routes (no tokens for the others)
+        lgs = [jax.numpy.zeros((0, layer.num_experts), jax.numpy.float32) if r is not None else lg
+               for layer, r, lg in zip(layers, routes, routers)]
+        ids, ws = ops.route(lgs, [layer.renormalize for layer in layers])
+        routes = [r if r is not None else (i, w) for r, i, w in zip(routes, ids, ws)]
     routes = [(jax.numpy.asarray(i, jax.numpy.int32), jax.numpy.asarray(w, jax.numpy.float32)) for i, w in routes]
     gemms = [layer.expert_gemm(runtime_max) for layer in layers]
     fused = gemms[0] == "fused"

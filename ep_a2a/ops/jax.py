@@ -63,9 +63,11 @@ from ..moe import ExpertIndex, build_index, finalize, gather_rows, local_experts
 from ..validate import check_dispatch_inputs, check_expert_ids_on_host, check_partial_shape, check_runtime_max, require, token_tensor
 from . import jax_ffi
 from .jax_calls import RanksByDevice, buffer_ptr
+from .jax_dispatched import Dispatched
 from .jax_experts import ExpertsCalls, JaxExperts
 from .jax_halves import HalvesCalls, JaxHalves, SendTicket, TraceOrder
 from .jax_plan import CopyOp, Group, encode, fake, pair_params, recorded, steady_pair, step_launch
+from .jax_route import RouteCalls, route
 
 jnp_dtype = jax.numpy.dtype
 _PROBE_PTR = 256  # the address of the trace-time stand-ins (aligned for every dtype; never read)
@@ -85,35 +87,6 @@ def _probe(arr, name: str, inner: tuple, dtype: str, rows, max_tokens: int, lead
     t = Tensor(_PROBE_PTR, tuple(arr.shape), dt, device=(CUDA, 0))
     return token_tensor(t, name, inner, dtype, rows, 0, ordinal=None, max_tokens=max_tokens,
                         leading_dims=leading_dims)
-
-
-@jax.tree_util.register_pytree_node_class
-class Dispatched:
-    """What dispatch returns under jit: the received expert ids [ep_size, T^, top_k] and payloads
-    [ep_size, T^, ...] (dispatch_to_experts: the expert-major rows and the counts instead) per
-    rank, the ticket combine takes, and the static step facts (T^, tokens per rank)."""
-
-    def __init__(self, expert_ids, payloads, ticket, *, ops, kind: str, tmax: int, num_tokens: tuple, site: int = 0):
-        self.expert_ids, self.payloads, self.ticket = expert_ids, payloads, ticket
-        self.ops, self.kind, self.tmax, self.num_tokens, self.site = ops, kind, tmax, num_tokens, site
-
-    @property
-    def rows(self):
-        """dispatch_to_experts: the gathered rows per rank, [ep_size * T^ * top_k, *row shape]."""
-        return self.payloads
-
-    @property
-    def counts(self):
-        """dispatch_to_experts: int32 [local experts] rows of each local expert, per rank."""
-        return self.expert_ids
-
-    def tree_flatten(self):
-        return (self.expert_ids, self.payloads, self.ticket), (self.ops, self.kind, self.tmax, self.num_tokens, self.site)
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        ops, kind, tmax, num_tokens, site = aux
-        return cls(*children, ops=ops, kind=kind, tmax=tmax, num_tokens=num_tokens, site=site)
 
 
 def _on_gpu(buf) -> None:
@@ -174,6 +147,13 @@ class JaxAlltoAll:
         w_down [E_local, hidden, I] per rank -> fc2_out [ep_size * T^ * top_k, hidden] per rank,
         for combine_from_experts."""
         return self._experts.experts(dispatched, w_gate_up, w_down)
+
+    def route(self, logits, renormalize=True):
+        """The MoE router (moe.route, one kernel per rank; jax_route.py): logits [T_r, num_experts]
+        per rank -> (ids int32, weights fp32 [T_r, top_k]), as dispatch_to_experts takes them;
+        renormalize: one flag, or one per rank."""
+        return route(RouteCalls(self.o, self.native, self._native, self._call, self._per_rank, self._device),
+                     logits, renormalize)
 
     def experts_combine(self, dispatched, w_gate_up, w_down):
         """experts(), its finalize and combine_from_experts' combine in one call (FC2's kernel

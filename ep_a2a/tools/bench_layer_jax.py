@@ -15,7 +15,10 @@ Method: wall time of a whole step on the host, from the call to the results bein
 --warmup, per token count. The jitted step's device time: a program of CHAIN + 1 steps (each
 step's outputs the next one's hidden states) minus a program of one, over CHAIN (the host
 issues step i+1 while step i runs, so it hides behind the GPU as long as it is the faster);
-host = jit - device. Routing: random logits through the router. Prints one line per token
+host = jit - device. Pipelined: --iters steps issued back to back (each step's outputs the
+next one's hidden states) and waited for once, per step: what a serving loop that does not
+wait between steps sees, the larger of the host's and the device's time per step; the
+baseline is timed the same way. Routing: random logits through the router. Prints one line per token
 count and returns the rows (bench_layer.py writes the JSON)."""
 from __future__ import annotations
 
@@ -102,6 +105,19 @@ def _median_us(fn, iters: int, warmup: int) -> float:
     return float(np.median(times) * 1e6)
 
 
+def _pipelined_us(fn, xs, logits, iters: int, warmup: int) -> float:
+    import jax
+    ys = xs
+    for _ in range(warmup):
+        ys = fn(ys, logits)
+    jax.block_until_ready(ys)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        ys = fn(ys, logits)
+    jax.block_until_ready(ys)
+    return (time.perf_counter() - t0) / iters * 1e6
+
+
 def run(args, profiles: dict, commit) -> dict:
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax
@@ -148,11 +164,15 @@ def run(args, profiles: dict, commit) -> dict:
                            baseline_us=_median_us(lambda: base(xs, logits), args.iters, args.warmup))
                 row["device_us"] = (_median_us(lambda: many(xs, logits), args.iters, args.warmup) - row["jit_us"]) / CHAIN
                 row["host_us"] = row["jit_us"] - row["device_us"]
+                row["pipelined_us"] = _pipelined_us(jitted, xs, logits, args.iters, args.warmup)
+                row["baseline_pipelined_us"] = _pipelined_us(base, xs, logits, args.iters, args.warmup)
                 rows.append(row)
                 print(f"T={T:5d} {row['gemm']:6s} jit {row['jit_us']:9.1f} µs   eager {row['eager_us']:9.1f} µs   all-gather (jit) "
                       f"{row['baseline_us']:9.1f} µs   x{row['baseline_us'] / row['jit_us']:.2f} vs baseline, "
                       f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; device {row['device_us']:.1f} µs "
-                      f"(jit/device x{row['jit_us'] / row['device_us']:.2f}); jit == eager bitwise: {same}; "
+                      f"(jit/device x{row['jit_us'] / row['device_us']:.2f}); pipelined {row['pipelined_us']:.1f} µs "
+                      f"(/device x{row['pipelined_us'] / row['device_us']:.2f}; baseline {row['baseline_pipelined_us']:.1f}); "
+                      f"jit == eager bitwise: {same}; "
                       f"vs baseline {diff:.2g}", file=sys.stderr, flush=True)
         finally:
             for layer in layers:

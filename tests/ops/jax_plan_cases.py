@@ -72,12 +72,15 @@ def native_moe_ops(monkeypatch, combine_quant=None) -> tuple:
     rank): the setting of the MoE pair's plan tests."""
     import types
     import ep_a2a.moe as moe
+    import ep_a2a.router as router
     from ep_a2a.ops import jax as ops_jax
     from ep_a2a.testing import hooks
     require_library()
     events = []
     trace.patch_driver(monkeypatch.setattr, events)
     monkeypatch.setattr(moe, "Device", types.SimpleNamespace)
+    monkeypatch.setattr(router, "Device", types.SimpleNamespace)
+    monkeypatch.setattr(router, "_ROUTERS", {})  # (routers of the stand-in device stay in this test)
     made = record_plans(monkeypatch, ops_jax)
     with hooks.dry_run():
         a2a, r = trace.make_rank(events, "fence", combine_quant, True, 8, local=True)

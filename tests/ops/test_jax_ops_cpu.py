@@ -219,3 +219,18 @@ def test_experts_combine_shapes_and_its_trace_time_errors():
     fp32 = JaxAlltoAll.traced_only(_options(combine_dtype="float32"), rank_numbers=(0, 1, 2, 3))
     _raises(ValueError, "dispatched: the combine must take the experts' bf16 rows of hidden=64, got combine_hidden_size=64, "
             "combine_dtype=float32", lambda i, p: fp32.experts_combine(fp32.dispatch_to_experts(i, p, 8), w1, w2), ids, pays)
+
+
+def test_route_shapes_and_its_trace_time_errors():
+    """JaxAlltoAll.route: (ids int32, weights fp32) [T_r, top_k] per rank; logits of another
+    width or dtype, and renormalize flags not one per rank, refused while tracing."""
+    ops = JaxAlltoAll.traced_only(_options(), rank_numbers=(0, 1, 2, 3))
+    lgs = [S((t, E), jnp.float32) for t in (8, 3, 0, 5)]
+    ids, w = jax.eval_shape(lambda lg: ops.route(lg, [True, False, True, True]), lgs)
+    assert [(i.shape, i.dtype, x.shape, x.dtype) for i, x in zip(ids, w)] == \
+        [((t, K), jnp.int32, (t, K), jnp.float32) for t in (8, 3, 0, 5)]
+    _raises(ValueError, f"logits[1]: shape must be [tokens, num_experts={E}], got [3, 9]", ops.route,
+            [lgs[0], S((3, 9), jnp.float32)] + lgs[2:])
+    _raises(ValueError, "logits[0]: the router kernel does not take logits dtype int32", ops.route,
+            [S((8, E), jnp.int32)] + lgs[1:])
+    _raises(ValueError, "renormalize: needs one flag per rank (4), got 2", lambda lg: ops.route(lg, [True, False]), lgs)

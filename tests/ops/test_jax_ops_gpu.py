@@ -279,6 +279,40 @@ def test_command_buffers_on_and_off(flags, native):
         assert "CHILD OK native" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_jitted_route_is_the_router_kernel_bitwise(dtype):
+    """JaxAlltoAll.route under jit for 4 in-process ranks (one with no tokens, renormalize per
+    rank): the ids and weights of moe.route on the same logits, bit for bit, and the ids of the
+    float64 reference (distinct logits: no ties)."""
+    from ep_a2a.interop.arrays import from_numpy, to_numpy
+    from ep_a2a.interop.tensor import as_tensor
+    from ep_a2a.layers.base import payload_specs
+    from ep_a2a.moe import route
+    from ep_a2a.ops.jax import JaxAlltoAll
+    from ep_a2a.testing.layer_oracle import distinct_logits, route_reference
+    dev = _gpu()
+    rng, seed = fresh_rng()
+    E, tokens, flags = 64, [7, 0, 16, 1], [True, False, True, False]
+    with ep_a2a.LocalGroup([0] * 4) as group, \
+            ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=16, top_k=K, num_experts=E, payloads=payload_specs(H, K),
+                               combine_hidden_size=H, timeout_s=20.0) as a2a, JaxAlltoAll(a2a) as ops:
+        lgs = [jax.device_put(jnp.asarray(distinct_logits(rng, T, E)).astype(dtype), dev) for T in tokens]
+        ids, ws = jax.block_until_ready(jax.jit(lambda lg: ops.route(lg, flags))(lgs))
+        for r, (lg, T) in enumerate(zip(lgs, tokens)):
+            msg = f"{seed} {dtype} rank {r} T={T}"
+            assert ids[r].shape == ws[r].shape == (T, K), msg
+            if T:  # moe.route eagerly, into poisoned buffers of ours
+                want_i = from_numpy(np.full((T, K), -7, np.int32), a2a.ranks[0].device)
+                want_w = from_numpy(np.full((T, K), np.nan, np.float32), a2a.ranks[0].device)
+                route(as_tensor(lg), want_i, want_w, renormalize=flags[r])
+                a2a.ranks[0].device.synchronize()
+                assert np.array_equal(np.asarray(ids[r]), to_numpy(want_i)), msg
+                assert np.array_equal(np.asarray(ws[r]).view(np.uint32), to_numpy(want_w).view(np.uint32)), msg
+            ref_ids, _ = route_reference(np.asarray(lg.astype(jnp.float32)), K, flags[r])
+            assert np.array_equal(np.asarray(ids[r]), ref_ids), msg
+        _expect_native(ops)
+
+
 @pytest.mark.parametrize("ep,E,I,tmax", [(1, 8, 128, 16), (4, 9, 128, 24), (8, 16, 64, 8)])
 def test_layer_under_jit_is_the_eager_layer_bitwise(ep, E, I, tmax):
     from ep_a2a.layers.base import payload_specs

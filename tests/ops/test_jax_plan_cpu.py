@@ -312,3 +312,29 @@ def test_renumbered_moves_only_the_named_buffers():
     q = A2AParams.from_buffer_copy(moved.args[0])
     assert (q.payloads[0].src, q.combine_out) == (jax_plan.fake(1, 32), jax_plan.fake(9, 64))
     assert moved.args[1] == b"\x07" * 12 and op.args[0] == bytes(p)  # (odd sizes kept; the original untouched)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_traced_route_plans_the_router_kernel_per_rank(monkeypatch, dtype):
+    """JaxAlltoAll.route traced and lowered on the CPU with the native path: one call whose plan
+    is moe.route's launch for these logits (the kernel of their dtype and width), reading
+    operand 0 and writing results 1 (ids) and 2 (weights), with renormalize as given."""
+    from ep_a2a.router import ROUTE_DTYPES
+    jax = pytest.importorskip("jax")
+    jnp = pytest.importorskip("jax.numpy")
+    ops, made, a2a, r = native_moe_ops(monkeypatch)
+    T, E, renorm = random.randint(1, 64), a2a.num_experts, random.choice([True, False])
+    lowered = jax.jit(lambda lg: ops.route(lg, renorm)).lower(jax.ShapeDtypeStruct((T, E), jnp.dtype(dtype)))
+    assert lowered.as_text().count("custom_call @ep_a2a_run") == 1
+    ids, w = lowered.out_info
+    assert (ids.shape, ids.dtype, w.shape, w.dtype) == ((T, trace.TOP_K), jnp.int32, (T, trace.TOP_K), jnp.float32)
+    ((call,),) = made
+    (launch,) = call.ops
+    n = 1 << max(0, (E - 1) // 32).bit_length()
+    from ep_a2a.router import router_for
+    assert launch.function == router_for(r.device)._module.function(f"moe_route_{ROUTE_DTYPES[dtype]}_{n}")
+    words = jax_plan._arg_words(launch.args)[1]
+    assert [b for _, b, _ in jax_plan.patches(words)] == [0, 1, 2]
+    assert [int(v) for v in words[3:7]] == [T, E, trace.TOP_K, int(renorm)]
+    ops.close()
+    a2a.close()
