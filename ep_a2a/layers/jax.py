@@ -107,6 +107,13 @@ def _jitted():
     return _JIT
 
 
+def _copies(views) -> tuple:
+    """New jax arrays holding these tensors of ours (a from_dlpack alias lives only for the copy)."""
+    import jax
+    import jax.numpy as jnp
+    return tuple(jnp.array(jax.dlpack.from_dlpack(v), copy=True) for v in views)
+
+
 def traced_functions() -> dict:
     """The router and expert functions of the layer, unjitted, for callers tracing their own
     programs: router(logits, top_k, renormalize) -> (ids, weights); ragged_ffn(x, counts, w1t, w2t);
@@ -184,6 +191,7 @@ class JaxMoeLayer(LayerBase):
         self._y = empty((cap, H), "bfloat16", dev) if self.gemm == "loop" else None
         self._out = empty((a.max_tokens_per_rank, H), "bfloat16", dev)
         self._routes = empty((2 * a.max_tokens_per_rank * self.top_k,), "int32", dev)  # route(): ids, then weights
+        self._routing = None
         self._keep = []   # jax arrays an ep_a2a launch of this step still reads, or that alias our memory
         self._jit_ops = None  # the ops.jax.JaxAlltoAll of traced steps (moe_forward_traced), made on first use
         _jitted()
@@ -194,21 +202,33 @@ class JaxMoeLayer(LayerBase):
 
     # -- phases ------------------------------------------------------------------------------------
     def route(self, logits):
-        """(ids int32 [T, top_k], weights fp32 [T, top_k]): top_k logits, softmax over them
-        (renormalize=False: the full softmax's probabilities of those experts). ep_a2a's router
-        kernel on this rank's stream where it takes the logits (fused_route), into the layer's
-        buffers (the arrays alias them until the next step), else XLA's top_k and softmax."""
-        import jax
-        T = int(logits.shape[0])
+        """(ids int32 [T, top_k], weights fp32 [T, top_k]) as new jax arrays: top_k logits, softmax
+        over them (renormalize=False: the full softmax's probabilities of those experts).
+        ep_a2a's router kernel on this rank's stream where it takes the logits (fused_route),
+        else XLA's top_k and softmax."""
         if not self.fused_route(logits):
             return _JIT["router"](logits, self.top_k, self.renormalize)
+        return _copies(self._fused_routes(logits))
+
+    def _fused_routes(self, logits) -> list:
+        """ep_a2a's router kernel on this rank's stream into the layer's routing buffers: their
+        views (ids, weights), valid until the next step's routing."""
+        T = int(logits.shape[0])
         views = [self._routes.view(0, (T, self.top_k), "int32"),
                  self._routes.view(self._routes.nbytes // 2, (T, self.top_k), "float32")]
         moe_route(as_tensor(logits, stream=self.s), *views, renormalize=self.renormalize, stream=self.s)
         for v in views:
-            v.stream = self.s  # (JAX's stream waits for the router)
+            v.stream = self.s  # (JAX's stream waits for the router when it reads them)
         self._keep.append(logits)
-        return tuple(jax.dlpack.from_dlpack(v) for v in views)
+        return views
+
+    @property
+    def routing(self):
+        """The last step's (ids, weights) as jax arrays (copies, made on first access: no jax
+        array aliases the layer's buffers past the call that reads them)."""
+        if self._routing is not None and not hasattr(self._routing[0], "block_until_ready"):
+            self._routing = _copies(self._routing)
+        return self._routing
 
     def fused_route(self, logits) -> bool:
         """Whether route() runs ep_a2a's router kernel on these logits (eager and traced alike):
@@ -239,19 +259,23 @@ class JaxMoeLayer(LayerBase):
             raise RuntimeError(f"rank {self.rank}: prepare() called twice without combine()")
         T = self.check_inputs(x, router)
         x = jax.device_put(x, self.jdev)
+        fused = not isinstance(router, (tuple, list)) and self.fused_route(router)
         if isinstance(router, (tuple, list)):
             ids, w = (jax.device_put(jnp.asarray(router[0], jnp.int32), self.jdev),
                       jax.device_put(jnp.asarray(router[1], jnp.float32), self.jdev))
+        elif fused:
+            ids, w = self._fused_routes(jax.device_put(router, self.jdev))
         else:
             ids, w = self.route(jax.device_put(router, self.jdev))
-        jax.block_until_ready((x, ids, w))  # the host may block now, before any rank dispatches
+        jax.block_until_ready(x if fused else (x, ids, w))  # the host may block now, before any rank dispatches
         if T:
-            staged = [as_tensor(t, stream=self.s) for t in (ids, x, w)]
+            staged = [ids if fused else as_tensor(ids, stream=self.s), as_tensor(x, stream=self.s),
+                      w if fused else as_tensor(w, stream=self.s)]
         else:  # zero-token views of our own memory (nothing is read)
             staged = [self._out.view(0, (0, self.top_k), "int32"), self._out.view(0, (0, self.hidden)),
                       self._out.view(0, (0, self.top_k), "float32")]
-        self._keep = [x, ids, w]
-        self.routing = (ids, w)
+        self._keep += [x] if fused else [x, ids, w]
+        self._routing = (ids, w)
         self._step = dict(T=T, runtime_max=int(runtime_max_tokens_per_rank), ids=staged[0], x=staged[1], w=staged[2],
                           our_router=not isinstance(router, (tuple, list)))
 
