@@ -31,9 +31,9 @@ The ways to run the experts (gemm=), none with a host sync but "loop":
     the combine input): FC1 reads the dispatched rows in place, no gather; traced, the
     experts, finalize and combine are one XLA call (JaxAlltoAll.experts_combine). bf16, hidden
     and I multiples of 64.
-  "auto": "fused" while an expert may get at most moe.auto_expert_rows rows (ep_size * T^:
-    TorchMoeLayer's rule), else "ragged" below RAGGED_BELOW tokens per rank (T^), where the
-    masked work is small and padded's gathers cost more, "padded" from there (expert_gemm).
+  "auto": "fused" while an expert may get at most auto_fused_rows rows (ep_size * T^), else
+    "ragged" below RAGGED_BELOW tokens per rank (T^), where the masked work is small and
+    padded's gathers cost more, "padded" from there (expert_gemm).
     Where the kernels may run beside the jnp functions the layer keeps its weights in both
     layouts (nn.Linear's for the kernels, transposed for the jnp functions).
 
@@ -50,12 +50,18 @@ from ..driver.memory import copy_dtod_async, copy_dtoh
 from ..driver.stream import synchronize_stream
 from ..interop.arrays import empty
 from ..interop.tensor import as_tensor
-from ..moe import EXPERT_TILE, FINALIZE_TILES, ExpertIndex, auto_expert_rows, expert_fc1, expert_fc2, expert_gemms_unsupported
+from ..moe import (EXPERT_TILE, FINALIZE_TILES, FUSED_MAX_HIDDEN, ExpertIndex, auto_expert_rows, expert_fc1, expert_fc2,
+                   expert_gemms_unsupported)
 from ..router import route as moe_route, route_unsupported
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
 GEMMS = ("auto", "padded", "ragged", "loop", "fused")
 RAGGED_BELOW = 16
+# XLA's expert functions do a multiple of the rows' work (padded: ep_size * T^ rows per expert;
+# ragged: every row per expert), so the expert kernels beat them where torch's grouped GEMM
+# beats the kernels: up to this many rows per expert, as the JAX layer benchmark found
+# (docs/jax.md), at hidden <= moe.FUSED_MAX_HIDDEN; above it, TorchMoeLayer's rule.
+FUSED_MAX_ROWS_XLA = 1024
 _JIT = {}
 
 
@@ -133,6 +139,14 @@ def expert_gemm(gemm: str, runtime_max: int, fused_max_rows: int = 0, ep_size: i
     return "ragged" if runtime_max < RAGGED_BELOW and hasattr(jax.lax, "ragged_dot") else "padded"
 
 
+def auto_fused_rows(hidden: int, inter: int) -> int:
+    """The most rows an expert may get (ep_size * T^) for which gemm="auto" takes the expert
+    kernels: FUSED_MAX_ROWS_XLA at hidden <= moe.FUSED_MAX_HIDDEN, else moe.auto_expert_rows
+    (0 where the kernels do not take the shapes)."""
+    rows = auto_expert_rows(hidden, inter)
+    return max(rows, FUSED_MAX_ROWS_XLA) if rows and hidden <= FUSED_MAX_HIDDEN else rows
+
+
 def expert_rows_bound(layer, runtime_max: int, our_router: bool, capacity: int) -> int:
     """The most rows one local expert can receive in a step of T^ = runtime_max: a token picks
     an expert at most once through our router (top_k distinct experts); ids from the caller
@@ -179,7 +193,7 @@ class JaxMoeLayer(LayerBase):
         why = expert_gemms_unsupported(H, I)
         if gemm == "fused" and why is not None:
             raise ValueError(f"gemm='fused': the expert kernels do not take {why}")
-        self.fused_max_rows = 1 << 62 if gemm == "fused" else auto_expert_rows(H, I) if gemm == "auto" else 0
+        self.fused_max_rows = 1 << 62 if gemm == "fused" else auto_fused_rows(H, I) if gemm == "auto" else 0
         self._fc2_finalizes = not self._fp8 and H <= FINALIZE_TILES * EXPERT_TILE  # (FC2's kernel finalizes too)
         if self.ep_size <= self.fused_max_rows:  # (the kernels run at T^ = 1 at least)
             put = lambda w: jax.device_put(jnp.asarray(w, jnp.bfloat16), self.jdev)  # noqa: E731

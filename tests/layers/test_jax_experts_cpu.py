@@ -11,7 +11,8 @@ jax = pytest.importorskip("jax", reason="jax is not installed (pip install jax)"
 jnp = jax.numpy
 
 from common import fresh_rng  # noqa: E402
-from ep_a2a.layers.jax import RAGGED_BELOW, expert_gemm, expert_rows_bound, traced_functions  # noqa: E402
+from ep_a2a.layers.jax import (FUSED_MAX_ROWS_XLA, RAGGED_BELOW, auto_fused_rows, expert_gemm,  # noqa: E402
+                               expert_rows_bound, traced_functions)
 
 
 def _oracle(x, counts, w1t, w2t):
@@ -73,3 +74,10 @@ def test_auto_takes_the_expert_kernels_while_an_expert_gets_few_rows():
     assert [expert_gemm("auto", t, 256, 8) for t in (0, 1, 32, 33)] == ["fused", "fused", "fused", "padded"]
     assert [expert_gemm("auto", t, 16, 8) for t in (2, 3)] == ["fused", small]
     assert [expert_gemm(g, 1, 256, 8) for g in ("padded", "ragged", "loop")] == ["padded", "ragged", "loop"]
+
+
+def test_auto_takes_the_kernels_to_more_rows_than_torch_below_the_wide_hidden_sizes():
+    from ep_a2a.moe import EXPERT_PASS_ROWS, FUSED_MAX_HIDDEN
+    assert auto_fused_rows(2048, 1024) == FUSED_MAX_ROWS_XLA
+    assert auto_fused_rows(FUSED_MAX_HIDDEN + 64, 2048) == EXPERT_PASS_ROWS   # (torch's rule there)
+    assert auto_fused_rows(2048, 1000) == 0                                     # (the kernels do not take I=1000)

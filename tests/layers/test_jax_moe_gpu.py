@@ -164,17 +164,16 @@ def test_padded_experts_take_every_row_when_the_caller_repeats_an_expert(protoco
 
 @pytest.mark.parametrize("protocol", ["fence", "sentinel"])
 def test_auto_runs_the_expert_kernels_up_to_its_rows_and_xla_past_them(protocol):
-    """gemm="auto": the expert kernels while ep_size * T^ <= moe.auto_expert_rows (8 ranks, hidden
-    256: T^ <= 32), XLA's experts past it, in one set of layers; jitted and eager bitwise equal
-    at both sizes (each their own jit), and both against the float64 reference."""
-    from ep_a2a.layers.jax import jit_forward_all_ranks, moe_forward_all_ranks
-    from ep_a2a.moe import auto_expert_rows
+    """gemm="auto": the expert kernels while ep_size * T^ <= layers.jax.auto_fused_rows (8 ranks,
+    hidden 256: T^ <= 128), XLA's experts past it, in one set of layers; jitted and eager bitwise
+    equal at both sizes (each their own jit), and both against the float64 reference."""
+    from ep_a2a.layers.jax import auto_fused_rows, jit_forward_all_ranks, moe_forward_all_ranks
     from ep_a2a.testing.layer_oracle import check_layer_output, dense_reference, distinct_logits, route_reference
     from ep_a2a.testing.reference import from_float32
     dev = _gpu()
     rng, seed = fresh_rng()
     ep, E, top_k, H, I = 8, 16, 4, 256, 128
-    edge = auto_expert_rows(H, I) // ep
+    edge = auto_fused_rows(H, I) // ep
     with _jax_layers(dev, rng, ep, E, top_k, H, I, edge + 1, "auto", protocol=protocol) as (layers, (w1_bits, w2_bits)):
         for tmax, want_gemm in ((edge, "fused"), (edge + 1, "padded"), (edge, "fused")):
             assert [layer.expert_gemm(tmax) for layer in layers] == [want_gemm] * ep
