@@ -15,7 +15,9 @@ Method: wall time of a whole step on the host, from the call to the results bein
 --warmup, per token count. The jitted step's device time: a program of CHAIN + 1 steps (each
 step's outputs the next one's hidden states) minus a program of one, over CHAIN (the host
 issues step i+1 while step i runs, so it hides behind the GPU as long as it is the faster);
-host = jit - device. Pipelined: --iters steps issued back to back (each step's outputs the
+host = jit - device. The step's routing (random logits, the same every step of a size) selects
+experts whose weights it must read (weight_bytes_read), the floor of the experts at small sizes.
+Pipelined: --iters steps issued back to back (each step's outputs the
 next one's hidden states) and waited for once, per step: what a serving loop that does not
 wait between steps sees, the larger of the host's and the device's time per step; the
 baseline is timed the same way. Routing: random logits through the router. Prints one line per token
@@ -105,6 +107,14 @@ def _median_us(fn, iters: int, warmup: int) -> float:
     return float(np.median(times) * 1e6)
 
 
+def weight_bytes_read(ids_per_rank, num_experts: int, hidden: int, inter: int) -> int:
+    """Bytes of expert weights a step must read: FC1's [2 I, hidden] and FC2's [hidden, I] bf16
+    of every expert at least one token selected (ids: one array per rank; -1: none)."""
+    ids = np.concatenate([np.asarray(i).reshape(-1) for i in ids_per_rank])
+    hit = np.unique(ids[(ids >= 0) & (ids < num_experts)])
+    return int(hit.size) * 3 * hidden * inter * 2
+
+
 def _pipelined_us(fn, xs, logits, iters: int, warmup: int) -> float:
     import jax
     ys = xs
@@ -156,9 +166,10 @@ def run(args, profiles: dict, commit) -> dict:
                 eager = [np.asarray(o) for o in moe_forward_all_ranks(layers, xs, logits, T)]
                 theirs = [np.asarray(o) for o in jax.block_until_ready(base(xs, logits))]
                 same = all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(ours, eager))
+                weights_read = weight_bytes_read([layer.routing[0] for layer in layers], E, H, I)
                 diff = max(max_relative_error(a.astype(np.float32), b.astype(np.float32)) for a, b in zip(ours, theirs))
                 row = dict(tokens_per_rank=T, gemm=layers[0].expert_gemm(T), jit_equals_eager_bitwise=same,
-                           max_rel_diff_vs_baseline=diff,
+                           max_rel_diff_vs_baseline=diff, weight_bytes_read=weights_read,
                            jit_us=_median_us(lambda: jitted(xs, logits), args.iters, args.warmup),
                            eager_us=_median_us(lambda: moe_forward_all_ranks(layers, xs, logits, T), args.iters, args.warmup),
                            baseline_us=_median_us(lambda: base(xs, logits), args.iters, args.warmup))
@@ -172,7 +183,7 @@ def run(args, profiles: dict, commit) -> dict:
                       f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; device {row['device_us']:.1f} µs "
                       f"(jit/device x{row['jit_us'] / row['device_us']:.2f}); pipelined {row['pipelined_us']:.1f} µs "
                       f"(/device x{row['pipelined_us'] / row['device_us']:.2f}; baseline {row['baseline_pipelined_us']:.1f}); "
-                      f"jit == eager bitwise: {same}; "
+                      f"expert weights read {weights_read / 1e6:.0f} MB; jit == eager bitwise: {same}; "
                       f"vs baseline {diff:.2g}", file=sys.stderr, flush=True)
         finally:
             for layer in layers:

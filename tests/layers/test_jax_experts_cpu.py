@@ -81,3 +81,4 @@ def test_auto_takes_the_kernels_to_more_rows_than_torch_below_the_wide_hidden_si
     assert auto_fused_rows(2048, 1024) == FUSED_MAX_ROWS_XLA
     assert auto_fused_rows(FUSED_MAX_HIDDEN + 64, 2048) == EXPERT_PASS_ROWS   # (torch's rule there)
     assert auto_fused_rows(2048, 1000) == 0                                     # (the kernels do not take I=1000)
+
