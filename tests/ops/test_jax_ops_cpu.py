@@ -161,15 +161,20 @@ def test_a_program_on_the_cpu_is_refused_with_the_reason():
     assert "ep_a2a's jit calls run on CUDA GPUs only" in str(e.value), str(e.value)[-500:]
 
 
+def _experts_setup():
+    """4 traced ranks of 10 experts (3, 3, 2, 2 local), their inputs and expert weights of I=128."""
+    ops = JaxAlltoAll.traced_only(_options(), rank_numbers=(0, 1, 2, 3))
+    ids, pays = _inputs((8, 3, 0, 5))
+    L, inter = (3, 3, 2, 2), 128
+    return (ops, ids, pays, [S((n, 2 * inter, H), jnp.bfloat16) for n in L], [S((n, H, inter), jnp.bfloat16) for n in L],
+            L, inter)
+
+
 def test_experts_call_shapes_and_its_trace_time_errors():
     """JaxAlltoAll.experts between the MoE pair: fc2_out [ep_size * T^ * top_k, hidden] bf16 per
     rank; its weights' rules (dtype, shapes from each rank's local experts, the kernels' multiples
     of 64) and its pairing with dispatch_to_experts, refused while tracing with the argument named."""
-    ops = JaxAlltoAll.traced_only(_options(), rank_numbers=(0, 1, 2, 3))  # 10 experts: 3, 3, 2, 2
-    ids, pays = _inputs((8, 3, 0, 5))
-    L, inter = (3, 3, 2, 2), 128
-    w1 = [S((n, 2 * inter, H), jnp.bfloat16) for n in L]
-    w2 = [S((n, H, inter), jnp.bfloat16) for n in L]
+    ops, ids, pays, w1, w2, L, inter = _experts_setup()
 
     def step(ids, pays, w1, w2):
         d = ops.dispatch_to_experts(ids, pays, 8)
@@ -202,11 +207,7 @@ def test_experts_combine_shapes_and_its_trace_time_errors():
     """JaxAlltoAll.experts_combine after dispatch_to_experts(rows=False): the combine's output
     [T_r, hidden] per rank and no rows; refused while tracing after dispatch() and with a
     combine that does not take the experts' bf16 rows."""
-    ops = JaxAlltoAll.traced_only(_options(), rank_numbers=(0, 1, 2, 3))  # 10 experts: 3, 3, 2, 2
-    ids, pays = _inputs((8, 3, 0, 5))
-    L, inter = (3, 3, 2, 2), 128
-    w1 = [S((n, 2 * inter, H), jnp.bfloat16) for n in L]
-    w2 = [S((n, H, inter), jnp.bfloat16) for n in L]
+    ops, ids, pays, w1, w2, L, inter = _experts_setup()
 
     def step(ids, pays, w1, w2):
         d = ops.dispatch_to_experts(ids, pays, 8, rows=False)
