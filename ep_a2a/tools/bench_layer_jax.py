@@ -107,6 +107,18 @@ def _median_us(fn, iters: int, warmup: int) -> float:
     return float(np.median(times) * 1e6)
 
 
+def random_weights_bf16(rng, E: int, H: int, I: int) -> tuple:
+    """Host bf16 (w_gate_up [E, 2I, H] ~ N(0, 1/H), w_down [E, H, I] ~ N(0, 1/I)), drawn expert by
+    expert in float32: the DeepSeek-V3-like profile's 22.5 GB of bf16 weights never exist in
+    float64 or float32 as a whole, nor on the GPU beside the layers' own copies."""
+    import ml_dtypes
+    w1, w2 = np.empty((E, 2 * I, H), ml_dtypes.bfloat16), np.empty((E, H, I), ml_dtypes.bfloat16)
+    for e in range(E):
+        w1[e] = rng.standard_normal((2 * I, H), dtype=np.float32) * np.float32(H ** -0.5)
+        w2[e] = rng.standard_normal((H, I), dtype=np.float32) * np.float32(I ** -0.5)
+    return w1, w2
+
+
 def weight_bytes_read(ids_per_rank, num_experts: int, hidden: int, inter: int) -> int:
     """Bytes of expert weights a step must read: FC1's [2 I, hidden] and FC2's [hidden, I] bf16
     of every expert at least one token selected (ids: one array per rank; -1: none)."""
@@ -141,8 +153,7 @@ def run(args, profiles: dict, commit) -> dict:
     rng = np.random.default_rng(seed)
     gpu = jax_device(args.device)
     put = lambda a: jax.device_put(jnp.asarray(a), gpu)  # noqa: E731
-    w1 = put((rng.standard_normal((E, 2 * I, H)) / H ** 0.5).astype(np.float32)).astype(jnp.bfloat16)
-    w2 = put((rng.standard_normal((E, H, I)) / I ** 0.5).astype(np.float32)).astype(jnp.bfloat16)
+    w1, w2 = random_weights_bf16(rng, E, H, I)  # (on the host: each layer puts its own experts on the GPU)
     print(f"seed {seed}; {gpu.device_kind}; jax {jax.__version__}; {ep} ranks; hidden {H}, intermediate {I}, "
           f"{E} experts, top_k {top_k}", file=sys.stderr)
     protocol = "fence" if args.combine_quant else args.protocol
@@ -156,6 +167,7 @@ def run(args, profiles: dict, commit) -> dict:
             for r in a2a.ranks:
                 first, n = local_experts(E, ep, r.rank)
                 layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm))
+            del w1, w2  # (the layers hold their weights; the baseline reads theirs)
             base = all_gather_step(layers, args.gemm)
             for T in args.tokens:
                 xs = [put(rng.standard_normal((T, H)).astype(np.float32)).astype(jnp.bfloat16) for _ in range(ep)]

@@ -249,3 +249,24 @@ def test_the_expert_kernels_step_under_command_buffers_and_on_the_python_path(pr
         f"{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     want = "native" if native and jax_ffi.LIBRARY.is_file() else "python"
     assert f"CHILD OK {want}" in p.stdout, p.stdout[-2000:]
+
+
+def test_the_jax_layer_benchmark_on_a_small_shape(tmp_path):
+    """`python -m ep_a2a.bench_layer --framework jax` on a small shape, with the expert kernels at
+    1 token (auto) and XLA's experts past auto's rows: every row jitted == eager bitwise, close to
+    the baseline, its times and the weights its routing reads recorded."""
+    import json
+    _gpu()
+    out = tmp_path / "r.json"
+    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    cmd = [sys.executable, "-m", "ep_a2a.bench_layer", "--framework", "jax", "--ranks", "4", "--hidden", "256",
+           "--intermediate", "128", "--experts", "16", "--top-k", "4", "--tokens", "1,300", "--iters", "3", "--warmup", "1",
+           "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tokens_per_rank"], r["gemm"]) for r in rows] == [(1, "fused"), (300, "padded")], rows
+    for r in rows:
+        assert r["jit_equals_eager_bitwise"] and r["max_rel_diff_vs_baseline"] < 0.05, r
+        assert min(r[k] for k in ("jit_us", "eager_us", "baseline_us", "pipelined_us", "baseline_pipelined_us")) > 0, r
+        assert 0 < r["weight_bytes_read"] <= 16 * 3 * 256 * 128 * 2, r

@@ -12,3 +12,17 @@ def test_the_weights_a_step_reads_are_those_of_every_selected_expert_once():
     ids[0] = np.concatenate([ids[0], np.full((1, 4), -1, np.int32)])     # (-1: no expert)
     hit = {int(e) for a in ids for e in a.reshape(-1) if e >= 0}
     assert weight_bytes_read(ids, E, H, inter) == len(hit) * 3 * H * inter * 2
+
+
+def test_random_weights_are_bf16_with_the_layers_scales():
+    import pytest
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from ep_a2a.tools.bench_layer_jax import random_weights_bf16
+    rng, _ = fresh_rng()
+    E, H, inter = 3, 256, 128
+    w1, w2 = random_weights_bf16(rng, E, H, inter)
+    assert (w1.dtype, w1.shape, w2.dtype, w2.shape) == (ml_dtypes.bfloat16, (E, 2 * inter, H), ml_dtypes.bfloat16, (E, H, inter))
+    for w, scale in ((w1, H ** -0.5), (w2, inter ** -0.5)):
+        x = w.astype(np.float32)
+        assert abs(x.std() / scale - 1) < 0.05 and abs(x.mean()) < 0.05 * scale
+        assert len({x[e].tobytes() for e in range(E)}) == E          # (each expert drawn anew)
