@@ -16,7 +16,9 @@ Method: wall time of a whole step on the host, from the call to the results bein
 step's outputs the next one's hidden states) minus a program of one, over CHAIN (the host
 issues step i+1 while step i runs, so it hides behind the GPU as long as it is the faster);
 host = jit - device. The step's routing (random logits, the same every step of a size) selects
-experts whose weights it must read (weight_bytes_read), the floor of the experts at small sizes.
+experts whose bf16 weights it must read (load_stats: experts_touched, weight_bytes_read), in at
+least weight_read_floor_us at the copy rate of a jitted elementwise pass over 1 GiB in the
+same run (bytes read + written per second), the experts' floor at small sizes.
 Pipelined: --iters steps issued back to back (each step's outputs the
 next one's hidden states) and waited for once, per step: what a serving loop that does not
 wait between steps sees, the larger of the host's and the device's time per step; the
@@ -31,6 +33,7 @@ import time
 
 import numpy as np
 
+from .bench_layer_graphs import load_stats
 from .bench_layer_profiles import layer_shape, run_seed
 
 
@@ -119,12 +122,18 @@ def random_weights_bf16(rng, E: int, H: int, I: int) -> tuple:
     return w1, w2
 
 
-def weight_bytes_read(ids_per_rank, num_experts: int, hidden: int, inter: int) -> int:
-    """Bytes of expert weights a step must read: FC1's [2 I, hidden] and FC2's [hidden, I] bf16
-    of every expert at least one token selected (ids: one array per rank; -1: none)."""
-    ids = np.concatenate([np.asarray(i).reshape(-1) for i in ids_per_rank])
-    hit = np.unique(ids[(ids >= 0) & (ids < num_experts)])
-    return int(hit.size) * 3 * hidden * inter * 2
+def copy_rate_tbps(gpu, nbytes: int = 1 << 30, iters: int = 10) -> float:
+    """HBM rate of an elementwise pass over nbytes (bytes read + written per second, TB/s): a
+    jitted program of two passes (a barrier keeps XLA from fusing them) minus one of one pass,
+    medians of iters calls, so the call's own cost cancels: the floor's rate in the same run."""
+    import jax
+    import jax.numpy as jnp
+    x = jax.device_put(jnp.zeros(nbytes, jnp.uint8), gpu)
+    one = jax.jit(lambda a: a + jnp.uint8(1))
+    two = jax.jit(lambda a: jax.lax.optimization_barrier(a + jnp.uint8(1)) + jnp.uint8(1))
+    us = _median_us(lambda: two(x), iters, 2) - _median_us(lambda: one(x), iters, 2)
+    del x
+    return 2 * nbytes / (us * 1e-6) / 1e12
 
 
 def _pipelined_us(fn, xs, logits, iters: int, warmup: int) -> float:
@@ -154,8 +163,9 @@ def run(args, profiles: dict, commit) -> dict:
     gpu = jax_device(args.device)
     put = lambda a: jax.device_put(jnp.asarray(a), gpu)  # noqa: E731
     w1, w2 = random_weights_bf16(rng, E, H, I)  # (on the host: each layer puts its own experts on the GPU)
+    rate = copy_rate_tbps(gpu)
     print(f"seed {seed}; {gpu.device_kind}; jax {jax.__version__}; {ep} ranks; hidden {H}, intermediate {I}, "
-          f"{E} experts, top_k {top_k}", file=sys.stderr)
+          f"{E} experts, top_k {top_k}; copy rate {rate:.2f} TB/s (read + write)", file=sys.stderr)
     protocol = "fence" if args.combine_quant else args.protocol
     rows = []
     with ep_a2a.LocalGroup([args.device] * ep) as group, \
@@ -178,10 +188,11 @@ def run(args, profiles: dict, commit) -> dict:
                 eager = [np.asarray(o) for o in moe_forward_all_ranks(layers, xs, logits, T)]
                 theirs = [np.asarray(o) for o in jax.block_until_ready(base(xs, logits))]
                 same = all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(ours, eager))
-                weights_read = weight_bytes_read([layer.routing[0] for layer in layers], E, H, I)
+                load = load_stats([np.asarray(layer.routing[0]) for layer in layers], ep, T, top_k, E, H, I)
                 diff = max(max_relative_error(a.astype(np.float32), b.astype(np.float32)) for a, b in zip(ours, theirs))
                 row = dict(tokens_per_rank=T, gemm=layers[0].expert_gemm(T), jit_equals_eager_bitwise=same,
-                           max_rel_diff_vs_baseline=diff, weight_bytes_read=weights_read,
+                           max_rel_diff_vs_baseline=diff, **load,
+                           weight_read_floor_us=load["weight_bytes_read"] / (rate * 1e12) * 1e6,
                            jit_us=_median_us(lambda: jitted(xs, logits), args.iters, args.warmup),
                            eager_us=_median_us(lambda: moe_forward_all_ranks(layers, xs, logits, T), args.iters, args.warmup),
                            baseline_us=_median_us(lambda: base(xs, logits), args.iters, args.warmup))
@@ -195,7 +206,8 @@ def run(args, profiles: dict, commit) -> dict:
                       f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; device {row['device_us']:.1f} µs "
                       f"(jit/device x{row['jit_us'] / row['device_us']:.2f}); pipelined {row['pipelined_us']:.1f} µs "
                       f"(/device x{row['pipelined_us'] / row['device_us']:.2f}; baseline {row['baseline_pipelined_us']:.1f}); "
-                      f"expert weights read {weights_read / 1e6:.0f} MB; jit == eager bitwise: {same}; "
+                      f"weight-read floor {row['weight_read_floor_us']:.1f} µs ({load['experts_touched']} experts); "
+                      f"jit == eager bitwise: {same}; "
                       f"vs baseline {diff:.2g}", file=sys.stderr, flush=True)
         finally:
             for layer in layers:
@@ -205,5 +217,5 @@ def run(args, profiles: dict, commit) -> dict:
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
                             device=args.device, tokens=args.tokens, iters=args.iters, warmup=args.warmup, seed=seed,
                             protocol=protocol, combine_quant=args.combine_quant, gemm=args.gemm,
-                            calls=calls_path(), xla_flags=os.environ.get("XLA_FLAGS", "")),
+                            calls=calls_path(), xla_flags=os.environ.get("XLA_FLAGS", ""), copy_rate_tbps=rate),
                 method=__doc__, rows=rows)

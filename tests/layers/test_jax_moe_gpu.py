@@ -269,4 +269,5 @@ def test_the_jax_layer_benchmark_on_a_small_shape(tmp_path):
     for r in rows:
         assert r["jit_equals_eager_bitwise"] and r["max_rel_diff_vs_baseline"] < 0.05, r
         assert min(r[k] for k in ("jit_us", "eager_us", "baseline_us", "pipelined_us", "baseline_pipelined_us")) > 0, r
-        assert 0 < r["weight_bytes_read"] <= 16 * 3 * 256 * 128 * 2, r
+        assert 0 < r["experts_touched"] <= 16 and r["weight_bytes_read"] == r["experts_touched"] * 3 * 256 * 128 * 2, r
+        assert r["weight_read_floor_us"] > 0, r
