@@ -252,7 +252,8 @@ def parser() -> argparse.ArgumentParser:
                     help="--graph: steps R of the shorter graph (the other has 2R; default 2)")
     ap.add_argument("--replays", type=positive_int, default=20, help="--graph: timed replays per graph (default 20)")
     ap.add_argument("--stage-replays", dest="stage_replays", type=nonnegative_int, default=10,
-                    help="--graph: profiled back-to-back replays for the stages (0: no stages; default 10)")
+                    help="--graph, --framework jax: profiled back-to-back replays (jax: jitted steps) for the "
+                         "stages (0: no stages; default 10)")
     ap.add_argument("--host-iters", dest="host_iters", type=positive_int, default=10,
                     help="--graph: eager steps timed for the host cost (default 10)")
     ap.add_argument("--profile", choices=sorted(PROFILES), default="small",

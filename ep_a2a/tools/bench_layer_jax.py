@@ -12,7 +12,10 @@ Each row names the expert function our layer ran (`gemm`).
 
 Method: wall time of a whole step on the host, from the call to the results being ready
 (jax.block_until_ready; the eager layer synchronizes itself), median over --iters after
---warmup, per token count. The jitted step's device time: a program of CHAIN + 1 steps (each
+--warmup, per token count. Stages (--stage-replays > 0, where torch is installed): after every
+size is timed, the jitted steps of each size replayed back to back under torch.profiler, whose
+CUPTI kernel records give each stage's span as the graphed torch benchmark's do. The jitted
+step's device time: a program of CHAIN + 1 steps (each
 step's outputs the next one's hidden states) minus a program of one, over CHAIN (the host
 issues step i+1 while step i runs, so it hides behind the GPU as long as it is the faster);
 host = jit - device. The step's routing (random logits, the same every step of a size) selects
@@ -35,6 +38,7 @@ import numpy as np
 
 from .bench_layer_graphs import load_stats
 from .bench_layer_profiles import layer_shape, run_seed
+from .bench_layer_stages import OURS_MAP
 
 
 def all_gather_step(layers, gemm: str):
@@ -78,6 +82,7 @@ def all_gather_step(layers, gemm: str):
 
 
 CHAIN = 4
+JAX_STAGE_MAP = dict(OURS_MAP, memcpy="index")  # (dispatch_to_experts copies the counts after its index)
 
 
 def calls_path() -> str:
@@ -136,6 +141,35 @@ def copy_rate_tbps(gpu, nbytes: int = 1 << 30, iters: int = 10) -> float:
     return 2 * nbytes / (us * 1e-6) / 1e12
 
 
+def stage_profile(fn, xs, logits, replays: int):
+    """Stage times (bench_layer_stages: a stage spans from its first kernel on any rank to its
+    last) of replays + 1 jitted steps issued back to back, the first left out, from the CUPTI
+    records of torch.profiler, which sees every kernel of the process, XLA's and ours; a
+    dict with the reason where torch is absent or the records do not split into steps."""
+    import json
+    import tempfile
+    import jax
+    from .bench_layer_stages import OURS_GROUPS, OURS_STAGES, stage_times
+    try:
+        import torch
+        torch.cuda.init()
+    except Exception as e:  # noqa: BLE001  (no torch, or no CUDA in it: no profile, the rest stands)
+        return dict(error=f"no kernel records: {e}")
+    ys = jax.block_until_ready(fn(xs, logits))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays + 1):
+            ys = fn(ys, logits)
+        jax.block_until_ready(ys)
+    with tempfile.TemporaryDirectory() as d:
+        prof.export_chrome_trace(f"{d}/trace.json")
+        with open(f"{d}/trace.json") as f:
+            events = json.load(f)["traceEvents"]
+    try:
+        return stage_times(events, replays + 1, JAX_STAGE_MAP, OURS_STAGES, groups=OURS_GROUPS, skip=1)
+    except ValueError as e:
+        return dict(error=str(e))
+
+
 def _pipelined_us(fn, xs, logits, iters: int, warmup: int) -> float:
     import jax
     ys = xs
@@ -167,7 +201,7 @@ def run(args, profiles: dict, commit) -> dict:
     print(f"seed {seed}; {gpu.device_kind}; jax {jax.__version__}; {ep} ranks; hidden {H}, intermediate {I}, "
           f"{E} experts, top_k {top_k}; copy rate {rate:.2f} TB/s (read + write)", file=sys.stderr)
     protocol = "fence" if args.combine_quant else args.protocol
-    rows = []
+    rows, profiled = [], []
     with ep_a2a.LocalGroup([args.device] * ep) as group, \
             ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(args.tokens), top_k=top_k, num_experts=E,
                                payloads=payload_specs(H, top_k), combine_hidden_size=H, protocol=protocol,
@@ -201,6 +235,7 @@ def run(args, profiles: dict, commit) -> dict:
                 row["pipelined_us"] = _pipelined_us(jitted, xs, logits, args.iters, args.warmup)
                 row["baseline_pipelined_us"] = _pipelined_us(base, xs, logits, args.iters, args.warmup)
                 rows.append(row)
+                profiled.append((row, jitted, xs, logits))
                 print(f"T={T:5d} {row['gemm']:6s} jit {row['jit_us']:9.1f} µs   eager {row['eager_us']:9.1f} µs   all-gather (jit) "
                       f"{row['baseline_us']:9.1f} µs   x{row['baseline_us'] / row['jit_us']:.2f} vs baseline, "
                       f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; device {row['device_us']:.1f} µs "
@@ -209,6 +244,13 @@ def run(args, profiles: dict, commit) -> dict:
                       f"weight-read floor {row['weight_read_floor_us']:.1f} µs ({load['experts_touched']} experts); "
                       f"jit == eager bitwise: {same}; "
                       f"vs baseline {diff:.2g}", file=sys.stderr, flush=True)
+            # stages after every timing: steps run slower once CUPTI has run in the process
+            for row, jitted, xs, logits in profiled if args.stage_replays else ():
+                row["stages"] = stage_profile(jitted, xs, logits, args.stage_replays)
+                means = row["stages"].get("mean_us", row["stages"])
+                print(f"T={row['tokens_per_rank']:5d} stages (µs, mean span): "
+                      + ", ".join(f"{k} {v:.1f}" if isinstance(v, float) else f"{k} {v}" for k, v in means.items()),
+                      file=sys.stderr, flush=True)
         finally:
             for layer in layers:
                 layer.close()
@@ -217,5 +259,6 @@ def run(args, profiles: dict, commit) -> dict:
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
                             device=args.device, tokens=args.tokens, iters=args.iters, warmup=args.warmup, seed=seed,
                             protocol=protocol, combine_quant=args.combine_quant, gemm=args.gemm,
-                            calls=calls_path(), xla_flags=os.environ.get("XLA_FLAGS", ""), copy_rate_tbps=rate),
+                            calls=calls_path(), xla_flags=os.environ.get("XLA_FLAGS", ""), copy_rate_tbps=rate,
+                            stage_replays=args.stage_replays),
                 method=__doc__, rows=rows)

@@ -254,14 +254,15 @@ def test_the_expert_kernels_step_under_command_buffers_and_on_the_python_path(pr
 def test_the_jax_layer_benchmark_on_a_small_shape(tmp_path):
     """`python -m ep_a2a.bench_layer --framework jax` on a small shape, with the expert kernels at
     1 token (auto) and XLA's experts past auto's rows: every row jitted == eager bitwise, close to
-    the baseline, its times and the weights its routing reads recorded."""
+    the baseline, its times, the weights its routing reads and its stages (torch.profiler)
+    recorded."""
     import json
     _gpu()
     out = tmp_path / "r.json"
     env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     cmd = [sys.executable, "-m", "ep_a2a.bench_layer", "--framework", "jax", "--ranks", "4", "--hidden", "256",
            "--intermediate", "128", "--experts", "16", "--top-k", "4", "--tokens", "1,300", "--iters", "3", "--warmup", "1",
-           "--out", str(out)]
+           "--stage-replays", "3", "--out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -271,3 +272,5 @@ def test_the_jax_layer_benchmark_on_a_small_shape(tmp_path):
         assert min(r[k] for k in ("jit_us", "eager_us", "baseline_us", "pipelined_us", "baseline_pipelined_us")) > 0, r
         assert 0 < r["experts_touched"] <= 16 and r["weight_bytes_read"] == r["experts_touched"] * 3 * 256 * 128 * 2, r
         assert r["weight_read_floor_us"] > 0, r
+        if "error" not in r["stages"] or "no kernel records" not in r["stages"]["error"]:  # (torch absent: none)
+            assert r["stages"]["mean_us"]["dispatch"] > 0 and r["stages"]["mean_us"]["combine"] > 0, r["stages"]
