@@ -133,9 +133,9 @@ def copy_rate_tbps(gpu, nbytes: int = 1 << 30, iters: int = 10) -> float:
     medians of iters calls, so the call's own cost cancels: the floor's rate in the same run."""
     import jax
     import jax.numpy as jnp
-    x = jax.device_put(jnp.zeros(nbytes, jnp.uint8), gpu)
-    one = jax.jit(lambda a: a + jnp.uint8(1))
-    two = jax.jit(lambda a: jax.lax.optimization_barrier(a + jnp.uint8(1)) + jnp.uint8(1))
+    x = jax.device_put(jnp.zeros(nbytes // 4, jnp.float32), gpu)
+    one = jax.jit(lambda a: a + 1.0)
+    two = jax.jit(lambda a: jax.lax.optimization_barrier(a + 1.0) + 1.0)
     us = _median_us(lambda: two(x), iters, 2) - _median_us(lambda: one(x), iters, 2)
     del x
     return 2 * nbytes / (us * 1e-6) / 1e12
