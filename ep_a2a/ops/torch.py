@@ -69,8 +69,8 @@ from ..moe import ExpertIndex, activation as moe_activation, build_index as moe_
     gather_rows as moe_gather_rows
 from ..router import Router, router_for
 from ..validate import check_expert_ids_on_host
-from .torch_views import INDEXES, RANKS, Replays, StreamUse, TorchIndex, TorchRank, bind, current_stream_handle, \
-    lookup, register_ops
+from .torch_views import INDEX_SLOTS, INDEXES, RANKS, Replays, StreamUse, TorchIndex, TorchRank, bind, \
+    current_stream_handle, lookup, register_ops
 
 __all__ = ["route", "bind", "dispatch", "combine", "combine_input", "expert_index", "build_index", "gather_rows", "activation",
            "expert_fc1", "expert_fc2", "finalize", "TorchRank", "TorchIndex", "SCHEMAS", "copies"]
@@ -215,10 +215,7 @@ def _index_piece(ix: TorchIndex, op: str, piece, tensors, stream: int) -> None:
         ix.streams.hold(s, tuple(tensors))
 
 
-_PIECE_SLOTS = {op: tuple(f"{op}.{n}" for n in names) for op, names in
-                (("gather_rows", ("src", "out")), ("activation", ("fc1_out", "out")),
-                 ("expert_fc1", ("src", "w_gate_up", "out")), ("expert_fc2", ("act", "w_down", "out")),
-                 ("expert_fc2_finalize", ("act", "w_down", "out", "finalize_into")), ("finalize", ("fc2_out", "out")))}
+_PIECE_SLOTS = {op: tuple(f"{op}.{n}" for n in names) for op, names in INDEX_SLOTS.items()}
 
 
 def gather_rows_impl(index, rows, offsets, src, out, stream=-1):

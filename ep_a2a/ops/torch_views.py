@@ -241,11 +241,11 @@ class Replays:
         self.records[op] = (stream, state, tuple((launch, launch.stamp) for launch in issued))
 
 
-_INDEX_SLOTS = {"build_index": ("expert_ids", "weights"), "gather_rows": ("src", "out"),
-                "activation": ("fc1_out", "out"), "expert_fc1": ("src", "w_gate_up", "out"),
-                "expert_fc2": ("act", "w_down", "out"), "expert_fc2_finalize": ("act", "w_down", "out", "finalize_into"),
-                "finalize": ("fc2_out", "out"),
-                "finalize_fp8": ("fc2_out", "values", "scales")}
+# The tensor arguments of each MoE op, named as its errors name them: one TensorSlot each per index.
+INDEX_SLOTS = {"build_index": ("expert_ids", "weights"), "gather_rows": ("src", "out"),
+               "activation": ("fc1_out", "out"), "expert_fc1": ("src", "w_gate_up", "out"),
+               "expert_fc2": ("act", "w_down", "out"), "expert_fc2_finalize": ("act", "w_down", "out", "finalize_into"),
+               "finalize": ("fc2_out", "out"), "finalize_fp8": ("fc2_out", "values", "scales")}
 
 
 class TorchIndex:
@@ -263,7 +263,7 @@ class TorchIndex:
         self._by_tmax = {}
         # one slot per op and argument position, so that an unchanged slot means "as at this op's
         # last call" (Replays); each named as the argument its errors name
-        self.slots = {f"{op}.{n}": TensorSlot(n) for op, names in _INDEX_SLOTS.items() for n in names}
+        self.slots = {f"{op}.{n}": TensorSlot(n) for op, names in INDEX_SLOTS.items() for n in names}
         self.replays = Replays()
         self.streams = StreamUse(index.device, self.ordinal)
         self.rows = self.row_weight = self.row_of = None
