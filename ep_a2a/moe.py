@@ -75,6 +75,7 @@ FUSED_MAX_ROWS = 256
 FUSED_MAX_HIDDEN = 4096
 # expert_fc2(finalize_into=) counts its blocks per column tile (hidden / EXPERT_TILE) in these.
 FINALIZE_TILES = 1024
+FINALIZE_MAX_HIDDEN = FINALIZE_TILES * EXPERT_TILE
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
@@ -482,7 +483,7 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=
     hidden] (finalize's fc2_out). Shapes and alignment as expert_fc1. stream: default, the
     stream of the index's build.
     finalize_into: bf16 [ep_size, T^, hidden] (or [ep_size * T^, hidden]), 16-byte aligned,
-    hidden <= FINALIZE_TILES * EXPERT_TILE: also finalize(index, out, finalize_into) in the same
+    hidden <= FINALIZE_MAX_HIDDEN: also finalize(index, out, finalize_into) in the same
     kernel, the same bits (each column tile's last block to finish sums it). Calls of one
     index with it run one at a time (they share the index's counts).
     """
@@ -512,9 +513,8 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=
 def _finalize_target(index: ExpertIndex, t, hidden: int, s: int, dev: int) -> int:
     """The pointer of expert_fc2's finalize_into, checked."""
     c = cuda_tensor(t, "finalize_into", s, dev, dtype="bfloat16")
-    require(_slot_rows(c, "finalize_into", index) == (hidden,) and hidden <= FINALIZE_TILES * EXPERT_TILE,
-            "finalize_into", f"must be [ep_size, T^, hidden] or [slots, hidden], hidden={hidden} <= "
-            f"{FINALIZE_TILES * EXPERT_TILE}; got {list(c.shape)}")
+    require(_slot_rows(c, "finalize_into", index) == (hidden,) and hidden <= FINALIZE_MAX_HIDDEN, "finalize_into",
+            f"must be [ep_size, T^, hidden] or [slots, hidden], hidden={hidden} <= {FINALIZE_MAX_HIDDEN}; got {list(c.shape)}")
     _aligned16(("finalize_into", c))
     return c.ptr
 

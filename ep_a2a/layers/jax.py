@@ -50,8 +50,7 @@ from ..driver.memory import copy_dtod_async, copy_dtoh
 from ..driver.stream import synchronize_stream
 from ..interop.arrays import empty
 from ..interop.tensor import as_tensor
-from ..moe import (EXPERT_TILE, FINALIZE_TILES, FUSED_MAX_HIDDEN, ExpertIndex, auto_expert_rows, expert_fc1, expert_fc2,
-                   expert_gemms_unsupported)
+from ..moe import FUSED_MAX_HIDDEN, ExpertIndex, auto_expert_rows, expert_fc1, expert_fc2, expert_gemms_unsupported
 from ..router import route as moe_route, route_unsupported
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
@@ -194,7 +193,6 @@ class JaxMoeLayer(LayerBase):
         if gemm == "fused" and why is not None:
             raise ValueError(f"gemm='fused': the expert kernels do not take {why}")
         self.fused_max_rows = 1 << 62 if gemm == "fused" else auto_fused_rows(H, I) if gemm == "auto" else 0
-        self._fc2_finalizes = not self._fp8 and H <= FINALIZE_TILES * EXPERT_TILE  # (FC2's kernel finalizes too)
         if self.ep_size <= self.fused_max_rows:  # (the kernels run at T^ = 1 at least)
             put = lambda w: jax.device_put(jnp.asarray(w, jnp.bfloat16), self.jdev)  # noqa: E731
             self.w1, self.w2 = put(w_gate_up), put(w_down)  # nn.Linear's layout, the kernels'

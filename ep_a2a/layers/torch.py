@@ -151,9 +151,8 @@ class TorchMoeLayer(LayerBase):
         # the expert kernels of ep_a2a (gather, FC1 and activation in one, then FC2) where each
         # expert holds few rows (every step with gemm="fused"; with "auto" while ep_size * T^,
         # the most rows an expert gets through the router, is at most moe.auto_expert_rows)
-        from ..moe import EXPERT_TILE, FINALIZE_TILES, auto_expert_rows, expert_gemms_unsupported
+        from ..moe import auto_expert_rows, expert_gemms_unsupported
         self.fused_reason = expert_gemms_unsupported(H, self.inter)
-        self._fc2_finalizes = not self._fp8 and H <= FINALIZE_TILES * EXPERT_TILE  # (FC2's kernel finalizes too)
         if gemm == "fused" and self.fused_reason is not None:
             raise ValueError(f"gemm='fused': the expert kernels do not take {self.fused_reason}")
         self.fused_max_rows = (1 << 62 if gemm == "fused" else
