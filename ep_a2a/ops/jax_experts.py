@@ -176,8 +176,8 @@ class JaxExperts:
                 y = dev.slot((site, i, "y"), (cap, H), "bfloat16", i).at(out[0][i])
                 act = dev.slot((site, i, "act"), (cap, inter), "bfloat16", i).at(out[1][i])
                 self._experts(idx, r, r.dispatch_views(tmax)[1][gather], w1, w2, act, y, s, tmax if tokens else None)
+            fp8 = c.options.combine_quant == "fp8"
             for i, (r, s) in enumerate(zip(dev.ranks, streams) if tokens else ()):
-                fp8 = c.options.combine_quant == "fp8"
                 y = dev.slot((site, i, "out"), (tokens[i], H), "bfloat16", i).at(outs[i])
                 r.combine(r.combine_input(tmax, fp8=fp8), tmax, stream=s, out=y)
         dev.run(ctx.stream, launch)
