@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import sys
 
@@ -109,6 +110,7 @@ def run(args) -> dict:
                     torch.cuda.synchronize()
                     text = io.StringIO()
                     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(40)
+                    os.makedirs(args.cprofile, exist_ok=True)
                     with open(f"{args.cprofile}/layer-host-T{T}.txt", "w") as f:
                         f.write(text.getvalue())
         finally:

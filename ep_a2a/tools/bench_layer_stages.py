@@ -115,7 +115,9 @@ def _by_graph_launch(records, replays: int):
     """The last `replays` graph launches' records, where CUPTI tagged them: every kernel and
     copy of one graph launch carries that launch's correlation id, so strays of the profiler
     or of work outside the replays (their own ids, fewer records) fall away. None where the
-    records carry no ids or too few launches hold the full graph."""
+    records carry no ids, too few launches hold the full graph, or the full launches are not
+    (nearly) all the records: kernels launched one by one (each its own id) or a step split
+    over several graphs, which the name counts cut instead."""
     if not records or any(len(r) < 6 or r[5] is None for r in records):
         return None
     groups = {}
@@ -123,7 +125,7 @@ def _by_graph_launch(records, replays: int):
         groups.setdefault(r[5], []).append(r)
     full = max(len(g) for g in groups.values())
     launches = sorted((g for g in groups.values() if len(g) == full), key=lambda g: g[0][0])
-    if len(launches) < replays:
+    if full < 2 or len(launches) < replays or full * len(launches) < 0.9 * len(records):
         return None
     return launches[-replays:]
 

@@ -193,3 +193,19 @@ def test_replays_are_cut_by_the_graph_launch_that_tagged_them():
     got = st.split_replays(sorted(tagged + [stray]), 3)
     assert got == [tagged[i * k:(i + 1) * k] for i in range(3)]
     assert st.split_replays(sorted(tagged), 2) == [tagged[k:2 * k], tagged[2 * k:]]   # the last launches
+
+
+def test_kernels_launched_one_by_one_are_cut_by_their_name_counts():
+    """Records whose correlation ids are each their own (kernels launched one by one, as XLA
+    does without command buffers) hold no graph launch: the replays are cut by the name counts,
+    not taken as the last single records."""
+    rng, _ = fresh_rng()
+    events, _ = _timeline(rng, 4, 3)
+    recs = st.device_records(events)
+    k = len(recs) // 3
+    single = [r[:5] + (1000 + i,) for i, r in enumerate(recs)]
+    got = st.split_replays(single, 3)
+    assert [len(c) for c in got] == [k, k, k] and got == [single[i * k:(i + 1) * k] for i in range(3)]
+    # a step in two graphs of different sizes: the larger alone is not a replay
+    two = [r[:5] + (2000 + 2 * (i // k) + (i % k >= 2 * k // 3),) for i, r in enumerate(recs)]
+    assert st.split_replays(two, 3) == [two[i * k:(i + 1) * k] for i in range(3)]
