@@ -115,16 +115,18 @@ def _median_us(fn, iters: int, warmup: int) -> float:
     return float(np.median(times) * 1e6)
 
 
-def random_weights_bf16(rng, E: int, H: int, I: int) -> tuple:
-    """Host bf16 (w_gate_up [E, 2I, H] ~ N(0, 1/H), w_down [E, H, I] ~ N(0, 1/I)), drawn expert by
-    expert in float32: the DeepSeek-V3-like profile's 22.5 GB of bf16 weights never exist in
-    float64 or float32 as a whole, nor on the GPU beside the layers' own copies."""
-    import ml_dtypes
-    w1, w2 = np.empty((E, 2 * I, H), ml_dtypes.bfloat16), np.empty((E, H, I), ml_dtypes.bfloat16)
-    for e in range(E):
-        w1[e] = rng.standard_normal((2 * I, H), dtype=np.float32) * np.float32(H ** -0.5)
-        w2[e] = rng.standard_normal((H, I), dtype=np.float32) * np.float32(I ** -0.5)
-    return w1, w2
+def random_expert_weights(key, n: int, H: int, I: int, device) -> tuple:
+    """n experts' bf16 weights drawn on `device` (jax.random under `key`): w_gate_up [n, 2I, H] ~
+    N(0, 1/H), w_down [n, H, I] ~ N(0, 1/I). Drawn rank by rank on the GPU: the DeepSeek-V3-like
+    profile's 22.5 GB of weights are neither drawn by one host core nor held by the host."""
+    import jax
+    import jax.numpy as jnp
+    k1, k2 = jax.random.split(key)
+
+    def draw(k, shape, scale):
+        with jax.default_device(device):
+            return (jax.random.normal(k, shape, jnp.float32) * np.float32(scale)).astype(jnp.bfloat16)
+    return draw(k1, (n, 2 * I, H), H ** -0.5), draw(k2, (n, H, I), I ** -0.5)
 
 
 def copy_rate_tbps(gpu, nbytes: int = 1 << 30, iters: int = 10) -> float:
@@ -196,7 +198,7 @@ def run(args, profiles: dict, commit) -> dict:
     rng = np.random.default_rng(seed)
     gpu = jax_device(args.device)
     put = lambda a: jax.device_put(jnp.asarray(a), gpu)  # noqa: E731
-    w1, w2 = random_weights_bf16(rng, E, H, I)  # (on the host: each layer puts its own experts on the GPU)
+    key = jax.random.key(seed)
     rate = copy_rate_tbps(gpu)
     print(f"seed {seed}; {gpu.device_kind}; jax {jax.__version__}; {ep} ranks; hidden {H}, intermediate {I}, "
           f"{E} experts, top_k {top_k}; copy rate {rate:.2f} TB/s (read + write)", file=sys.stderr)
@@ -209,9 +211,9 @@ def run(args, profiles: dict, commit) -> dict:
         layers = []
         try:
             for r in a2a.ranks:
-                first, n = local_experts(E, ep, r.rank)
-                layers.append(JaxMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm))
-            del w1, w2  # (the layers hold their weights; the baseline reads theirs)
+                w1, w2 = random_expert_weights(jax.random.fold_in(key, r.rank), local_experts(E, ep, r.rank)[1], H, I, gpu)
+                layers.append(JaxMoeLayer(r, w1, w2, gemm=args.gemm))  # (the baseline reads the layers' weights)
+                del w1, w2
             base = all_gather_step(layers, args.gemm)
             for T in args.tokens:
                 xs = [put(rng.standard_normal((T, H)).astype(np.float32)).astype(jnp.bfloat16) for _ in range(ep)]
