@@ -18,7 +18,9 @@ CUPTI kernel records give each stage's span as the graphed torch benchmark's do.
 step's device time: a program of CHAIN + 1 steps (each
 step's outputs the next one's hidden states) minus a program of one, over CHAIN (the host
 issues step i+1 while step i runs, so it hides behind the GPU as long as it is the faster);
-host = jit - device. The step's routing (random logits, the same every step of a size) selects
+host = jit - device. jax_call: a jitted call of the same arguments and results doing one
+elementwise op per rank (JAX's own dispatch and synchronization, which jit includes and no
+handler of ours can remove). The step's routing (random logits, the same every step of a size) selects
 experts whose bf16 weights it must read (load_stats: experts_touched, weight_bytes_read), in at
 least weight_read_floor_us at the copy rate of a jitted elementwise pass over 1 GiB in the
 same run (bytes read + written per second), the experts' floor at small sizes.
@@ -215,6 +217,7 @@ def run(args, profiles: dict, commit) -> dict:
                 layers.append(JaxMoeLayer(r, w1, w2, gemm=args.gemm))  # (the baseline reads the layers' weights)
                 del w1, w2
             base = all_gather_step(layers, args.gemm)
+            trivial = jax.jit(lambda xs, logits: [(x.astype(jnp.float32) * 1.0001).astype(x.dtype) for x in xs])
             for T in args.tokens:
                 xs = [put(rng.standard_normal((T, H)).astype(np.float32)).astype(jnp.bfloat16) for _ in range(ep)]
                 logits = [put(rng.standard_normal((T, E)).astype(np.float32)) for _ in range(ep)]
@@ -234,6 +237,7 @@ def run(args, profiles: dict, commit) -> dict:
                            baseline_us=_median_us(lambda: base(xs, logits), args.iters, args.warmup))
                 row["device_us"] = (_median_us(lambda: many(xs, logits), args.iters, args.warmup) - row["jit_us"]) / CHAIN
                 row["host_us"] = row["jit_us"] - row["device_us"]
+                row["jax_call_us"] = _median_us(lambda: trivial(xs, logits), args.iters, args.warmup)
                 row["pipelined_us"] = _pipelined_us(jitted, xs, logits, args.iters, args.warmup)
                 row["baseline_pipelined_us"] = _pipelined_us(base, xs, logits, args.iters, args.warmup)
                 rows.append(row)
@@ -241,7 +245,7 @@ def run(args, profiles: dict, commit) -> dict:
                 print(f"T={T:5d} {row['gemm']:6s} jit {row['jit_us']:9.1f} µs   eager {row['eager_us']:9.1f} µs   all-gather (jit) "
                       f"{row['baseline_us']:9.1f} µs   x{row['baseline_us'] / row['jit_us']:.2f} vs baseline, "
                       f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; device {row['device_us']:.1f} µs "
-                      f"(jit/device x{row['jit_us'] / row['device_us']:.2f}); pipelined {row['pipelined_us']:.1f} µs "
+                      f"(jit/device x{row['jit_us'] / row['device_us']:.2f}; JAX's own call {row['jax_call_us']:.1f}); pipelined {row['pipelined_us']:.1f} µs "
                       f"(/device x{row['pipelined_us'] / row['device_us']:.2f}; baseline {row['baseline_pipelined_us']:.1f}); "
                       f"weight-read floor {row['weight_read_floor_us']:.1f} µs ({load['experts_touched']} experts); "
                       f"jit == eager bitwise: {same}; "
