@@ -208,6 +208,14 @@ class JaxMoeLayer(LayerBase):
         self._jit_ops = None  # the ops.jax.JaxAlltoAll of traced steps (moe_forward_traced), made on first use
         _jitted()
 
+    @property
+    def params(self) -> dict:
+        """The weights a traced step reads, by name: w1t, w2t (XLA's experts) and, where the expert
+        kernels may run, w1, w2 (their layout). Hand them to jax.jit as arguments
+        (jit_forward_all_ranks does): a jitted function that closes over them embeds them in its
+        program as constants (a DeepSeek-V3-like layer's 22.5 GB: its lowering did not end)."""
+        return {k: v for k, v in (("w1t", self.w1t), ("w2t", self.w2t), ("w1", self.w1), ("w2", self.w2)) if v is not None}
+
     def expert_gemm(self, runtime_max: int) -> str:
         """The expert function of a step of T^ = runtime_max (module function expert_gemm)."""
         return expert_gemm(self.gemm, runtime_max, self.fused_max_rows, self.ep_size)
@@ -360,7 +368,8 @@ class JaxMoeLayer(LayerBase):
 
     def forward(self, x, router, runtime_max_tokens_per_rank: int = None):
         """One step for a rank alone in its process (see TorchMoeLayer.forward). Inside jax.jit
-        (x traced) it is moe_forward_traced([self], ...), for a rank alone on its GPU."""
+        (x traced) it is moe_forward_traced([self], ...), for a rank alone on its GPU, with the
+        weights as constants of the program: jit_forward_all_ranks([layer]) passes them as arguments."""
         import jax
         runtime_max = self.a2a_rank.a2a.max_tokens_per_rank if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
         if isinstance(x, jax.core.Tracer):
@@ -393,7 +402,7 @@ def moe_forward_all_ranks(layers, xs, routers, runtime_max_tokens_per_rank: int 
     return [layer.result() for layer in layers]
 
 
-def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = None):
+def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = None, params=None):
     """One step of the layers of every in-process rank on one GPU as traced JAX: call it inside
     jax.jit (jit_forward_all_ranks does). The same numerics as moe_forward_all_ranks (the same
     router and expert functions: expert_gemm of the layers' gemm, "ragged" for "loop" layers),
@@ -403,6 +412,8 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
     kernels ("fused") there is no gather, and the experts, finalize and combine are one call.
     layers: one per rank of the all-to-all on that GPU, in a2a.ranks
     order; xs, routers: as moe_forward_all_ranks (T^ defaults to the largest T_r, at least 1).
+    params: each layer's weights as the jitted function's arguments (a list of layer.params
+    dicts, traced); None reads the layers' own arrays, which jax.jit then embeds as constants.
     Returns one bf16 [T_r, hidden] array per rank. JAX runs a jitted call asynchronously: wait
     for its results (jax.block_until_ready) before an eager step of the same layers."""
     import jax
@@ -418,6 +429,9 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
         raise ValueError(f"layers: a traced step takes the layers of every rank of the all-to-all on cuda:"
                          f"{on_gpu[0].device.ordinal}, in a2a.ranks order (ranks {[r.rank for r in on_gpu]}); got "
                          f"ranks {[layer.rank for layer in layers]}")
+    params = [layer.params for layer in layers] if params is None else list(params)
+    if len(params) != len(layers):
+        raise ValueError(f"params: need one dict of weights per layer ({len(layers)}), got {len(params)}")
     ops = layers[0]._jit_ops
     if ops is None:
         ops = JaxAlltoAll(a2a, indexes={layer.rank: layer.index for layer in layers})
@@ -443,15 +457,18 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
     d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], runtime_max,
                                 rows=not fused)
     if fused:  # (FC1 reads the dispatched rows in place; FC2 finalizes into the combine input)
-        return ops.experts_combine(d, [layer.w1 for layer in layers], [layer.w2 for layer in layers])
+        return ops.experts_combine(d, [p["w1"] for p in params], [p["w2"] for p in params])
     ours = not any(isinstance(router, (tuple, list)) for router in routers)
-    fc2 = [fns["padded_ffn"](rows, counts, layer.w1t, layer.w2t, expert_rows_bound(layer, runtime_max, ours, rows.shape[0]))
-           if g == "padded" else fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)
-           for layer, g, rows, counts in zip(layers, gemms, d.rows, d.counts)]
+    fc2 = [fns["padded_ffn"](rows, counts, p["w1t"], p["w2t"], expert_rows_bound(layer, runtime_max, ours, rows.shape[0]))
+           if g == "padded" else fns["ragged_ffn"](rows, counts, p["w1t"], p["w2t"])
+           for layer, p, g, rows, counts in zip(layers, params, gemms, d.rows, d.counts)]
     return ops.combine_from_experts(fc2, d)
 
 
 def jit_forward_all_ranks(layers, runtime_max_tokens_per_rank: int = None):
-    """jax.jit(moe_forward_traced) over these layers: f(xs, routers) -> one array per rank."""
+    """jax.jit(moe_forward_traced) over these layers: f(xs, routers) -> one array per rank. The
+    layers' weights are the jitted program's arguments (layer.params), not constants in it."""
     import jax
-    return jax.jit(lambda xs, routers: moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank))
+    params = [layer.params for layer in layers]
+    step = jax.jit(lambda ps, xs, routers: moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank, ps))
+    return lambda xs, routers: step(params, xs, routers)

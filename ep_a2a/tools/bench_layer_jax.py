@@ -53,26 +53,26 @@ def all_gather_step(layers, gemm: str):
     fns = traced_functions()
     router = fns["router"]
 
-    def experts(layer, rows, counts, tokens):  # a token selects an expert at most once
+    def experts(p, rows, counts, tokens):  # a token selects an expert at most once
         if expert_gemm("auto" if gemm == "fused" else gemm, tokens // len(layers)) == "padded":
-            return fns["padded_ffn"](rows, counts, layer.w1t, layer.w2t, tokens)
-        return fns["ragged_ffn"](rows, counts, layer.w1t, layer.w2t)
+            return fns["padded_ffn"](rows, counts, p["w1t"], p["w2t"], tokens)
+        return fns["ragged_ffn"](rows, counts, p["w1t"], p["w2t"])
 
-    def step(xs, logits):
+    def step(params, xs, logits):
         routes = [router(lg, layer.top_k, layer.renormalize) for layer, lg in zip(layers, logits)]
         x = jnp.concatenate(xs)                                  # the all-gather
         ids = jnp.concatenate([r[0] for r in routes])
         w = jnp.concatenate([r[1] for r in routes])
         n, k = ids.shape
         total = jnp.zeros((n, x.shape[1]), jnp.float32)
-        for layer in layers:                                     # each rank's local experts
+        for layer, p in zip(layers, params):                     # each rank's local experts
             local = ids.reshape(-1) - layer.first_expert
             mine = (local >= 0) & (local < layer.num_local)
             key = jnp.where(mine, local, layer.num_local)
             order = jnp.argsort(key, stable=True)
             counts = jnp.bincount(key, length=layer.num_local + 1)[:layer.num_local].astype(jnp.int32)
             rows = x[order // k]
-            y = experts(layer, rows, counts, n)
+            y = experts(p, rows, counts, n)
             wt = jnp.where(mine, w.reshape(-1), 0.0)[order]
             total = total.at[order // k].add(y.astype(jnp.float32) * wt[:, None])   # the reduce-scatter's sum
         outs, start = [], 0
@@ -80,7 +80,8 @@ def all_gather_step(layers, gemm: str):
             outs.append(total[start:start + xr.shape[0]].astype(jnp.bfloat16))
             start += xr.shape[0]
         return outs
-    return jax.jit(step)
+    params, jitted = [{k: layer.params[k] for k in ("w1t", "w2t")} for layer in layers], jax.jit(step)
+    return lambda xs, logits: jitted(params, xs, logits)
 
 
 CHAIN = 4
@@ -99,11 +100,12 @@ def chained_steps(layers, runtime_max: int, steps: int):
     import jax
     from ..layers.jax import moe_forward_traced
 
-    def run(xs, logits):
+    def run(params, xs, logits):
         for _ in range(steps):
-            xs = moe_forward_traced(layers, xs, logits, runtime_max)
+            xs = moe_forward_traced(layers, xs, logits, runtime_max, params)
         return xs
-    return jax.jit(run)
+    params, jitted = [layer.params for layer in layers], jax.jit(run)
+    return lambda xs, logits: jitted(params, xs, logits)
 
 
 def _median_us(fn, iters: int, warmup: int) -> float:

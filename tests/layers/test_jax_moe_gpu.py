@@ -134,6 +134,38 @@ def test_jitted_layer_is_the_eager_layer_bitwise(protocol, quant, gemm):
             assert ops.native and any(p.calls(0) > 0 for p in ops._plans), f"{seed}: the native path did not run"
 
 
+@pytest.mark.parametrize("gemm", ["fused", "padded"])
+def test_the_jitted_step_takes_the_weights_as_arguments(gemm):
+    """jit_forward_all_ranks hands every layer's weights to its program as arguments: lowering
+    captures no constant of a weight's size (jax.jit over a closure that reads the layers' arrays
+    does, and warns: the control), and the result is the closure's bit for bit."""
+    import warnings
+    from ep_a2a.layers.jax import jit_forward_all_ranks, moe_forward_traced
+    dev = _gpu()
+    rng, seed = fresh_rng()
+    ep, E, top_k, H, I, tmax = 2, 8, 2, 256, 128, 4
+    with _jax_layers(dev, rng, ep, E, top_k, H, I, tmax, gemm) as (layers, _):
+        xs = [jax.device_put(jnp.asarray(rng.standard_normal((tmax, H)).astype(np.float32)), dev).astype(jnp.bfloat16)
+              for _ in range(ep)]
+        lg = [jax.device_put(jnp.asarray(rng.standard_normal((tmax, E)).astype(np.float32)), dev) for _ in range(ep)]
+        limit = H * I * 2  # (bytes: below one expert's FC2 weights, above the step's own constants)
+        old = jax.config.jax_captured_constants_warn_bytes
+        jax.config.update("jax_captured_constants_warn_bytes", limit)
+        try:
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                ours = jax.block_until_ready(jit_forward_all_ranks(layers, tmax)(xs, lg))
+            assert not [w for w in seen if "constants were captured" in str(w.message)], f"{seed}: {[str(w.message) for w in seen]}"
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                closed = jax.block_until_ready(jax.jit(lambda a, b: moe_forward_traced(layers, a, b, tmax))(xs, lg))
+            assert [w for w in seen if "constants were captured" in str(w.message)], f"{seed}: the control captured none"
+        finally:
+            jax.config.update("jax_captured_constants_warn_bytes", old)
+        for r in range(ep):
+            assert np.array_equal(np.asarray(ours[r]).view(np.uint16), np.asarray(closed[r]).view(np.uint16)), f"{seed} rank {r}"
+
+
 @pytest.mark.parametrize("protocol", ["fence", "sentinel"])
 def test_padded_experts_take_every_row_when_the_caller_repeats_an_expert(protocol):
     """Caller ids may name one expert several times per token: every selection of every token
