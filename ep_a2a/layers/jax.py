@@ -50,7 +50,7 @@ from ..driver.memory import copy_dtod_async, copy_dtoh
 from ..driver.stream import synchronize_stream
 from ..interop.arrays import empty
 from ..interop.tensor import as_tensor
-from ..moe import FUSED_MAX_HIDDEN, ExpertIndex, auto_expert_rows, expert_fc1, expert_fc2, expert_gemms_unsupported
+from ..moe import ExpertIndex, auto_expert_rows, expert_fc1, expert_fc2, expert_gemms_unsupported
 from ..router import route as moe_route, route_unsupported
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
@@ -58,8 +58,8 @@ GEMMS = ("auto", "padded", "ragged", "loop", "fused")
 RAGGED_BELOW = 16
 # XLA's expert functions do a multiple of the rows' work (padded: ep_size * T^ rows per expert;
 # ragged: every row per expert), so the expert kernels beat them where torch's grouped GEMM
-# beats the kernels: up to this many rows per expert, as the JAX layer benchmark found
-# (docs/jax.md), at hidden <= moe.FUSED_MAX_HIDDEN; above it, TorchMoeLayer's rule.
+# beats the kernels: up to this many rows per expert, at every hidden size the kernels take,
+# as the JAX layer benchmark found (docs/jax.md: the small and DeepSeek-V3-like profiles).
 FUSED_MAX_ROWS_XLA = 1024
 _JIT = {}
 
@@ -140,10 +140,10 @@ def expert_gemm(gemm: str, runtime_max: int, fused_max_rows: int = 0, ep_size: i
 
 def auto_fused_rows(hidden: int, inter: int) -> int:
     """The most rows an expert may get (ep_size * T^) for which gemm="auto" takes the expert
-    kernels: FUSED_MAX_ROWS_XLA at hidden <= moe.FUSED_MAX_HIDDEN, else moe.auto_expert_rows
-    (0 where the kernels do not take the shapes)."""
+    kernels: FUSED_MAX_ROWS_XLA (or torch's moe.auto_expert_rows where that is more), 0 where the
+    kernels do not take the shapes."""
     rows = auto_expert_rows(hidden, inter)
-    return max(rows, FUSED_MAX_ROWS_XLA) if rows and hidden <= FUSED_MAX_HIDDEN else rows
+    return max(rows, FUSED_MAX_ROWS_XLA) if rows else 0
 
 
 def expert_rows_bound(layer, runtime_max: int, our_router: bool, capacity: int) -> int:

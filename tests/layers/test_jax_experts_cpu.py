@@ -76,9 +76,11 @@ def test_auto_takes_the_expert_kernels_while_an_expert_gets_few_rows():
     assert [expert_gemm(g, 1, 256, 8) for g in ("padded", "ragged", "loop")] == ["padded", "ragged", "loop"]
 
 
-def test_auto_takes_the_kernels_to_more_rows_than_torch_below_the_wide_hidden_sizes():
-    from ep_a2a.moe import EXPERT_PASS_ROWS, FUSED_MAX_HIDDEN
+def test_auto_takes_the_kernels_to_more_rows_than_torch_at_every_hidden_size():
+    from ep_a2a.moe import FUSED_MAX_HIDDEN, auto_expert_rows
     assert auto_fused_rows(2048, 1024) == FUSED_MAX_ROWS_XLA
-    assert auto_fused_rows(FUSED_MAX_HIDDEN + 64, 2048) == EXPERT_PASS_ROWS   # (torch's rule there)
+    assert auto_fused_rows(7168, 2048) == FUSED_MAX_ROWS_XLA > auto_expert_rows(7168, 2048)  # (DeepSeek-V3-like)
+    assert auto_fused_rows(FUSED_MAX_HIDDEN + 64, 2048) == FUSED_MAX_ROWS_XLA
     assert auto_fused_rows(2048, 1000) == 0                                     # (the kernels do not take I=1000)
+    assert auto_fused_rows(7168, 1000) == 0
 
