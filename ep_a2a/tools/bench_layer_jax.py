@@ -98,13 +98,13 @@ def calls_path() -> str:
 def chained_steps(layers, runtime_max: int, steps: int):
     """jax.jit of `steps` layer steps of every rank, each step's outputs the next one's inputs."""
     import jax
-    from ..layers.jax import moe_forward_traced
+    from ..layers.jax import moe_forward_traced, traced_params
 
     def run(params, xs, logits):
         for _ in range(steps):
             xs = moe_forward_traced(layers, xs, logits, runtime_max, params)
         return xs
-    params, jitted = [layer.params for layer in layers], jax.jit(run)
+    params, jitted = traced_params(layers, runtime_max), jax.jit(run)
     return lambda xs, logits: jitted(params, xs, logits)
 
 

@@ -140,11 +140,14 @@ def test_the_jitted_step_takes_the_weights_as_arguments(gemm):
     captures no constant of a weight's size (jax.jit over a closure that reads the layers' arrays
     does, and warns: the control), and the result is the closure's bit for bit."""
     import warnings
-    from ep_a2a.layers.jax import jit_forward_all_ranks, moe_forward_traced
+    from ep_a2a.layers.jax import jit_forward_all_ranks, moe_forward_traced, traced_params
     dev = _gpu()
     rng, seed = fresh_rng()
     ep, E, top_k, H, I, tmax = 2, 8, 2, 256, 128, 4
     with _jax_layers(dev, rng, ep, E, top_k, H, I, tmax, gemm) as (layers, _):
+        read = {"fused": {"w1", "w2"}, "padded": {"w1t", "w2t"}}[gemm]   # (only what the step reads)
+        assert [set(p) for p in traced_params(layers, tmax)] == [read] * ep
+        assert all(set(p) >= read for p in traced_params(layers))       # (T^ left to the trace: all)
         xs = [jax.device_put(jnp.asarray(rng.standard_normal((tmax, H)).astype(np.float32)), dev).astype(jnp.bfloat16)
               for _ in range(ep)]
         lg = [jax.device_put(jnp.asarray(rng.standard_normal((tmax, E)).astype(np.float32)), dev) for _ in range(ep)]
