@@ -23,6 +23,7 @@ DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 # split of them into halves keeps the words), the fused router, and the expert index, gather,
 # activation and finalize.
 _CLASSES = (
+    ("memcpy", re.compile(r"^memcpy\d+_")),  # (a copy node of a CUDA graph runs as such a kernel)
     ("route", re.compile(r"^moe_route")),
     ("dispatch", re.compile(r"^(fence|sentinel)\w*dispatch")),
     ("combine", re.compile(r"^(fence|sentinel)\w*combine")),

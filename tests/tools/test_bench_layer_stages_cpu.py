@@ -87,6 +87,7 @@ def test_names_classify_into_the_stages():
     assert st.kernel_class("void at::native::(anonymous namespace)::indexSelectLargeIndex<c10::BFloat16, long>") \
         == "index_select"
     assert st.kernel_class("some_unknown_kernel") == "other"
+    assert st.kernel_class("memcpy32_post") == st.kernel_class("Memcpy DtoD", "gpu_memcpy") == "memcpy"  # (a graph's copy node)
 
 
 @pytest.mark.parametrize("ranks,replays", [(8, 5), (2, 3), (1, 1)])
