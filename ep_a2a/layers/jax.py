@@ -439,6 +439,17 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
             layer._jit_ops = ops
     tokens = [layer.check_inputs(x, router) for layer, x, router in zip(layers, xs, routers)]
     runtime_max = max([1] + tokens) if runtime_max_tokens_per_rank is None else runtime_max_tokens_per_rank
+    gemms = [layer.expert_gemm(runtime_max) for layer in layers]
+    fused = gemms[0] == "fused"
+    if fused != all(g == "fused" for g in gemms):
+        raise ValueError(f"layers: a traced step runs the expert kernels for every rank or none, got {gemms} "
+                         f"(gemm={[layer.gemm for layer in layers]}) at T^={runtime_max}")
+    need = ("w1", "w2") if fused else ("w1t", "w2t")
+    for i, p in enumerate(params):
+        missing = [k for k in need if k not in p]
+        if missing:
+            raise ValueError(f"params[{i}]: a step of T^={runtime_max} ({gemms[i]}) reads {list(need)}, missing "
+                             f"{missing} (traced_params(layers, T^) gives what a T^ reads)")
     fns = traced_functions()
     routes = [tuple(router) if isinstance(router, (tuple, list)) else
               None if layer.fused_route(router) else fns["router"](router, layer.top_k, layer.renormalize)
@@ -449,11 +460,6 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
         ids, ws = ops.route(lgs, [layer.renormalize for layer in layers])
         routes = [r if r is not None else (i, w) for r, i, w in zip(routes, ids, ws)]
     routes = [(jax.numpy.asarray(i, jax.numpy.int32), jax.numpy.asarray(w, jax.numpy.float32)) for i, w in routes]
-    gemms = [layer.expert_gemm(runtime_max) for layer in layers]
-    fused = gemms[0] == "fused"
-    if fused != all(g == "fused" for g in gemms):
-        raise ValueError(f"layers: a traced step runs the expert kernels for every rank or none, got {gemms} "
-                         f"(gemm={[layer.gemm for layer in layers]}) at T^={runtime_max}")
     d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], runtime_max,
                                 rows=not fused)
     if fused:  # (FC1 reads the dispatched rows in place; FC2 finalizes into the combine input)
@@ -468,7 +474,7 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
 def traced_params(layers, runtime_max_tokens_per_rank: int = None) -> list:
     """Per layer, the weights (layer.params) a traced step of this T^ reads: the expert kernels'
     layout or XLA's, both where T^ is left to the trace. JAX handles every argument of a jitted
-    call on every call (about 2 µs each on an H100 host), so a step takes only those it reads."""
+    call on every call, so a step takes only those it reads."""
     if runtime_max_tokens_per_rank is None:
         return [layer.params for layer in layers]
     out = []

@@ -167,6 +167,10 @@ def test_the_jitted_step_takes_the_weights_as_arguments(gemm):
             jax.config.update("jax_captured_constants_warn_bytes", old)
         for r in range(ep):
             assert np.array_equal(np.asarray(ours[r]).view(np.uint16), np.asarray(closed[r]).view(np.uint16)), f"{seed} rank {r}"
+        other = {"fused": ("w1t", "w2t"), "padded": ("w1", "w2")}[gemm]   # (the layout this T^ does not read)
+        wrong = [{k: v for k, v in p.items() if k in other} for p in [layer.params for layer in layers]]
+        with pytest.raises(ValueError, match=r"params\[0\]: a step of T\^=4"):
+            jax.jit(lambda ps, a, b: moe_forward_traced(layers, a, b, tmax, ps))(wrong, xs, lg)
 
 
 @pytest.mark.parametrize("protocol", ["fence", "sentinel"])
