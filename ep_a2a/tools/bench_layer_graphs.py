@@ -29,7 +29,6 @@ Host: the eager layer's host time to issue one step, per rank, and its split by 
 """
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -119,9 +118,8 @@ def profile_stages(torch, step, replays: int, parse) -> dict:
     of a one-step graph captured while the profiler runs (so CUPTI is up before the graph
     exists). A failure (no CUPTI, records that do not split) is reported, not raised: the
     step times stand without it."""
-    import json
-    import tempfile
     from torch.profiler import ProfilerActivity, profile
+    from .bench_layer_stages import trace_events
     g = None
     try:
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -131,12 +129,7 @@ def profile_stages(torch, step, replays: int, parse) -> dict:
             for _ in range(replays):
                 g.replay()
             torch.cuda.synchronize()
-        with tempfile.TemporaryDirectory() as d:
-            path = os.path.join(d, "trace.json")
-            prof.export_chrome_trace(path)
-            with open(path) as f:
-                events = json.load(f)["traceEvents"]
-        return parse(events, replays + 1, skip=1)
+        return parse(trace_events(prof), replays + 1, skip=1)
     except Exception as e:  # noqa: BLE001  (reported in the JSON and on stderr)
         print(f"WARNING: stage profile failed: {type(e).__name__}: {e}", file=sys.stderr)
         return dict(error=f"{type(e).__name__}: {e}")

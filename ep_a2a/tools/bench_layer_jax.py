@@ -152,10 +152,8 @@ def stage_profile(fn, xs, logits, replays: int):
     last) of replays + 1 jitted steps issued back to back, the first left out, from the CUPTI
     records of torch.profiler, which sees every kernel of the process, XLA's and ours; a
     dict with the reason where torch is absent or the records do not split into steps."""
-    import json
-    import tempfile
     import jax
-    from .bench_layer_stages import OURS_GROUPS, OURS_STAGES, stage_times
+    from .bench_layer_stages import OURS_GROUPS, OURS_STAGES, stage_times, trace_events
     try:
         import torch
         torch.cuda.init()
@@ -166,10 +164,7 @@ def stage_profile(fn, xs, logits, replays: int):
         for _ in range(replays + 1):
             ys = fn(ys, logits)
         jax.block_until_ready(ys)
-    with tempfile.TemporaryDirectory() as d:
-        prof.export_chrome_trace(f"{d}/trace.json")
-        with open(f"{d}/trace.json") as f:
-            events = json.load(f)["traceEvents"]
+    events = trace_events(prof)
     try:
         return stage_times(events, replays + 1, JAX_STAGE_MAP, OURS_STAGES, groups=OURS_GROUPS, skip=1)
     except ValueError as e:

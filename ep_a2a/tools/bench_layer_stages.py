@@ -75,6 +75,18 @@ def kernel_class(name: str, cat: str = "kernel") -> str:
     return "other"
 
 
+def trace_events(prof) -> list:
+    """The chrome-trace events of a finished torch.profiler profile (its export is a file)."""
+    import json
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+
+
 def device_records(trace_events) -> list:
     """The device records of a chrome trace's events, as (start µs, end µs, name, cat, stream,
     correlation id), sorted by start."""

@@ -210,3 +210,12 @@ def test_kernels_launched_one_by_one_are_cut_by_their_name_counts():
     # a step in two graphs of different sizes: the larger alone is not a replay
     two = [r[:5] + (2000 + 2 * (i // k) + (i % k >= 2 * k // 3),) for i, r in enumerate(recs)]
     assert st.split_replays(two, 3) == [two[i * k:(i + 1) * k] for i in range(3)]
+
+
+def test_trace_events_reads_a_profile_back():
+    """trace_events: a finished torch.profiler profile's chrome-trace events (CPU activity here)."""
+    torch = pytest.importorskip("torch")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(4).add_(1)
+    events = st.trace_events(prof)
+    assert isinstance(events, list) and any("add_" in str(e.get("name", "")) for e in events), events[:5]
