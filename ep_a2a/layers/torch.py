@@ -126,9 +126,14 @@ class TorchMoeLayer(LayerBase):
     gemm: "auto" (ep_a2a's expert kernels while an expert may get at most
       moe.auto_expert_rows rows, else torch's grouped GEMM where it works, else the loop),
       "fused" (the expert kernels at every size), "grouped" or "loop".
+    compute_graphs: the compute phase (index to finalize: no peer, no host wait) replayed from a
+      CUDA graph of this rank's stream, one per T^, captured at the second eager step with that
+      T^ (the first warms it up): an eager step's host time without a launch per piece. Not with
+      the loop GEMM (it reads counts on the host).
     """
 
-    def __init__(self, a2a_rank, w_gate_up, w_down, *, renormalize: bool = True, gemm: str = "auto"):
+    def __init__(self, a2a_rank, w_gate_up, w_down, *, renormalize: bool = True, gemm: str = "auto",
+                 compute_graphs: bool = False):
         import torch
         super().__init__(a2a_rank, "layers.torch", renormalize, gemm, GEMMS)
         a = a2a_rank.a2a
@@ -203,6 +208,12 @@ class TorchMoeLayer(LayerBase):
         # make an event each call).
         self._rows_views, self._out_views = {}, {}
         self._fork, self._join = Event(a2a_rank.device), torch.cuda.Event()
+        if compute_graphs and self.gemm == "loop":
+            raise ValueError(f"compute_graphs: not with the loop GEMM (gemm={gemm!r}: {self.gemm_reason}), which "
+                             f"reads the expert counts on the host")
+        # T^ -> the compute phase's graph; T^ seen once (warmed up); one memory pool for them all
+        self._graphs, self._warm, self._pool = ({}, set(), torch.cuda.graph_pool_handle()) if compute_graphs else \
+            (None, None, None)
         torch.cuda.synchronize(self.device)
         self.output = None
 
@@ -289,8 +300,33 @@ class TorchMoeLayer(LayerBase):
     def compute(self) -> None:
         """Phase 3: index, gather, FC1, activation, FC2 (at most fused_max_rows rows per expert:
         the expert kernels, gather, FC1 and activation in one, and FC2 with the finalize but
-        under FP8 combine), finalize into the combine input.
-        Call it only once every rank of the process has dispatched (the loop GEMM syncs the host)."""
+        under FP8 combine), finalize into the combine input; with compute_graphs, from the
+        graph of this T^ once there is one.
+        Call it only once every rank of the process has dispatched (the loop GEMM syncs the host,
+        a capture synchronizes the device)."""
+        if self._graphs is None:
+            return self._compute()
+        import torch
+        with self._on:
+            if torch.cuda.is_current_stream_capturing():  # (inside the caller's graph: no graph of our own)
+                return self._compute()
+        runtime_max = self._step["runtime_max"]
+        g = self._graphs.get(runtime_max)
+        if g is None:
+            if runtime_max not in self._warm:  # (the first step of a T^ runs eagerly: lazy inits happen there)
+                self._warm.add(runtime_max)
+                return self._compute()
+            # Every tensor the phase reads or writes sits where it did (the dispatch views and
+            # combine input of this T^, the layer's buffers, the weights), so the graph replays
+            # any later step of this T^. Capturing on our own stream keeps the ops' stream switch a no-op.
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self._pool, stream=self.stream, capture_error_mode="global"):
+                self._compute()
+            self._graphs[runtime_max] = g
+        with self._on:
+            g.replay()
+
+    def _compute(self) -> None:
         import torch
         import torch.nn.functional as F
         I, ops = self.inter, self._ops
@@ -376,6 +412,9 @@ class TorchMoeLayer(LayerBase):
     def close(self) -> None:
         """Release what the layer made (its expert index and buffers); the all-to-all is the caller's."""
         self.close_gate()
+        if self._graphs:
+            self.a2a_rank.synchronize()
+            self._graphs.clear()
         if not self._fork.closed:
             self._fork.close()
         if self.index is not None:

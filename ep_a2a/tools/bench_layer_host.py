@@ -86,7 +86,8 @@ def run(args) -> dict:
         try:
             for r in a2a.ranks:
                 first, n = local_experts(E, ep, r.rank)
-                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm))
+                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm,
+                                            compute_graphs=args.compute_graphs))
             for T in args.tokens:
                 xs = [torch.randn(T, H, device=dev).to(torch.bfloat16) for _ in layers]
                 logits = [torch.randn(T, E, device=dev) for _ in layers]
@@ -121,6 +122,7 @@ def run(args) -> dict:
     return dict(**torch_device_fields(torch, dev),
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=K, ranks=ep,
                             tokens=args.tokens, iters=args.iters, calls=args.calls, gemm=args.gemm,
+                            compute_graphs=args.compute_graphs,
                             fused_max_rows=layers[0].fused_max_rows if layers else None),
                 method=__doc__, rows=rows)
 
@@ -143,6 +145,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int_list(1), default=[1, 16, 128], help="tokens per rank (default 1,16,128)")
     ap.add_argument("--gemm", choices=("auto", "grouped", "fused"), default="auto",
                     help="the layer's expert GEMMs (default auto: ep_a2a's expert kernels at decode sizes)")
+    ap.add_argument("--compute-graphs", action="store_true",
+                    help="the layers replay their compute phase from a graph per T^ (TorchMoeLayer(compute_graphs=True))")
     ap.add_argument("--iters", type=positive_int, default=100, help="eager steps timed per token count (default 100)")
     ap.add_argument("--calls", type=positive_int, default=20, help="calls in a row per piece timing (default 20)")
     ap.add_argument("--cprofile", default=None, help="a folder for a cProfile of the eager steps per token count")
