@@ -181,7 +181,8 @@ def run(args) -> dict:
         try:
             for r in a2a.ranks:
                 first, n = local_experts(E, ep, r.rank)
-                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm))
+                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm,
+                                            compute_graphs=args.compute_graphs))
             streams = [layer.stream for layer in layers]
             base = Baseline(layers)
             for T in args.tokens:
@@ -215,7 +216,7 @@ def run(args) -> dict:
     return dict(**torch_device_fields(torch, dev),
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
                             device=args.device, tokens=args.tokens, iters=args.iters,
-                            protocol=protocol, combine_quant=args.combine_quant,
+                            protocol=protocol, combine_quant=args.combine_quant, compute_graphs=args.compute_graphs,
                             warmup=args.warmup, seed=seed, gemm=gemm, routing="random logits, softmax top-k renormalized",
                             dtype="bf16 weights and activations, fp32 accumulation"),
                 method=__doc__, rows=rows)
@@ -272,6 +273,9 @@ def parser() -> argparse.ArgumentParser:
                          "baseline alike) a batched GEMM over rows padded per expert or jax.lax.ragged_dot; fused: "
                          "ep_a2a's expert kernels (the JAX baseline then runs auto's); auto (default): "
                          "ep_a2a's expert kernels at decode sizes, else grouped (torch) / layers.jax.expert_gemm")
+    ap.add_argument("--compute-graphs", dest="compute_graphs", action="store_true",
+                    help="torch: each layer replays its compute phase from a CUDA graph per T^ in eager steps "
+                         "(TorchMoeLayer(compute_graphs=True)); --graph captures whole steps either way")
     ap.add_argument("--combine-quant", choices=("fp8",), default=None,
                     help="FP8 combine (FENCE): finalize writes e4m3 partials, combine pulls those")
     ap.add_argument("--iters", type=positive_int, default=20, help="timed steps per token count (default 20)")
@@ -298,6 +302,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.graph and (args.framework != "torch" or args.combine_quant or args.gemm == "loop"):
         ap.error("--graph runs the PyTorch layer with the bf16 combine and capturable expert GEMMs "
                  "(no --framework jax, --combine-quant or --gemm loop)")
+    if args.compute_graphs and (args.framework != "torch" or args.gemm == "loop"):
+        ap.error("--compute-graphs: the PyTorch layer's, with capturable expert GEMMs (no --framework jax or --gemm loop)")
     if args.tokens is None:
         args.tokens = [1, 4, 16, 64, 128, 1024] if args.graph else [1, 16, 128, 1024]
     if args.protocol is None:  # (FENCE: the faster protocol on one GPU at every size)
@@ -312,7 +318,8 @@ def result_file(res: dict, args) -> str:
     overrides = [f"{k.replace('_', '')}{getattr(args, k)}" for k in ("hidden", "intermediate", "experts", "top_k")
                  if getattr(args, k) is not None]
     return result_name("moe-layer", device_slug(res["device"]), f"{args.ranks}ranks", args.profile, *overrides,
-                       args.framework, args.combine_quant, "graph" if args.graph else None)
+                       args.framework, args.combine_quant, "graph" if args.graph else None,
+                       "compute-graphs" if args.compute_graphs else None)
 
 
 def main(argv=None) -> int:

@@ -204,7 +204,8 @@ def run(args, profiles: dict) -> dict:
         try:
             for r in a2a.ranks:  # (--graph: parse_args lets only auto, grouped or fused through)
                 first, n = local_experts(E, ep, r.rank)
-                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm))
+                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm,
+                                            compute_graphs=args.compute_graphs))
             if layers[0].gemm != "grouped":  # (the loop GEMM reads counts on the host: not capturable)
                 raise RuntimeError(f"--graph needs torch's grouped GEMM: {layers[0].gemm_reason}")
             floor = GemmFloor(layers)
@@ -233,6 +234,7 @@ def run(args, profiles: dict) -> dict:
                 config=dict(profile=args.profile, hidden=H, intermediate=I, experts=E, top_k=top_k, ranks=ep,
                             device=args.device, tokens=args.tokens, routing=args.routing, rounds=R,
                             replays=args.replays, stage_replays=args.stage_replays, protocol=protocol, seed=seed,
+                            compute_graphs=args.compute_graphs,
                             gemm=gemm, dtype="bf16 weights and activations, fp32 accumulation"),
                 copy_tbps=rate, method=__doc__, rows=rows)
 
@@ -330,6 +332,8 @@ def derive_figures(row: dict, rate_tbps: float) -> None:
     if st:
         compute = st.get("compute", 0.0)
         row["glue_share"] = (st["index"] + st["gather"] + st["finalize"]) / o["step_us"] if o["step_us"] > 0 else None
+        if "glue_busy" in st:
+            row["glue_busy_share"] = st["glue_busy"] / o["step_us"] if o["step_us"] > 0 else None
         row["a2a_round_trip_us"] = st["dispatch"] + st["combine"]
         row["layer_over_a2a_plus_gemm_floor"] = o["step_us"] / (row["a2a_round_trip_us"] + f["step_us"]) \
             if row["a2a_round_trip_us"] + f["step_us"] > 0 else None

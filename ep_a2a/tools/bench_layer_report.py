@@ -21,19 +21,20 @@ def _fmt(x, spec: str = ".1f") -> str:
 
 def table(rows) -> str:
     """The summary: per size and routing, µs per step of ours, the baseline and the GEMM floor,
-    the speedup, our stages (dispatch / compute / combine), glue share, weight-read floor and
-    the eager host cost per rank."""
+    the speedup, our stages (dispatch / compute / combine), glue share (spans; the time some
+    glue kernel runs), weight-read floor and the eager host cost per rank."""
     head = (f"{'T':>5} {'routing':8} {'ours':>9} {'±':>6} {'baseline':>9} {'±':>6} {'x':>5} {'GEMM fl':>8} "
-            f"{'disp/comp/comb':>20} {'glue%':>6} {'W floor':>8} {'imba':>5} {'host/rk':>7} {'==':>3}")
+            f"{'disp/comp/comb':>20} {'glue%':>6} {'busy%':>6} {'W floor':>8} {'imba':>5} {'host/rk':>7} {'==':>3}")
     lines = [head]
     for r in rows:
         o, b, f = r["ours"], r["baseline"], r["gemm_floor"]
         st = o.get("stages", {}).get("mean_us") or {}
         stages = "/".join(_fmt(st.get(k)) for k in ("dispatch", "compute", "combine")) if st else "-"
-        glue = r.get("glue_share")
+        glue, busy = r.get("glue_share"), r.get("glue_busy_share")
         lines.append(f"{r['tokens_per_rank']:>5} {r['routing']:8} {o['step_us']:>9.1f} {o['spread_us']:>6.1f} "
                      f"{b['step_us']:>9.1f} {b['spread_us']:>6.1f} {_fmt(r.get('speedup_vs_baseline'), '.2f'):>5} "
                      f"{f['step_us']:>8.1f} {stages:>20} {_fmt(None if glue is None else 100 * glue):>6} "
+                     f"{_fmt(None if busy is None else 100 * busy):>6} "
                      f"{r['weight_read_floor_us']:>8.1f} {r['load_imbalance']:>5.2f} "
                      f"{r['eager_host_us_per_rank']:>7.1f} {'y' if r.get('graph_equals_eager') else 'N':>3}")
     return "\n".join(lines)

@@ -46,6 +46,13 @@ def _cat(name):
     return "gpu_memcpy" if name.startswith("Memcpy") else "kernel"
 
 
+def _covered(intervals) -> float:
+    """Length of the union of intervals: every piece between consecutive boundaries that some
+    interval holds."""
+    cuts = sorted({x for iv in intervals for x in iv})
+    return sum(b - a for a, b in zip(cuts, cuts[1:]) if any(s <= a and b <= e for s, e in intervals))
+
+
 def _timeline(rng, ranks, replays):
     """Chrome-trace events of `replays` back-to-back replays of one step of `ranks` ranks
     whose stages follow each other on every rank with random lengths and offsets, and the
@@ -53,7 +60,7 @@ def _timeline(rng, ranks, replays):
     events, want, t = [], [], 0.0
     for _ in range(replays):
         spans = {s: [np.inf, -np.inf] for s in st.OURS_STAGES}
-        ends = []
+        ends, glue = [], []
         for r in range(ranks):
             clock = t + rng.uniform(0, 3)
             for stage in st.OURS_STAGES:
@@ -64,9 +71,12 @@ def _timeline(rng, ranks, replays):
                                        args={"stream": 100 + r}))
                     spans[stage][0] = min(spans[stage][0], clock)
                     spans[stage][1] = max(spans[stage][1], clock + dur)
+                    if stage in ("index", "gather", "finalize"):
+                        glue.append((clock, clock + dur))
                     clock += dur
             ends.append(clock)
         want.append({s: b - a for s, (a, b) in spans.items()})
+        want[-1]["glue_busy"] = _covered(glue)
         t = max(ends) + rng.uniform(1, 5)
     events.append(dict(ph="X", cat="cuda_runtime", name="cudaGraphLaunch", ts=0.0, dur=5.0))  # a host record
     order = rng.permutation(len(events))
@@ -101,6 +111,7 @@ def test_stage_spans_over_concurrent_ranks(ranks, replays):
         assert got["mean_us"][stage] == pytest.approx(np.mean(spans), rel=1e-9), (seed, stage)
         assert got["median_us"][stage] == pytest.approx(np.median(spans), rel=1e-9), (seed, stage)
     assert got["mean_us"]["glue"] >= max(got["mean_us"]["index"], got["mean_us"]["gather"]) - 1e-9
+    assert got["mean_us"]["glue_busy"] == pytest.approx(np.mean([w["glue_busy"] for w in want[1:]]), rel=1e-9), seed
     assert got["mean_us"]["layer"] >= got["mean_us"]["compute"]
     assert "fence_dispatch" in got["kernels"]["dispatch"]
 
@@ -163,7 +174,7 @@ def test_table_and_svg_from_rows(tmp_path):
     text = bench_layer_report.table(rows)
     assert len(text.splitlines()) == 5 and "zipf1.25" in text
     assert rows[0]["weight_read_floor_us"] == pytest.approx(250.0)
-    assert 0 < rows[0]["glue_share"]
+    assert 0 < rows[0]["glue_share"] and 0 < rows[0]["glue_busy_share"]
     doc = dict(device="NVIDIA H200", config=dict(profile="small", ranks=8), rows=rows)
     path = tmp_path / "r.json"
     path.write_text(json.dumps(doc))
@@ -177,7 +188,11 @@ def test_graph_options():
     a = bench_layer.parse_args(["--graph", "--tokens", "1,4", "--routing", "perfect,zipf1", "--out", "/tmp/x.json"])
     assert a.tokens == [1, 4] and a.routing == ["perfect", "zipf1"] and a.protocol == "fence"
     assert bench_layer.parse_args(["--out", "/tmp/x.json"]).tokens == [1, 16, 128, 1024]
-    for bad in (["--graph", "--gemm", "loop"], ["--graph", "--combine-quant", "fp8"], ["--routing", "zipf2"]):
+    a = bench_layer.parse_args(["--graph", "--compute-graphs", "--out", "/tmp/x.json"])
+    assert a.compute_graphs and bench_layer.result_file(dict(device="NVIDIA H200"), a) == \
+        "moe-layer-h200-8ranks-small-torch-graph-compute-graphs"
+    for bad in (["--graph", "--gemm", "loop"], ["--graph", "--combine-quant", "fp8"], ["--routing", "zipf2"],
+                ["--compute-graphs", "--gemm", "loop"], ["--compute-graphs", "--framework", "jax"]):
         with pytest.raises(SystemExit):
             bench_layer.parse_args(bad + ["--out", "/tmp/x.json"])
 
