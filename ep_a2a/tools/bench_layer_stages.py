@@ -225,8 +225,8 @@ def _short(name: str, limit: int = 90) -> str:
 
 OURS_GROUPS = {"compute": ("index", "gather", "fc1", "activation", "fc2", "finalize"),
                "glue": ("index", "gather"), "experts": ("fc1", "activation", "fc2")}
-# Where ranks share one GPU, each rank's finalize follows its own FC2, so the finalize stage's
-# span takes in the ranks' stagger through FC2; the time some glue kernel runs does not.
+# A span runs from the first rank's kernel to the last rank's, so with ranks sharing a GPU it
+# can take in their stagger; the union of the glue kernels' records is the time one of them runs.
 OURS_BUSY = {"glue_busy": ("index", "gather", "finalize")}
 
 

@@ -1,8 +1,9 @@
 """TorchMoeLayer(compute_graphs=True): the compute phase of each T^ replayed from a CUDA graph of
 the rank's stream after one eager step with that T^; every step bitwise equal to layers without
 graphs on the same all-to-all and inputs, over T^ in a shuffled order with fresh inputs and token
-counts, both protocols, the expert kernels' sizes and the grouped GEMM's. Fresh random inputs every
-run; the seed is in every failure message."""
+counts, both protocols, the expert kernels' sizes and the grouped GEMM's; and whole steps of the
+graphed layers captured by the caller (no nested capture), replayed with fresh inputs. Fresh
+random inputs every run; the seed is in every failure message."""
 import numpy as np
 import pytest
 from common import fresh_rng, layer_token_counts
