@@ -129,7 +129,8 @@ class TorchMoeLayer(LayerBase):
     compute_graphs: the compute phase (index to finalize: no peer, no host wait) replayed from a
       CUDA graph of this rank's stream, one per T^, captured at the second eager step with that
       T^ (the first warms it up): an eager step's host time without a launch per piece. Not with
-      the loop GEMM (it reads counts on the host).
+      the loop GEMM (it reads counts on the host). A replay leaves the host's view of `index`
+      (its T^, capacity and row views) at the last step the host issued itself.
     """
 
     def __init__(self, a2a_rank, w_gate_up, w_down, *, renormalize: bool = True, gemm: str = "auto",
@@ -412,8 +413,8 @@ class TorchMoeLayer(LayerBase):
     def close(self) -> None:
         """Release what the layer made (its expert index and buffers); the all-to-all is the caller's."""
         self.close_gate()
-        if self._graphs:
-            self.a2a_rank.synchronize()
+        if self._graphs:  # (the device drained, not a peer's error raised: the rest must still be released)
+            self.a2a_rank.device.synchronize()
             self._graphs.clear()
         if not self._fork.closed:
             self._fork.close()
