@@ -146,6 +146,11 @@ def auto_fused_rows(hidden: int, inter: int) -> int:
     return max(rows, FUSED_MAX_ROWS_XLA) if rows else 0
 
 
+def step_weights(gemm: str) -> tuple:
+    """The names (JaxMoeLayer.params) of the weights a traced step with this expert function reads."""
+    return ("w1", "w2") if gemm == "fused" else ("w1t", "w2t")
+
+
 def expert_rows_bound(layer, runtime_max: int, our_router: bool, capacity: int) -> int:
     """The most rows one local expert can receive in a step of T^ = runtime_max: a token picks
     an expert at most once through our router (top_k distinct experts); ids from the caller
@@ -444,8 +449,8 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
     if fused != all(g == "fused" for g in gemms):
         raise ValueError(f"layers: a traced step runs the expert kernels for every rank or none, got {gemms} "
                          f"(gemm={[layer.gemm for layer in layers]}) at T^={runtime_max}")
-    need = ("w1", "w2") if fused else ("w1t", "w2t")
     for i, p in enumerate(params):
+        need = step_weights(gemms[i])
         missing = [k for k in need if k not in p]
         if missing:
             raise ValueError(f"params[{i}]: a step of T^={runtime_max} ({gemms[i]}) reads {list(need)}, missing "
@@ -480,8 +485,7 @@ def traced_params(layers, runtime_max_tokens_per_rank: int = None) -> list:
     out = []
     for layer in layers:
         p = layer.params
-        names = ("w1", "w2") if layer.expert_gemm(runtime_max_tokens_per_rank) == "fused" else ("w1t", "w2t")
-        out.append({k: p[k] for k in names})
+        out.append({k: p[k] for k in step_weights(layer.expert_gemm(runtime_max_tokens_per_rank))})
     return out
 
 

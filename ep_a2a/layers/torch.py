@@ -308,23 +308,22 @@ class TorchMoeLayer(LayerBase):
         if self._graphs is None:
             return self._compute()
         import torch
+        runtime_max = self._step["runtime_max"]
         with self._on:
             if torch.cuda.is_current_stream_capturing():  # (inside the caller's graph: no graph of our own)
                 return self._compute()
-        runtime_max = self._step["runtime_max"]
-        g = self._graphs.get(runtime_max)
-        if g is None:
-            if runtime_max not in self._warm:  # (the first step of a T^ runs eagerly: lazy inits happen there)
-                self._warm.add(runtime_max)
-                return self._compute()
-            # Every tensor the phase reads or writes sits where it did (the dispatch views and
-            # combine input of this T^, the layer's buffers, the weights), so the graph replays
-            # any later step of this T^. Capturing on our own stream keeps the ops' stream switch a no-op.
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self._pool, stream=self.stream, capture_error_mode="global"):
-                self._compute()
-            self._graphs[runtime_max] = g
-        with self._on:
+            g = self._graphs.get(runtime_max)
+            if g is None:
+                if runtime_max not in self._warm:  # (the first step of a T^ runs eagerly: lazy inits happen there)
+                    self._warm.add(runtime_max)
+                    return self._compute()
+                # Every tensor the phase reads or writes sits where it did (the dispatch views and
+                # combine input of this T^, the layer's buffers, the weights), so the graph replays
+                # any later step of this T^. Capturing on our own stream keeps the ops' stream switch a no-op.
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self._pool, stream=self.stream, capture_error_mode="global"):
+                    self._compute()
+                self._graphs[runtime_max] = g
             g.replay()
 
     def _compute(self) -> None:
