@@ -36,7 +36,7 @@ import numpy as np
 from ..layers.base import phase_gate, run_phases
 from . import exits
 from .argtypes import check_top_k, choice_list, int_in, int_list, nonnegative_int, positive_int
-from .bench_layer_profiles import PROFILES, layer_shape, run_seed
+from .bench_layer_profiles import PROFILES, add_torch_layers, layer_shape, run_seed
 from .bench_report import commit, torch_device_fields
 from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
@@ -159,8 +159,7 @@ def _measure(torch, run, streams, iters: int, warmup: int) -> dict:
 def run(args) -> dict:
     import torch
     import ep_a2a
-    from ..layers.torch import TorchMoeLayer, moe_forward_all_ranks, payload_specs
-    from ..moe import local_experts
+    from ..layers.torch import moe_forward_all_ranks, payload_specs
     from ..testing.layer_oracle import max_relative_error
     H, I, E, top_k, ep = layer_shape(args, PROFILES)
     dev = torch.device("cuda", args.device)
@@ -179,10 +178,7 @@ def run(args) -> dict:
                                  on_timeout="abort")  # a stuck wait reports who was missing, the run ends cleanly
         layers = []
         try:
-            for r in a2a.ranks:
-                first, n = local_experts(E, ep, r.rank)
-                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm,
-                                            compute_graphs=args.compute_graphs))
+            add_torch_layers(layers, a2a, w1, w2, gemm=args.gemm, compute_graphs=args.compute_graphs)
             streams = [layer.stream for layer in layers]
             base = Baseline(layers)
             for T in args.tokens:

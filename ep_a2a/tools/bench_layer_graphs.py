@@ -35,7 +35,7 @@ import time
 
 import numpy as np
 
-from .bench_layer_profiles import torch_layer_run
+from .bench_layer_profiles import add_torch_layers, torch_layer_run
 from .bench_layer_baseline import AllGatherBaseline, GemmFloor
 from .bench_report import torch_device_fields
 from .bench_method import per_round
@@ -186,8 +186,7 @@ def eager_host_phases_us(torch, layers, xs, logits, T: int, iters: int) -> dict:
 def run(args, profiles: dict) -> dict:
     import torch
     import ep_a2a
-    from ..layers.torch import TorchMoeLayer, moe_forward_all_ranks, payload_specs
-    from ..moe import local_experts
+    from ..layers.torch import moe_forward_all_ranks, payload_specs
     from ..testing.layer_oracle import max_relative_error
     from .bench_layer_stages import baseline_stage_times, floor_stage_times, ours_stage_times
     (H, I, E, top_k, ep), dev, seed, rng, say, w1, w2 = torch_layer_run(args, profiles, "")
@@ -202,10 +201,8 @@ def run(args, profiles: dict) -> dict:
                                  validate_expert_ids=False, on_timeout="abort")
         layers = []
         try:
-            for r in a2a.ranks:  # (--graph: parse_args lets only auto, grouped or fused through)
-                first, n = local_experts(E, ep, r.rank)
-                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm,
-                                            compute_graphs=args.compute_graphs))
+            # (--graph: parse_args lets only auto, grouped or fused through)
+            add_torch_layers(layers, a2a, w1, w2, gemm=args.gemm, compute_graphs=args.compute_graphs)
             if layers[0].gemm != "grouped":  # (the loop GEMM reads counts on the host: not capturable)
                 raise RuntimeError(f"--graph needs torch's grouped GEMM: {layers[0].gemm_reason}")
             floor = GemmFloor(layers)

@@ -25,7 +25,7 @@ import sys
 from . import exits
 from .argtypes import int_in, int_list, nonnegative_int, positive_int
 from .bench_layer_graphs import eager_host_us
-from .bench_layer_profiles import PROFILES
+from .bench_layer_profiles import PROFILES, add_torch_layers
 from .bench_report import torch_device_fields
 from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
@@ -69,8 +69,7 @@ def _pieces(torch, layer, logits, T: int, calls: int, reps: int) -> dict:
 def run(args) -> dict:
     import torch
     import ep_a2a
-    from ..layers.torch import TorchMoeLayer, moe_forward_all_ranks, payload_specs
-    from ..moe import local_experts
+    from ..layers.torch import moe_forward_all_ranks, payload_specs
     p = PROFILES[args.profile]
     H, I, E, K, ep = p["hidden"], p["intermediate"], p["experts"], p["top_k"], args.ranks
     dev = torch.device("cuda", args.device)
@@ -84,10 +83,7 @@ def run(args) -> dict:
                                  validate_expert_ids=False, on_timeout="abort")
         layers = []
         try:
-            for r in a2a.ranks:
-                first, n = local_experts(E, ep, r.rank)
-                layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], gemm=args.gemm,
-                                            compute_graphs=args.compute_graphs))
+            add_torch_layers(layers, a2a, w1, w2, gemm=args.gemm, compute_graphs=args.compute_graphs)
             for T in args.tokens:
                 xs = [torch.randn(T, H, device=dev).to(torch.bfloat16) for _ in layers]
                 logits = [torch.randn(T, E, device=dev) for _ in layers]

@@ -44,3 +44,14 @@ def torch_layer_run(args, profiles: dict, what: str):
     w1 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).to(torch.bfloat16)
     return shape, dev, seed, np.random.default_rng(seed), say, w1, w2
+
+
+def add_torch_layers(layers: list, a2a, w1, w2, **options) -> None:
+    """Append to `layers` a TorchMoeLayer per rank of a2a over its local experts' slices of every
+    expert's weights (w1 [E, 2I, H], w2 [E, H, I]); options: TorchMoeLayer's (gemm=,
+    compute_graphs=). One by one, so that the caller's cleanup closes those made before a failure."""
+    from ..layers.torch import TorchMoeLayer
+    from ..moe import local_experts
+    for r in a2a.ranks:
+        first, n = local_experts(a2a.num_experts, a2a.ep_size, r.rank)
+        layers.append(TorchMoeLayer(r, w1[first:first + n], w2[first:first + n], **options))
