@@ -181,6 +181,11 @@ class JaxAlltoAll:
         what combine() returns."""
         return self._halves.combine_recv(ticket)
 
+    def native_calls(self, ordinal: int = 0) -> int:
+        """How many times the FFI handler has run this object's launch plans on cuda:`ordinal`
+        (0 on the Python path). Under XLA's command buffers it runs only when XLA records."""
+        return sum(plan.calls(ordinal) for plan in self._plans)
+
     def _release_plans(self) -> None:
         """Release the launch plans (a jitted call of one after this gets a clean FFI error)."""
         if self._plans:

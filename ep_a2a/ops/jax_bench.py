@@ -12,6 +12,11 @@ count and path (native: the FFI handler, python: the buffer_callback fallback) i
            XLA's thunks, our handler or callback, the final synchronization)
   jax      wall of a jitted call of one elementwise op per rank on the same arrays: JAX's
            own dispatch and synchronization, which host includes and no handler can remove
+  issue    the time until the call returns, before blocking (JAX dispatches asynchronously):
+           the host thread's own cost, without the wait for the GPU; jax_issue likewise for
+           the elementwise call
+  handler runs per call  how often our FFI handler ran per timed call (1: on every call;
+           under command buffers, 0 once XLA has recorded it, re-recording shows as more)
 
     python -m ep_a2a.ops.jax_bench --tokens 1 16 128 --ranks 8 --out bench.json
 """
@@ -58,6 +63,19 @@ def _median_us(fn, iters: int) -> float:
     return statistics.median(times) * 1e6
 
 
+def _issue_us(fn, iters: int) -> float:
+    """Median time until a call of fn returns (JAX dispatches asynchronously), each call's
+    result waited for before the next call starts."""
+    import jax
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    return statistics.median(times) * 1e6
+
+
 def measure(a2a, path: str, T: int, hidden: int, iters: int, chain: int, rng) -> dict:
     import jax
     import jax.numpy as jnp
@@ -79,7 +97,10 @@ def measure(a2a, path: str, T: int, hidden: int, iters: int, chain: int, rng) ->
         for f in (one, many):
             for _ in range(3):
                 jax.block_until_ready(f(ids, xs, ws))
+        runs = ops.native_calls()
         wall = _median_us(lambda: jax.block_until_ready(one(ids, xs, ws)), iters)
+        runs = (ops.native_calls() - runs) / iters
+        issue = _issue_us(lambda: one(ids, xs, ws), iters)
         wall_many = _median_us(lambda: jax.block_until_ready(many(ids, xs, ws)), iters)
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -90,10 +111,13 @@ def measure(a2a, path: str, T: int, hidden: int, iters: int, chain: int, rng) ->
         for _ in range(3):
             jax.block_until_ready(trivial(ids, xs, ws))
         jax_us = _median_us(lambda: jax.block_until_ready(trivial(ids, xs, ws)), iters)
+        jax_issue = _issue_us(lambda: trivial(ids, xs, ws), iters)
     device = (wall_many - wall) / chain
     return {"tokens": T, "path": path, "ranks": n, "wall_us": wall, "pipelined_us": pipelined,
             "device_us": device, "host_us": wall - device, "host_us_per_rank": (wall - device) / n,
-            "jax_us": jax_us, "host_beyond_jax_us_per_rank": (wall - device - jax_us) / n}
+            "jax_us": jax_us, "host_beyond_jax_us_per_rank": (wall - device - jax_us) / n,
+            "issue_us": issue, "jax_issue_us": jax_issue, "issue_beyond_jax_us_per_rank": (issue - jax_issue) / n,
+            "handler_runs_per_call": runs}
 
 
 def parse_args(argv=None):
@@ -113,14 +137,15 @@ def parse_args(argv=None):
 def table(rows) -> list:
     """The summary table's lines, a row per token count and path."""
     lines = [f"{'T':>5} {'path':>7} {'wall':>9} {'pipelined':>10} {'device':>9} {'host':>9} {'host/rank':>10} "
-             f"{'jax':>7} {'beyond jax/rank':>16}"]
+             f"{'jax':>7} {'beyond jax/rank':>16} {'issue':>7} {'jax issue':>10} {'runs/call':>10}"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['tokens']:>5} {r['path']:>7}  skipped: {r['skipped']}")
             continue
         lines.append(f"{r['tokens']:>5} {r['path']:>7} {r['wall_us']:>9.1f} {r['pipelined_us']:>10.1f} "
                      f"{r['device_us']:>9.1f} {r['host_us']:>9.1f} {r['host_us_per_rank']:>10.2f} {r['jax_us']:>7.1f} "
-                     f"{r['host_beyond_jax_us_per_rank']:>16.2f}")
+                     f"{r['host_beyond_jax_us_per_rank']:>16.2f} {r['issue_us']:>7.1f} {r['jax_issue_us']:>10.1f} "
+                     f"{r['handler_runs_per_call']:>10.2f}")
     return lines
 
 

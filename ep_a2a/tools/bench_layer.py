@@ -36,7 +36,7 @@ import numpy as np
 from ..layers.base import phase_gate, run_phases
 from . import exits
 from .argtypes import check_top_k, choice_list, int_in, int_list, nonnegative_int, positive_int
-from .bench_layer_profiles import PROFILES, add_torch_layers, layer_shape, run_seed
+from .bench_layer_profiles import PROFILES, add_torch_layers, expert_weights, layer_shape, run_seed
 from .bench_report import commit, torch_device_fields
 from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
@@ -167,8 +167,7 @@ def run(args) -> dict:
     torch.manual_seed(seed)
     print(f"seed {seed}; {torch.cuda.get_device_name(dev)}; {ep} ranks; hidden {H}, intermediate {I}, "
           f"{E} experts, top_k {top_k}", file=sys.stderr)
-    w1 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).to(torch.bfloat16)
+    w1, w2 = expert_weights(E, H, I, dev)
     rows = []
     protocol = "fence" if args.combine_quant else args.protocol  # (FP8 combine is FENCE only)
     with ep_a2a.LocalGroup([args.device] * ep) as group:

@@ -25,7 +25,7 @@ import sys
 from . import exits
 from .argtypes import int_in, int_list, nonnegative_int, positive_int
 from .bench_layer_graphs import eager_host_us
-from .bench_layer_profiles import PROFILES, add_torch_layers
+from .bench_layer_profiles import PROFILES, add_torch_layers, expert_weights
 from .bench_report import torch_device_fields
 from .result_paths import OUT_HELP, check_out, device_slug, output_path, result_name, write_json
 
@@ -74,8 +74,7 @@ def run(args) -> dict:
     H, I, E, K, ep = p["hidden"], p["intermediate"], p["experts"], p["top_k"], args.ranks
     dev = torch.device("cuda", args.device)
     torch.cuda.set_device(dev)
-    w1 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).to(torch.bfloat16)
+    w1, w2 = expert_weights(E, H, I, dev)
     rows = []
     with ep_a2a.LocalGroup([args.device] * ep) as group:
         a2a = ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(args.tokens), top_k=K, num_experts=E,

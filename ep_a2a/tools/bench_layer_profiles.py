@@ -41,9 +41,17 @@ def torch_layer_run(args, profiles: dict, what: str):
         print(message, file=sys.stderr, flush=True)
     say(f"seed {seed}; {torch.cuda.get_device_name(dev)}; {ep} ranks; hidden {H}, intermediate {I}, {E} experts, "
         f"top_k {top_k}; {what}graphs of {args.rounds} and {2 * args.rounds} steps, {args.replays} replays")
+    return (shape, dev, seed, np.random.default_rng(seed), say) + expert_weights(E, H, I, dev)
+
+
+def expert_weights(E: int, H: int, I: int, dev) -> tuple:
+    """(w1, w2): random bf16 weights of every expert on torch device `dev` (w_gate_up [E, 2I, H],
+    w_down [E, H, I]), scaled by 1/sqrt(fan-in) so activations keep their size; from torch's
+    generator (seeded by the caller where a run must reproduce)."""
+    import torch
     w1 = (torch.randn(E, 2 * I, H, device=dev) / H ** 0.5).to(torch.bfloat16)
     w2 = (torch.randn(E, H, I, device=dev) / I ** 0.5).to(torch.bfloat16)
-    return shape, dev, seed, np.random.default_rng(seed), say, w1, w2
+    return w1, w2
 
 
 def add_torch_layers(layers: list, a2a, w1, w2, **options) -> None:
