@@ -1,8 +1,9 @@
 """TorchMoeLayer(compute_graphs=True): the compute phase of each T^ replayed from a CUDA graph of
 the rank's stream after one eager step with that T^; every step bitwise equal to layers without
 graphs on the same all-to-all and inputs, over T^ in a shuffled order with fresh inputs and token
-counts, both protocols, the expert kernels' sizes and the grouped GEMM's; and whole steps of the
-graphed layers captured by the caller (no nested capture), replayed with fresh inputs. Fresh
+counts, both protocols and FENCE with the FP8 combine (the separate finalize kernel then), the
+expert kernels' sizes and the grouped GEMM's; and whole steps of the graphed layers captured by
+the caller (no nested capture), replayed with fresh inputs. Fresh
 random inputs every run; the seed is in every failure message."""
 import numpy as np
 import pytest
@@ -12,8 +13,8 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 
-@pytest.mark.parametrize("protocol", ["fence", "sentinel"])
-def test_compute_graphs_equal_the_eager_layer_over_shuffled_sizes(protocol):
+@pytest.mark.parametrize("protocol, quant", [("fence", None), ("sentinel", None), ("fence", "fp8")])
+def test_compute_graphs_equal_the_eager_layer_over_shuffled_sizes(protocol, quant):
     import ep_a2a
     from ep_a2a.layers.torch import TorchMoeLayer, grouped_mm_support, moe_forward_all_ranks, payload_specs
     from ep_a2a.moe import local_experts
@@ -32,7 +33,7 @@ def test_compute_graphs_equal_the_eager_layer_over_shuffled_sizes(protocol):
     with ep_a2a.LocalGroup([0] * ep) as group, \
             ep_a2a.MoeAlltoAll(group, max_tokens_per_rank=max(sizes), top_k=top_k, num_experts=E,
                                payloads=payload_specs(H, top_k), combine_hidden_size=H, protocol=protocol,
-                               timeout_s=20.0, validate_expert_ids=False) as a2a:
+                               timeout_s=20.0, validate_expert_ids=False, combine_quant=quant) as a2a:
         graphed, plain = [], []
         try:
             for r in a2a.ranks:
@@ -43,7 +44,7 @@ def test_compute_graphs_equal_the_eager_layer_over_shuffled_sizes(protocol):
             order = [int(t) for t in rng.permutation(sizes * 3)]
             for step, tmax in enumerate(order):
                 tokens = layer_token_counts(rng, ep, tmax, step)
-                msg = f"{seed} {protocol} step {step} T^={tmax} tokens={tokens}"
+                msg = f"{seed} {protocol} {quant} step {step} T^={tmax} tokens={tokens}"
                 xs = [torch.from_numpy(rng.standard_normal((T, H), dtype=np.float32)).to(dev).to(torch.bfloat16) for T in tokens]
                 lg = [torch.from_numpy(distinct_logits(rng, T, E)).to(dev) for T in tokens]
                 got = [o.clone() for o in moe_forward_all_ranks(graphed, xs, lg, tmax)]
@@ -72,7 +73,7 @@ def test_compute_graphs_equal_the_eager_layer_over_shuffled_sizes(protocol):
                 torch.cuda.synchronize()
                 for r, (g, w) in enumerate(zip(outs, want)):
                     assert torch.equal(g.view(torch.int16), w.view(torch.int16)), \
-                        f"{seed} {protocol} whole-step replay {replay} rank {r}: {int((g != w).sum())} values differ"
+                        f"{seed} {protocol} {quant} whole-step replay {replay} rank {r}: {int((g != w).sum())} values differ"
         finally:
             torch.cuda.synchronize()
             for layer in graphed + plain:
