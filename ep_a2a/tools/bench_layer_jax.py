@@ -20,7 +20,9 @@ step's outputs the next one's hidden states) minus a program of one, over CHAIN 
 issues step i+1 while step i runs, so it hides behind the GPU as long as it is the faster);
 host = jit - device. jax_call: a jitted call of the same arguments and results doing one
 elementwise op per rank (JAX's own dispatch and synchronization, which jit includes and no
-handler of ours can remove). The step's routing (random logits, the same every step of a size) selects
+handler of ours can remove). issue / jax_issue: the time until the jitted call (resp. that
+elementwise call) returns, before any wait: the host thread's own cost of a step, the rest of
+jit being the GPU's and the wait's. The step's routing (random logits, the same every step of a size) selects
 experts whose bf16 weights it must read (load_stats: experts_touched, weight_bytes_read), in at
 least weight_read_floor_us at the copy rate of a jitted elementwise pass over 1 GiB in the
 same run (bytes read + written per second), the experts' floor at small sizes.
@@ -116,6 +118,20 @@ def _median_us(fn, iters: int, warmup: int) -> float:
         jax.block_until_ready(fn())
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+    return float(np.median(times) * 1e6)
+
+
+def _issue_us(fn, iters: int, warmup: int) -> float:
+    """Median time until a call of fn returns (JAX dispatches asynchronously: the host thread's
+    own cost of the call), each call's results waited for before the next call."""
+    import jax
+    times = []
+    for i in range(warmup + iters):
+        t0 = time.perf_counter()
+        out = fn()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
     return float(np.median(times) * 1e6)
 
 
@@ -235,6 +251,8 @@ def run(args, profiles: dict, commit) -> dict:
                 row["device_us"] = (_median_us(lambda: many(xs, logits), args.iters, args.warmup) - row["jit_us"]) / CHAIN
                 row["host_us"] = row["jit_us"] - row["device_us"]
                 row["jax_call_us"] = _median_us(lambda: trivial(xs, logits), args.iters, args.warmup)
+                row["issue_us"] = _issue_us(lambda: jitted(xs, logits), args.iters, args.warmup)
+                row["jax_issue_us"] = _issue_us(lambda: trivial(xs, logits), args.iters, args.warmup)
                 row["pipelined_us"] = _pipelined_us(jitted, xs, logits, args.iters, args.warmup)
                 row["baseline_pipelined_us"] = _pipelined_us(base, xs, logits, args.iters, args.warmup)
                 rows.append(row)
@@ -242,7 +260,8 @@ def run(args, profiles: dict, commit) -> dict:
                 print(f"T={T:5d} {row['gemm']:6s} jit {row['jit_us']:9.1f} µs   eager {row['eager_us']:9.1f} µs   all-gather (jit) "
                       f"{row['baseline_us']:9.1f} µs   x{row['baseline_us'] / row['jit_us']:.2f} vs baseline, "
                       f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; device {row['device_us']:.1f} µs "
-                      f"(jit/device x{row['jit_us'] / row['device_us']:.2f}; JAX's own call {row['jax_call_us']:.1f}); pipelined {row['pipelined_us']:.1f} µs "
+                      f"(jit/device x{row['jit_us'] / row['device_us']:.2f}; JAX's own call {row['jax_call_us']:.1f}; returns after "
+                      f"{row['issue_us']:.1f}, JAX's own {row['jax_issue_us']:.1f}); pipelined {row['pipelined_us']:.1f} µs "
                       f"(/device x{row['pipelined_us'] / row['device_us']:.2f}; baseline {row['baseline_pipelined_us']:.1f}); "
                       f"weight-read floor {row['weight_read_floor_us']:.1f} µs ({load['experts_touched']} experts); "
                       f"jit == eager bitwise: {same}; "
