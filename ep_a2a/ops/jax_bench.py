@@ -63,15 +63,17 @@ def _median_us(fn, iters: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def _issue_us(fn, iters: int) -> float:
-    """Median time until a call of fn returns (JAX dispatches asynchronously), each call's
-    result waited for before the next call starts."""
+def issue_us(fn, iters: int, warmup: int = 0) -> float:
+    """Median time until a call of fn returns (JAX dispatches asynchronously: the host thread's
+    own cost of the call), each call's results waited for before the next call; the first
+    `warmup` calls untimed."""
     import jax
     times = []
-    for _ in range(iters):
+    for i in range(warmup + iters):
         t0 = time.perf_counter()
         out = fn()
-        times.append(time.perf_counter() - t0)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
         jax.block_until_ready(out)
     return statistics.median(times) * 1e6
 
@@ -100,7 +102,7 @@ def measure(a2a, path: str, T: int, hidden: int, iters: int, chain: int, rng) ->
         runs = ops.native_calls()
         wall = _median_us(lambda: jax.block_until_ready(one(ids, xs, ws)), iters)
         runs = (ops.native_calls() - runs) / iters
-        issue = _issue_us(lambda: one(ids, xs, ws), iters)
+        issue = issue_us(lambda: one(ids, xs, ws), iters)
         wall_many = _median_us(lambda: jax.block_until_ready(many(ids, xs, ws)), iters)
         t0 = time.perf_counter()
         for _ in range(iters):
@@ -111,7 +113,7 @@ def measure(a2a, path: str, T: int, hidden: int, iters: int, chain: int, rng) ->
         for _ in range(3):
             jax.block_until_ready(trivial(ids, xs, ws))
         jax_us = _median_us(lambda: jax.block_until_ready(trivial(ids, xs, ws)), iters)
-        jax_issue = _issue_us(lambda: trivial(ids, xs, ws), iters)
+        jax_issue = issue_us(lambda: trivial(ids, xs, ws), iters)
     device = (wall_many - wall) / chain
     return {"tokens": T, "path": path, "ranks": n, "wall_us": wall, "pipelined_us": pipelined,
             "device_us": device, "host_us": wall - device, "host_us_per_rank": (wall - device) / n,

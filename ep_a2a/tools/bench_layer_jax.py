@@ -40,6 +40,7 @@ import time
 
 import numpy as np
 
+from ..ops.jax_bench import issue_us
 from .bench_layer_graphs import load_stats
 from .bench_layer_profiles import layer_shape, run_seed
 from .bench_layer_stages import OURS_MAP
@@ -118,20 +119,6 @@ def _median_us(fn, iters: int, warmup: int) -> float:
         jax.block_until_ready(fn())
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    return float(np.median(times) * 1e6)
-
-
-def _issue_us(fn, iters: int, warmup: int) -> float:
-    """Median time until a call of fn returns (JAX dispatches asynchronously: the host thread's
-    own cost of the call), each call's results waited for before the next call."""
-    import jax
-    times = []
-    for i in range(warmup + iters):
-        t0 = time.perf_counter()
-        out = fn()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        jax.block_until_ready(out)
     return float(np.median(times) * 1e6)
 
 
@@ -251,8 +238,8 @@ def run(args, profiles: dict, commit) -> dict:
                 row["device_us"] = (_median_us(lambda: many(xs, logits), args.iters, args.warmup) - row["jit_us"]) / CHAIN
                 row["host_us"] = row["jit_us"] - row["device_us"]
                 row["jax_call_us"] = _median_us(lambda: trivial(xs, logits), args.iters, args.warmup)
-                row["issue_us"] = _issue_us(lambda: jitted(xs, logits), args.iters, args.warmup)
-                row["jax_issue_us"] = _issue_us(lambda: trivial(xs, logits), args.iters, args.warmup)
+                row["issue_us"] = issue_us(lambda: jitted(xs, logits), args.iters, args.warmup)
+                row["jax_issue_us"] = issue_us(lambda: trivial(xs, logits), args.iters, args.warmup)
                 row["pipelined_us"] = _pipelined_us(jitted, xs, logits, args.iters, args.warmup)
                 row["baseline_pipelined_us"] = _pipelined_us(base, xs, logits, args.iters, args.warmup)
                 rows.append(row)
