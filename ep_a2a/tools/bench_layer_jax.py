@@ -22,7 +22,8 @@ host = jit - device. jax_call: a jitted call of the same arguments and results d
 elementwise op per rank (JAX's own dispatch and synchronization, which jit includes and no
 handler of ours can remove). issue / jax_issue: the time until the jitted call (resp. that
 elementwise call) returns, before any wait: the host thread's own cost of a step, the rest of
-jit being the GPU's and the wait's. The step's routing (random logits, the same every step of a size) selects
+jit being the GPU's and the wait's. handler_runs_per_call: how often our FFI handler ran per
+timed jitted call (each call, or only when XLA's command buffer records it). The step's routing (random logits, the same every step of a size) selects
 experts whose bf16 weights it must read (load_stats: experts_touched, weight_bytes_read), in at
 least weight_read_floor_us at the copy rate of a jitted elementwise pass over 1 GiB in the
 same run (bytes read + written per second), the experts' floor at small sizes.
@@ -229,10 +230,12 @@ def run(args, profiles: dict, commit) -> dict:
                 same = all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(ours, eager))
                 load = load_stats([np.asarray(layer.routing[0]) for layer in layers], ep, T, top_k, E, H, I)
                 diff = max(max_relative_error(a.astype(np.float32), b.astype(np.float32)) for a, b in zip(ours, theirs))
+                runs = layers[0].native_calls()
                 row = dict(tokens_per_rank=T, gemm=layers[0].expert_gemm(T), jit_equals_eager_bitwise=same,
                            max_rel_diff_vs_baseline=diff, **load,
                            weight_read_floor_us=load["weight_bytes_read"] / (rate * 1e12) * 1e6,
                            jit_us=_median_us(lambda: jitted(xs, logits), args.iters, args.warmup),
+                           handler_runs_per_call=(layers[0].native_calls() - runs) / (args.iters + args.warmup),
                            eager_us=_median_us(lambda: moe_forward_all_ranks(layers, xs, logits, T), args.iters, args.warmup),
                            baseline_us=_median_us(lambda: base(xs, logits), args.iters, args.warmup))
                 row["device_us"] = (_median_us(lambda: many(xs, logits), args.iters, args.warmup) - row["jit_us"]) / CHAIN
@@ -248,7 +251,8 @@ def run(args, profiles: dict, commit) -> dict:
                       f"{row['baseline_us']:9.1f} µs   x{row['baseline_us'] / row['jit_us']:.2f} vs baseline, "
                       f"x{row['eager_us'] / row['jit_us']:.2f} vs eager; device {row['device_us']:.1f} µs "
                       f"(jit/device x{row['jit_us'] / row['device_us']:.2f}; JAX's own call {row['jax_call_us']:.1f}; returns after "
-                      f"{row['issue_us']:.1f}, JAX's own {row['jax_issue_us']:.1f}); pipelined {row['pipelined_us']:.1f} µs "
+                      f"{row['issue_us']:.1f}, JAX's own {row['jax_issue_us']:.1f}; handler runs per call "
+                      f"{row['handler_runs_per_call']:.2f}); pipelined {row['pipelined_us']:.1f} µs "
                       f"(/device x{row['pipelined_us'] / row['device_us']:.2f}; baseline {row['baseline_pipelined_us']:.1f}); "
                       f"weight-read floor {row['weight_read_floor_us']:.1f} µs ({load['experts_touched']} experts); "
                       f"jit == eager bitwise: {same}; "
