@@ -78,6 +78,12 @@ FINALIZE_TILES = 1024
 FINALIZE_MAX_HIDDEN = FINALIZE_TILES * EXPERT_TILE
 
 
+def fc2_finalizes(hidden: int, fp8: bool) -> bool:
+    """Whether expert_fc2 finalizes into the combine input itself (finalize_into=): a bf16 one (no
+    FP8 combine) of at most FINALIZE_MAX_HIDDEN columns; else a finalize launch follows FC2."""
+    return not fp8 and hidden <= FINALIZE_MAX_HIDDEN
+
+
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
     """(first local expert, number of local experts) of `rank`: the all-to-all's split, contiguous
     blocks with the first num_experts % ep_size ranks owning one more (kernels' rank_of_expert)."""
@@ -209,6 +215,7 @@ class ExpertIndex(Owned):
         """Launch kernel `name` (of moe_compute, or of `module`) and return its Launch, which
         keeps the first call's argument objects (the packed pointer array points at them); later
         calls copy their values in."""
+        self.device.make_current()
         launch = self._launches.get(name)
         if launch is None:
             launch = self._launches[name] = Launch(self.device, (module or self._module).function(name), args, grid,
@@ -230,7 +237,6 @@ class ExpertIndex(Owned):
         a.n_entries = n = self.ep_size * runtime_max * self.top_k
         fused, warps, tile, tiles = index_plan(n, L)
         a.tile_entries, a.num_tiles = tile, tiles
-        self.device.make_current()
         shared = 4 * L * warps
         if fused:
             self.last_issued = (self._launch("moe_index_fused", [a], 1, 32 * warps, shared, stream),)
@@ -347,7 +353,6 @@ def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(y.ptr), ctypes.c_uint64(index._base["rows"]),
             ctypes.c_uint64(index._base["offsets"]), ctypes.c_int32(index.num_local_experts),
             ctypes.c_uint32(row_bytes), ctypes.c_uint32(vec), ctypes.c_int32(group)]
-    index.device.make_current()
     index.last_issued = (index._launch("moe_gather_rows", args, grid, _THREADS, 0, s),)
 
 
@@ -383,7 +388,6 @@ def activation(index: ExpertIndex, fc1_out, out, stream=None) -> None:
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(y.ptr), ctypes.c_uint64(index._base["offsets"]),
             ctypes.c_int32(index.num_local_experts), ctypes.c_int32(inter), ctypes.c_int32(elems),
             ctypes.c_int32(group)]
-    index.device.make_current()
     index.last_issued = (index._launch(f"moe_swiglu_{code}", args, grid, _THREADS, 0, s),)
 
 
@@ -470,7 +474,6 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(index._base["rows"]), ctypes.c_uint64(index._base["offsets"]),
             ctypes.c_uint64(w.ptr), ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts),
             ctypes.c_int32(groups), ctypes.c_int32(hidden), ctypes.c_int32(inter)]
-    index.device.make_current()
     index.last_issued = (index._launch(_expert_kernel("fc1", index), args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
 
@@ -506,7 +509,6 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=
     args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),
             ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(groups),
             ctypes.c_int32(inter), ctypes.c_int32(hidden), fin]
-    index.device.make_current()
     index.last_issued = (index._launch(name, args, grid, _EXPERT_THREADS, 0, s, index._experts),)
 
 
@@ -555,7 +557,6 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
             ctypes.c_uint64(index._base["row_weight"]), ctypes.c_int32(index.slots), ctypes.c_int32(index.top_k),
             ctypes.c_int32(hidden), ctypes.c_int32(elems), ctypes.c_int32(group)]
     name = f"moe_finalize_{REDUCE_DTYPES[x.dtype.name]}_{REDUCE_DTYPES[y.dtype.name]}"
-    index.device.make_current()
     index.last_issued = (index._launch(name, args, grid, _THREADS, 0, s),)
 
 
@@ -596,5 +597,4 @@ def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int
             ctypes.c_uint64(index._base["row_of"]), ctypes.c_uint64(index._base["row_weight"]),
             ctypes.c_int32(index.slots), ctypes.c_int32(index.top_k), ctypes.c_int32(hidden)]
     name = f"moe_finalize_q8_{REDUCE_DTYPES[x.dtype.name]}_{REDUCE_DTYPES[out.dtype]}"
-    index.device.make_current()
     index.last_issued = (index._launch(name, args, grid, _THREADS, 0, s),)

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 from ..interop.tensor import CUDA, Tensor
-from ..moe import FINALIZE_MAX_HIDDEN, build_index, expert_fc1, expert_fc2, expert_gemms_unsupported, finalize
+from ..moe import build_index, expert_fc1, expert_fc2, expert_gemms_unsupported, fc2_finalizes, finalize
 from ..schedule import COMBINE
 from ..validate import require
 from .jax_plan import fake, recorded, renumbered
@@ -151,11 +151,11 @@ class JaxExperts:
     def _experts(self, idx, r, x, w1, w2, act, y, s, combine_tmax) -> None:
         """FC1 and FC2 of rank r's experts on stream s; combine_tmax (a T^, or None): FC2's rows
         finalized into the rank's combine input of that T^ too, by FC2's kernel where it writes
-        that input (bf16, hidden <= moe.FINALIZE_MAX_HIDDEN), else by a finalize launch."""
+        that input (moe.fc2_finalizes), else by a finalize launch."""
         expert_fc1(idx, x, w1, act, stream=s)
         fp8 = self.calls.options.combine_quant == "fp8"
         target = None if combine_tmax is None else r.combine_input(combine_tmax, fp8=fp8)
-        in_fc2 = target is not None and not fp8 and y.shape[1] <= FINALIZE_MAX_HIDDEN
+        in_fc2 = target is not None and fc2_finalizes(y.shape[1], fp8)
         expert_fc2(idx, act, w2, y, stream=s, finalize_into=target if in_fc2 else None)
         if target is not None and not in_fc2:
             finalize(idx, y, target, stream=s)

@@ -161,6 +161,15 @@ def test_index_plan_covers_every_entry_within_budgets(n, num_local):
         assert warps * 32 <= 256 and tile >= 512 and num_local * tiles <= 1 << 16
 
 
+def test_fc2_finalizes_where_its_counters_reach_and_not_into_fp8():
+    """The rule both layers and the JAX experts call follows: FC2's kernel finalizes a bf16
+    combine input up to FINALIZE_TILES column tiles of EXPERT_TILE; an FP8 one never."""
+    limit = moe.FINALIZE_TILES * moe.EXPERT_TILE
+    assert moe.fc2_finalizes(limit, False) and moe.fc2_finalizes(moe.EXPERT_K, False)
+    assert not moe.fc2_finalizes(limit + moe.EXPERT_K, False)
+    assert not any(moe.fc2_finalizes(h, True) for h in (moe.EXPERT_K, 7168, limit))
+
+
 def test_kernel_argument_struct_generated_from_layout():
     """MoeIndexArgs has one definition (layout.py): the kernels get it from the generated
     header, field for field with a size assert, and moe.py launches with that structure."""
