@@ -61,7 +61,11 @@ _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_s
 # per pass, the _m64 pair (same bits) up to EXPERT_WIDE_ROWS: a call takes the second where an
 # expert may hold more than EXPERT_PASS_ROWS rows (index.slots, ep_size * T^, the most an
 # expert gets through a router).
-EXPERT_KERNELS = ("moe_expert_fc1_bf16", "moe_expert_fc2_bf16", "moe_expert_fc1_m64_bf16", "moe_expert_fc2_m64_bf16")
+EXPERT_KERNELS = ("moe_expert_fc1_bf16", "moe_expert_fc2_bf16", "moe_expert_fc1_m64_bf16", "moe_expert_fc2_m64_bf16",
+                  "moe_expert_fc1_wide_bf16", "moe_expert_fc2_wide_bf16", "moe_expert_fc1_wide2_bf16", "moe_expert_fc2_wide2_bf16")
+import os as _os  # EXPERIMENT
+WIDE = _os.environ.get("EP_A2A_WIDE", "")
+WIDE_FROM = int(_os.environ.get("EP_A2A_WIDE_FROM", "64"))
 EXPERT_TILE = 16
 EXPERT_K = 64
 EXPERT_PASS_ROWS = 16
@@ -419,12 +423,16 @@ def _expert_weights(w, name: str, index: ExpertIndex, rows: int, k: int, s: int,
     return t
 
 
-def _expert_grid(index: ExpertIndex, n_dim: int) -> tuple:
+def _expert_grid(index: ExpertIndex, n_dim: int, fc=None) -> tuple:
     """(blocks, expert groups): N / EXPERT_TILE column tiles times the expert groups (a block walks
     its group's experts) that make about four blocks per SM of this rank's share of the GPU (idle
     groups' blocks take slots co-resident ranks' kernels want), one per expert at most."""
-    tiles = n_dim // EXPERT_TILE
     share = 4 * index.device.sm_count / index.ranks_on_device
+    if fc is not None and "wide" in _expert_kernel(fc, index):
+        tiles = n_dim // (64 if fc == "fc1" else 128)
+        groups = max(1, min(index.num_local_experts * -(-index.slots // 128), math.ceil(share / tiles)))
+        return tiles * groups, groups
+    tiles = n_dim // EXPERT_TILE
     groups = max(1, min(index.num_local_experts, math.ceil(share / tiles)))
     return tiles * groups, groups
 
@@ -433,6 +441,8 @@ def _expert_kernel(fc: str, index: ExpertIndex) -> str:
     """The kernel of a call: 16 rows per pass while no expert can hold more (the 64-row kernels
     reserve 48 KiB of shared memory and more registers per block, which those do not need),
     else up to 64."""
+    if WIDE and index.slots > WIDE_FROM:
+        return f"moe_expert_{fc}_{WIDE}_bf16"
     return f"moe_expert_{fc}_bf16" if index.slots <= EXPERT_PASS_ROWS else f"moe_expert_{fc}_m64_bf16"
 
 
@@ -470,11 +480,12 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
     require((why := expert_gemms_unsupported(hidden, inter)) is None, "src, out", f"the expert kernels do not take {why}")
     w = _expert_weights(w_gate_up, "w_gate_up", index, 2 * inter, hidden, s, dev)
     _aligned16(("src", x), ("w_gate_up", w), ("out", y))
-    grid, groups = _expert_grid(index, inter)
+    grid, groups = _expert_grid(index, inter, "fc1")
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(index._base["rows"]), ctypes.c_uint64(index._base["offsets"]),
             ctypes.c_uint64(w.ptr), ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts),
             ctypes.c_int32(groups), ctypes.c_int32(hidden), ctypes.c_int32(inter)]
-    index.last_issued = (index._launch(_expert_kernel("fc1", index), args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+    name = _expert_kernel("fc1", index)
+    index.last_issued = (index._launch(name, args, grid, 256 if "wide" in name else _EXPERT_THREADS, 0, s, index._experts),)
 
 
 def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=None) -> None:
@@ -505,11 +516,11 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=
     target = 0 if finalize_into is None else _finalize_target(index, finalize_into, hidden, s, dev)
     fin = index._fin[name := _expert_kernel("fc2", index)]
     fin.out, fin.slots = target, index.slots
-    grid, groups = _expert_grid(index, hidden)
+    grid, groups = _expert_grid(index, hidden, "fc2")
     args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),
             ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(groups),
             ctypes.c_int32(inter), ctypes.c_int32(hidden), fin]
-    index.last_issued = (index._launch(name, args, grid, _EXPERT_THREADS, 0, s, index._experts),)
+    index.last_issued = (index._launch(name, args, grid, 256 if "wide" in name else _EXPERT_THREADS, 0, s, index._experts),)
 
 
 def _finalize_target(index: ExpertIndex, t, hidden: int, s: int, dev: int) -> int:

@@ -228,15 +228,16 @@ EP_DEVICE void expert_pass(const __nv_bfloat16* a, const int* a_rows, const uint
 // before it can start. out[s, the tile's columns] = sum over k ascending, row = row_of[s, k] >=
 // 0, of row_weight[row] * fc2[row] in fp32, each product and sum rounded apart: finalize_slots'
 // sums, so its bits. The tile's blocks count themselves in done[tile] after their stores; the
-// last to count reads every block's rows (through L2: this kernel wrote them), a slot per
-// thread, the rows of FIN_K selections loaded together (load_selections). FinalizeArgs:
+// last to count reads every block's rows (through L2: this kernel wrote them), 16 columns of a
+// slot per thread, the rows of FIN_K selections loaded together (load_selections). FinalizeArgs:
 // generated/params.cuh (ep_a2a/layout.py); `last`: a word of the block's shared memory no warp
 // reads any more.
 template <int TILE>
 EP_DEVICE void finalize_tile(const FinalizeArgs& f, const __nv_bfloat16* fc2, int n_dim, int tile, int groups,
                              int& last) {
-  static_assert(TILE == 16, "a thread's slot row is two 16-byte vectors");
-  using Row = union { uint4 raw[2]; __nv_bfloat16 el[TILE]; };
+  static_assert(TILE % 16 == 0, "a thread's piece of a slot row is 16 columns: two 16-byte vectors");
+  constexpr int PIECES = TILE / 16;
+  using Row = union { uint4 raw[2]; __nv_bfloat16 el[16]; };
   __syncthreads();  // every warp of the block stored its rows (and read its table of sums)
   if (threadIdx.x == 0) {
     __threadfence();  // (the block's stores, before its count)
@@ -245,12 +246,12 @@ EP_DEVICE void finalize_tile(const FinalizeArgs& f, const __nv_bfloat16* fc2, in
   __syncthreads();
   if (!last) return;
   __threadfence();  // (the others' counts, before their rows are read)
-  const int c0 = tile * TILE;
-  for (int s = threadIdx.x; s < f.slots; s += blockDim.x) {
+  for (int item = threadIdx.x; item < f.slots * PIECES; item += blockDim.x) {
+    const int s = item / PIECES, c0 = tile * TILE + 16 * (item % PIECES);
     const int* sel = f.row_of + static_cast<long long>(s) * f.top_k;
-    float acc[TILE];
+    float acc[16];
 #pragma unroll
-    for (int c = 0; c < TILE; ++c) acc[c] = 0.f;
+    for (int c = 0; c < 16; ++c) acc[c] = 0.f;
     for (int k0 = 0; k0 < f.top_k; k0 += FIN_K) {
       int row[FIN_K];
       float w[FIN_K];
@@ -268,12 +269,12 @@ EP_DEVICE void finalize_tile(const FinalizeArgs& f, const __nv_bfloat16* fc2, in
       for (int j = 0; j < FIN_K; ++j) {
         if (row[j] < 0) continue;
 #pragma unroll
-        for (int c = 0; c < TILE; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(w[j], __bfloat162float(x[j].el[c])));
+        for (int c = 0; c < 16; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(w[j], __bfloat162float(x[j].el[c])));
       }
     }
     Row o;
 #pragma unroll
-    for (int c = 0; c < TILE; ++c) o.el[c] = __float2bfloat16(acc[c]);
+    for (int c = 0; c < 16; ++c) o.el[c] = __float2bfloat16(acc[c]);
     uint4* y = reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(f.out) + static_cast<long long>(s) * n_dim + c0);
     y[0] = o.raw[0];
     y[1] = o.raw[1];
@@ -359,3 +360,164 @@ constexpr int EXP_TILE = 8 * EXP_WARPS / EXP_KS;  // output columns per block (m
   }
 EP_EXPERT_KERNELS(_bf16, 1)
 EP_EXPERT_KERNELS(_m64_bf16, 4)
+
+// The wide kernels, for experts of 64 to a few hundred rows (layer steps of 64-128 tokens per
+// rank): the 16-column blocks above read a pass's rows from L2 once per 16 output columns, which
+// at these sizes outweighs the weights several times over, and re-read an expert's weights every
+// 64 rows. Here a block of WIDE_WARPS warps covers WIDE_COLS (FC1: 64 activation columns, whose
+// gate and up rows it reads) or 2 WIDE_COLS (FC2) columns over the whole k range (no k split:
+// these sizes have rows enough to keep every SM busy), in passes of up to 128 rows. Each warp
+// holds two n8 tiles that share every A fragment (FC1: the gate's and the up's of 8 columns;
+// FC2: 16 columns), so shared-memory reads per mma halve too. The k order is the one warp's
+// step order (other bits than the k-split kernels', the same for every pass size).
+constexpr int WIDE_WARPS = 8;
+constexpr int WIDE_THREADS = 32 * WIDE_WARPS;
+constexpr int WIDE_COLS = 8 * WIDE_WARPS;  // FC1's activation columns per block (FC2: twice)
+constexpr int WIDE_RING = 3 * 128 * 8;     // uint4s of staged rows: three steps of 128 rows, 48 KiB
+
+// Rows [m0, min(m0 + 16 MT, end)) times the warp's two n8 tiles (weight rows b0 and b1, this
+// lane's chunks), staged as staged_sums does (a ring of steps filled with asynchronous copies,
+// chunk c of row r at c ^ (r & 1)), with the whole block copying: a thread takes chunk tid % 8
+// of rows tid / 8 + 32 j. Ends with every copy landed and every warp past the ring.
+template <int MT>
+EP_DEVICE void wide_sums(const __nv_bfloat16* a, const int* a_rows, const uint4* b0, const uint4* b1, int k_dim,
+                         int m0, int end, uint4* ring, float (&c0)[MT][4], float (&c1)[MT][4]) {
+  constexpr int ROWS = 16 * MT, STAGE = ROWS * 8, PER = STAGE / WIDE_THREADS;
+  constexpr int STAGES = WIDE_RING / STAGE < 8 ? WIDE_RING / STAGE : 8, DB = MT == 8 ? 2 : 3;
+  static_assert(PER >= 1 && STAGE % WIDE_THREADS == 0 && STAGES >= 3, "MT is 2, 4 or 8");
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, steps = k_dim / EXP_K;
+  const uint4* src[PER];
+  bool valid[PER];
+  int dst[PER];
+#pragma unroll
+  for (int j = 0; j < PER; ++j) {
+    const int r = tid / 8 + 32 * j;
+    valid[j] = m0 + r < end;
+    src[j] = row_start(a, a_rows, valid[j] ? m0 + r : m0, k_dim) + (tid & 7);
+    dst[j] = r * 8 + ((tid & 7) ^ (r & 1));
+  }
+  auto stage = [&](int i) {  // step i into slot i % STAGES
+    if (i >= steps) return;
+    uint4* slot = ring + (i % STAGES) * STAGE;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) cp_async_16(slot + dst[j], src[j] + 8 * i, valid[j]);
+  };
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) c0[mt][c] = c1[mt][c] = 0.f;
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    stage(i);
+    cp_async_commit();
+  }
+  uint4 w0[DB][2], w1[DB][2];  // the weights of steps i .. i + DB - 1, at [i % DB]
+#pragma unroll
+  for (int d = 0; d < DB; ++d) {
+    load2(w0[d], b0 + 8 * d, d < steps);
+    load2(w1[d], b1 + 8 * d, d < steps);
+  }
+  for (int i0 = 0; i0 < steps; i0 += DB) {
+#pragma unroll
+    for (int d = 0; d < DB; ++d) {
+      const int i = i0 + d;
+      if (i >= steps) break;          // (the block's: every warp leaves here)
+      cp_async_wait<STAGES - 2>();    // this thread's copies of step i landed
+      __syncthreads();                // everyone's, and every warp is past step i - 1's slot
+      stage(i + STAGES - 1);          // (into step i - 1's slot)
+      cp_async_commit();
+      const uint4* rows = ring + (i % STAGES) * STAGE;
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        if (mt > 0 && m0 + 16 * mt >= end) break;  // (warp-uniform: an m-tile without rows adds nothing)
+        const int r = 16 * mt + g, x = r & 1;
+        const uint4 p[2] = {rows[r * 8 + ((2 * t) ^ x)], rows[r * 8 + ((2 * t + 1) ^ x)]};
+        const uint4 q[2] = {rows[(r + 8) * 8 + ((2 * t) ^ x)], rows[(r + 8) * 8 + ((2 * t + 1) ^ x)]};
+        mma_step(c0[mt], p, q, w0[d]);
+        mma_step(c1[mt], p, q, w1[d]);
+      }
+      load2(w0[d], b0 + 8 * (i + DB), i + DB < steps);
+      load2(w1[d], b1 + 8 * (i + DB), i + DB < steps);
+    }
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+}
+
+// One pass: FC1 (GATED) stores silu(gate) * up of the warp's 8 columns at n0, FC2 the sums of
+// its 16 columns at n0 (the tiles' order: n0, n0 + 8).
+template <bool GATED, int MT>
+EP_DEVICE void wide_pass(const __nv_bfloat16* a, const int* a_rows, const uint4* b0, const uint4* b1,
+                         __nv_bfloat16* out, uint4* ring, int k_dim, int n_dim, int n0, int m0, int end) {
+  float c0[MT][4], c1[MT][4];
+  wide_sums<MT>(a, a_rows, b0, b1, k_dim, m0, end, ring, c0, c1);
+  const int lane = threadIdx.x & 31, t2 = 2 * (lane & 3), g = lane >> 2;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = m0 + 16 * mt + 8 * h + g;
+      if (r >= end) continue;
+      __nv_bfloat16* y = out + static_cast<long long>(r) * n_dim + n0 + t2;
+      if (GATED) {
+        *reinterpret_cast<__nv_bfloat162*>(y) = __halves2bfloat162(epilogue<true>(c0[mt][2 * h], c1[mt][2 * h]),
+                                                                    epilogue<true>(c0[mt][2 * h + 1], c1[mt][2 * h + 1]));
+      } else {
+        *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(c0[mt][2 * h], c0[mt][2 * h + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(y + 8) = __floats2bfloat162_rn(c1[mt][2 * h], c1[mt][2 * h + 1]);
+      }
+    }
+}
+
+// out[p, n] for every row, as expert_gemm but with the wide blocks: block b covers column tile
+// b % tiles (COLS columns) of units (up to 128 rows of one expert) b / tiles, + groups, ...
+template <bool GATED>
+EP_DEVICE void wide_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_bfloat16* w, __nv_bfloat16* out,
+                         const int* offsets, int num_local, int groups, int k_dim, int n_dim,
+                         const FinalizeArgs* fin = nullptr) {
+  constexpr int COLS = GATED ? WIDE_COLS : 2 * WIDE_COLS, UNIT = 128;
+  __shared__ uint4 ring[WIDE_RING];
+  const int tiles = n_dim / COLS, tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t2 = 2 * (lane & 3);
+  const int n0 = tile * COLS + warp * (COLS / WIDE_WARPS);
+  const long long per_expert = static_cast<long long>(GATED ? 2 : 1) * n_dim * k_dim;
+  // the warp's two weight rows: FC1 gate row n0 + g and up row n_dim + n0 + g; FC2 n0 + g, n0 + 8 + g
+  const long long r0 = n0 + g, r1 = GATED ? n_dim + n0 + g : n0 + 8 + g;
+  int first = 0;  // units of the experts before e
+  for (int e = 0; e < num_local; ++e) {
+    const int begin = offsets[e], end = offsets[e + 1], units = (end - begin + UNIT - 1) / UNIT;
+    int u = first + ((group - first) % groups + groups) % groups;  // this block's first unit >= first
+    first += units;
+    if (u >= first) continue;  // (an expert without rows has no unit: its weights are not read)
+    const __nv_bfloat16* we = w + e * per_expert;
+    const uint4* b0 = reinterpret_cast<const uint4*>(we + r0 * k_dim) + t2;
+    const uint4* b1 = reinterpret_cast<const uint4*>(we + r1 * k_dim) + t2;
+    for (; u < first; u += groups) {  // (u and e are the block's: every warp takes the same pass)
+      const int m0 = begin + (u - (first - units)) * UNIT, m_end = min(end, m0 + UNIT), n = m_end - m0;
+      if (n > 64)
+        wide_pass<GATED, 8>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
+      else if (n > 32)
+        wide_pass<GATED, 4>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
+      else
+        wide_pass<GATED, 2>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
+    }
+  }
+  if (fin != nullptr && fin->out != nullptr)
+    finalize_tile<COLS>(*fin, out, n_dim, tile, groups, *reinterpret_cast<int*>(ring));
+}
+
+// moe_expert_fc1_wide_bf16 / moe_expert_fc2_wide_bf16: the arguments of the kernels above; grid
+// groups * (I / WIDE_COLS), resp. groups * (hidden / (2 WIDE_COLS)), blocks of WIDE_THREADS.
+#define EP_WIDE_KERNELS(SUFFIX, MIN_BLOCKS)                                                                          \
+  extern "C" __global__ void __launch_bounds__(WIDE_THREADS, MIN_BLOCKS) moe_expert_fc1_##SUFFIX##_bf16(             \
+      const __nv_bfloat16* src, const int* rows, const int* offsets, const __nv_bfloat16* w_gate_up,             \
+      __nv_bfloat16* act, int num_local, int groups, int k_dim, int inter) {                                      \
+    wide_gemm<true>(src, rows, w_gate_up, act, offsets, num_local, groups, k_dim, inter);                          \
+  }                                                                                                                \
+  extern "C" __global__ void __launch_bounds__(WIDE_THREADS, MIN_BLOCKS) moe_expert_fc2_##SUFFIX##_bf16(             \
+      const __nv_bfloat16* act, const int* offsets, const __nv_bfloat16* w_down, __nv_bfloat16* out,             \
+      int num_local, int groups, int inter, int hidden, FinalizeArgs fin) {                                       \
+    wide_gemm<false>(act, nullptr, w_down, out, offsets, num_local, groups, inter, hidden, &fin);                 \
+  }
+EP_WIDE_KERNELS(wide, 1)
+EP_WIDE_KERNELS(wide2, 2)

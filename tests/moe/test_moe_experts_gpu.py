@@ -65,7 +65,7 @@ def _close(got, want, what, msg):
 @pytest.mark.parametrize("H,I", [(64, 64), (256, 128), (2048, 1024)])
 @pytest.mark.parametrize("ep,top_k,tmax,local_share", [(1, 1, 1, 1.0), (8, 8, 1, 0.2), (8, 8, 2, 1.0),
                                                        (3, 4, 5, 0.5), (4, 8, 16, 0.7), (2, 2, 3, 0.0),
-                                                       (8, 8, 4, 1.0), (8, 4, 8, 0.6)])
+                                                       (8, 8, 4, 1.0), (8, 4, 8, 0.6), (8, 8, 32, 0.9)])
 def test_expert_gemms_match_float64(H, I, ep, top_k, tmax, local_share):
     from ep_a2a.ops import torch as ep_ops
     dev = torch_cuda(torch)
@@ -97,7 +97,7 @@ def _poisoned_slots(dev, ep, tmax, H):
 
 @pytest.mark.parametrize("H,I", [(64, 64), (2048, 1024)])
 @pytest.mark.parametrize("ep,top_k,tmax,local_share", [(1, 1, 1, 1.0), (8, 8, 1, 0.3), (8, 8, 2, 1.0),
-                                                       (3, 4, 5, 0.5), (8, 8, 6, 0.8), (2, 2, 3, 0.0)])
+                                                       (3, 4, 5, 0.5), (8, 8, 6, 0.8), (2, 2, 3, 0.0), (8, 8, 24, 0.9)])
 def test_fc2_with_finalize_gives_the_bits_of_fc2_then_finalize(H, I, ep, top_k, tmax, local_share):
     """expert_fc2(finalize_into=...) (each column tile's last block sums the tile) against
     expert_fc2 then finalize, both from poisoned outputs: the same bits in FC2's rows and in
