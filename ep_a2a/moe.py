@@ -62,7 +62,7 @@ _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_s
 # expert may hold more than EXPERT_PASS_ROWS rows (index.slots, ep_size * T^, the most an
 # expert gets through a router).
 EXPERT_KERNELS = ("moe_expert_fc1_bf16", "moe_expert_fc2_bf16", "moe_expert_fc1_m64_bf16", "moe_expert_fc2_m64_bf16",
-                  "moe_expert_fc1_wide_bf16", "moe_expert_fc2_wide_bf16", "moe_expert_fc1_wide2_bf16", "moe_expert_fc2_wide2_bf16")
+                  "moe_expert_fc1_wide_bf16", "moe_expert_fc2_wide_bf16", "moe_expert_fc1_wide64_bf16", "moe_expert_fc2_wide64_bf16")
 import os as _os  # EXPERIMENT
 WIDE = _os.environ.get("EP_A2A_WIDE", "")
 WIDE_FROM = int(_os.environ.get("EP_A2A_WIDE_FROM", "64"))
@@ -430,7 +430,7 @@ def _expert_grid(index: ExpertIndex, n_dim: int, fc=None) -> tuple:
     share = 4 * index.device.sm_count / index.ranks_on_device
     if fc is not None and "wide" in _expert_kernel(fc, index):
         tiles = n_dim // (64 if fc == "fc1" else 128)
-        groups = max(1, min(index.num_local_experts * -(-index.slots // 128), math.ceil(share / tiles)))
+        groups = max(1, min(index.num_local_experts * -(-index.slots // 64), math.ceil(share / max(tiles, 1))))
         return tiles * groups, groups
     tiles = n_dim // EXPERT_TILE
     groups = max(1, min(index.num_local_experts, math.ceil(share / tiles)))
