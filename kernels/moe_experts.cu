@@ -1,7 +1,7 @@
 // The experts' GEMMs at decode sizes, on the expert-major rows of the index
 // (kernels/moe_compute.cu): FC1 reads each row where dispatch delivered it (rows[p], the
 // slot of permuted row p: no gather) and applies the gated SiLU before it stores, FC2 reads
-// the activations in row order. ep_a2a/moe.py (expert_fc1, expert_fc2) drives them.
+// the activations in row order. ep_a2a/moe_experts.py (expert_fc1, expert_fc2) drives them.
 //
 // Why not a library GEMM: at a few rows per expert the GEMMs only stream weights, and a
 // grouped GEMM that tiles 64-128 rows per block keeps most SMs idle while it does. Here a
@@ -11,7 +11,8 @@
 // without rows read nothing (the offsets are read on the device, so a captured graph adapts
 // per step). Rows past a pass (16, or 64 in the _m64 kernels) run further passes that read
 // the weights again (from L2 only where they meet there): the layer uses these kernels while
-// few passes cover an expert (moe.FUSED_MAX_ROWS).
+// few passes cover an expert, and the wide kernels (below) for 64 to a few hundred rows
+// (moe_experts.py: _expert_kernel, FUSED_MAX_ROWS).
 //
 // The k order inside a 64-wide step is permuted so that each lane loads 16 contiguous
 // elements (two 16-byte loads) of its weight row and of its two A rows: for mma j (0..3) of
@@ -471,11 +472,11 @@ EP_DEVICE void wide_pass(const __nv_bfloat16* a, const int* a_rows, const uint4*
 
 // out[p, n] for every row, as expert_gemm but with the wide blocks: block b covers column tile
 // b % tiles (COLS columns) of units (up to 128 rows of one expert) b / tiles, + groups, ...
-template <bool GATED, int UNIT>
+template <bool GATED>
 EP_DEVICE void wide_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_bfloat16* w, __nv_bfloat16* out,
                          const int* offsets, int num_local, int groups, int k_dim, int n_dim,
                          const FinalizeArgs* fin = nullptr) {
-  constexpr int COLS = GATED ? WIDE_COLS : 2 * WIDE_COLS;
+  constexpr int COLS = GATED ? WIDE_COLS : 2 * WIDE_COLS, UNIT = 128;
   __shared__ uint4 ring[WIDE_RING];
   const int tiles = n_dim / COLS, tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t2 = 2 * (lane & 3);
@@ -494,8 +495,8 @@ EP_DEVICE void wide_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_b
     const uint4* b1 = reinterpret_cast<const uint4*>(we + r1 * k_dim) + t2;
     for (; u < first; u += groups) {  // (u and e are the block's: every warp takes the same pass)
       const int m0 = begin + (u - (first - units)) * UNIT, m_end = min(end, m0 + UNIT), n = m_end - m0;
-      if (UNIT > 64 && n > 64)
-        wide_pass<GATED, UNIT / 16>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
+      if (n > 64)
+        wide_pass<GATED, 8>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
       else if (n > 32)
         wide_pass<GATED, 4>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
       else
@@ -507,17 +508,15 @@ EP_DEVICE void wide_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_b
 }
 
 // moe_expert_fc1_wide_bf16 / moe_expert_fc2_wide_bf16: the arguments of the kernels above; grid
-// groups * (I / WIDE_COLS), resp. groups * (hidden / (2 WIDE_COLS)), blocks of WIDE_THREADS.
-#define EP_WIDE_KERNELS(SUFFIX, MIN_BLOCKS, UNIT)                                                                          \
-  extern "C" __global__ void __launch_bounds__(WIDE_THREADS, MIN_BLOCKS) moe_expert_fc1_##SUFFIX##_bf16(             \
-      const __nv_bfloat16* src, const int* rows, const int* offsets, const __nv_bfloat16* w_gate_up,             \
-      __nv_bfloat16* act, int num_local, int groups, int k_dim, int inter) {                                      \
-    wide_gemm<true, UNIT>(src, rows, w_gate_up, act, offsets, num_local, groups, k_dim, inter);                          \
-  }                                                                                                                \
-  extern "C" __global__ void __launch_bounds__(WIDE_THREADS, MIN_BLOCKS) moe_expert_fc2_##SUFFIX##_bf16(             \
-      const __nv_bfloat16* act, const int* offsets, const __nv_bfloat16* w_down, __nv_bfloat16* out,             \
-      int num_local, int groups, int inter, int hidden, FinalizeArgs fin) {                                       \
-    wide_gemm<false, UNIT>(act, nullptr, w_down, out, offsets, num_local, groups, inter, hidden, &fin);                 \
-  }
-EP_WIDE_KERNELS(wide, 2, 128)
-EP_WIDE_KERNELS(wide64, 2, 64)
+// groups * (I / WIDE_COLS), resp. groups * (hidden / (2 WIDE_COLS)), blocks of WIDE_THREADS, two
+// per SM (128 registers: more per thread, at one block per SM, made the layer slower).
+extern "C" __global__ void __launch_bounds__(WIDE_THREADS, 2) moe_expert_fc1_wide_bf16(
+    const __nv_bfloat16* src, const int* rows, const int* offsets, const __nv_bfloat16* w_gate_up,
+    __nv_bfloat16* act, int num_local, int groups, int k_dim, int inter) {
+  wide_gemm<true>(src, rows, w_gate_up, act, offsets, num_local, groups, k_dim, inter);
+}
+extern "C" __global__ void __launch_bounds__(WIDE_THREADS, 2) moe_expert_fc2_wide_bf16(
+    const __nv_bfloat16* act, const int* offsets, const __nv_bfloat16* w_down, __nv_bfloat16* out, int num_local,
+    int groups, int inter, int hidden, FinalizeArgs fin) {
+  wide_gemm<false>(act, nullptr, w_down, out, offsets, num_local, groups, inter, hidden, &fin);
+}
