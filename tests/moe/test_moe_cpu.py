@@ -302,7 +302,7 @@ def test_expert_calls_take_passes_of_16_64_or_128_rows_by_the_rows_an_expert_may
     kernels of 16-row passes; up to WIDE_FROM_ROWS the _m64 pair; above it the wide kernel of an FC
     whose columns (FC1: I, FC2: hidden) fill its tiles, else the _m64 one."""
     from types import SimpleNamespace
-    cases = ((1, ""), (16, ""), (17, "_m64"), (64, "_m64"), (65, "_wide"), (1024, "_wide"))
+    cases = ((1, ""), (16, ""), (17, "_m64"), (128, "_m64"), (129, "_wide"), (1024, "_wide"))
     for slots, suffix in cases:
         for fc in ("fc1", "fc2"):
             name = mx._expert_kernel(fc, SimpleNamespace(slots=slots), 1024)
