@@ -11,8 +11,8 @@
 // without rows read nothing (the offsets are read on the device, so a captured graph adapts
 // per step). Rows past a pass (16, or 64 in the _m64 kernels) run further passes that read
 // the weights again (from L2 only where they meet there): the layer uses these kernels while
-// few passes cover an expert, and the wide kernels (below) for 64 to a few hundred rows
-// (moe_experts.py: _expert_kernel, FUSED_MAX_ROWS).
+// few passes cover an expert; the wide kernels (below) take experts that may get more than 128
+// rows (moe_experts.py: _expert_kernel, FUSED_MAX_ROWS).
 //
 // The k order inside a 64-wide step is permuted so that each lane loads 16 contiguous
 // elements (two 16-byte loads) of its weight row and of its two A rows: for mma j (0..3) of
@@ -362,8 +362,8 @@ constexpr int EXP_TILE = 8 * EXP_WARPS / EXP_KS;  // output columns per block (m
 EP_EXPERT_KERNELS(_bf16, 1)
 EP_EXPERT_KERNELS(_m64_bf16, 4)
 
-// The wide kernels, for experts of 64 to a few hundred rows (layer steps of 64-128 tokens per
-// rank): the 16-column blocks above read a pass's rows from L2 once per 16 output columns, which
+// The wide kernels, for experts of a hundred rows and more (the layer's steps of 32-64 tokens per
+// rank at 8 ranks; the JAX layer's up to 128): the 16-column blocks above read a pass's rows from L2 once per 16 output columns, which
 // at these sizes outweighs the weights several times over, and re-read an expert's weights every
 // 64 rows. Here a block of WIDE_WARPS warps covers WIDE_COLS (FC1: 64 activation columns, whose
 // gate and up rows it reads) or 2 WIDE_COLS (FC2) columns over the whole k range (no k split:
