@@ -80,31 +80,33 @@ EP_DEVICE void partial_sums(const __nv_bfloat16* a, const int* a_rows, const uin
 }
 
 // The sums of MT m-tiles (rows m0 + 16 mt + g and + 8, as partial_sums' c[0..3] each) for the
-// _m64 kernels, with the rows' steps staged through shared memory: a ring of STAGES steps
-// holding both k shares (48 KiB at 64 rows: 3 steps; fewer rows, more steps ahead), filled by
-// the whole block with asynchronous copies and read by its warps there. Loaded by every warp
+// _m64 and wide kernels (blocks of THREADS), with the rows' steps staged through shared memory:
+// a ring of STAGES steps holding every k share (48 KiB: 3 steps of both shares at 64 rows, or
+// of 128 rows; fewer rows, more steps ahead), filled by the whole block with asynchronous copies
+// and read by its warps there. Loaded by every warp
 // from global memory, a pass's rows would outweigh its weights several times in L1 and L2
 // traffic. A 16-byte chunk c of a staged row r sits at c ^ (r & 1), so that the 8 lanes of a
 // 128-bit shared load (rows g and g + 1, chunks 2t or 2t + 1) meet no bank twice. The weights
-// stream into registers DB steps ahead. Ends with every copy landed and every warp past the
-// ring.
-constexpr int EXP_RING = 3;  // steps of 64 rows the ring holds
-template <bool GATED, int KS, int MT>
+// (wg and, GATED, wu: two weight rows whose tiles share every A fragment) stream into registers
+// DB steps ahead. Ends with every copy landed and every warp past the ring.
+constexpr int EXP_RING = 3 * 2 * 64 * 8;  // uint4s of the ring
+template <bool GATED, int KS, int MT, int THREADS = EXP_WARPS * 32>
 EP_DEVICE void staged_sums(const __nv_bfloat16* a, const int* a_rows, const uint4* wg, const uint4* wu, int k_dim,
                            int m0, int end, uint4* ring, float (&cg)[MT][4], float (&cu)[MT][4]) {
-  constexpr int ROWS = 16 * MT, STAGE = KS * ROWS * 8, THREADS = EXP_WARPS * 32, PER = STAGE / THREADS;
-  constexpr int STAGES = EXP_RING * 4 / MT < 8 ? EXP_RING * 4 / MT : 8, DB = MT == 4 ? 2 : 3;
-  static_assert(STAGE % THREADS == 0 && THREADS == 128, "a thread copies rows tid / 8 + 16 j, chunk tid % 8");
-  const int tid = threadIdx.x, lane = tid & 31, ks = (tid >> 5) / (EXP_WARPS / KS), g = lane >> 2, t = lane & 3;
+  constexpr int ROWS = 16 * MT, STAGE = KS * ROWS * 8, PER = STAGE / THREADS, J = PER / KS, WARPS = THREADS / 32;
+  constexpr int STAGES = EXP_RING / STAGE < 8 ? EXP_RING / STAGE : 8, DB = KS * MT >= 8 ? 2 : 3;
+  static_assert(STAGE % THREADS == 0 && PER % KS == 0 && STAGES >= 3, "a thread copies rows tid / 8 + THREADS / 8 j");
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int ks = KS == 1 ? 0 : (tid >> 5) / (WARPS / KS);  // (KS == 1: the wide kernels' registers)
   const int steps = k_dim / EXP_K, iters = (steps + KS - 1) / KS;
   const int s_begin = ks * steps / KS, s_end = (ks + 1) * steps / KS;
-  // this thread's copies: chunk tid % 8 of rows tid / 8 + 16 j (j < MT) of each k share h
-  const uint4* src[MT];
-  bool valid[MT];
-  int dst[MT];
+  // this thread's copies: chunk tid % 8 of rows tid / 8 + THREADS / 8 j (j < J) of each k share h
+  const uint4* src[J];
+  bool valid[J];
+  int dst[J];
 #pragma unroll
-  for (int j = 0; j < MT; ++j) {
-    const int r = tid / 8 + 16 * j;
+  for (int j = 0; j < J; ++j) {
+    const int r = tid / 8 + THREADS / 8 * j;
     valid[j] = m0 + r < end;
     src[j] = row_start(a, a_rows, valid[j] ? m0 + r : m0, k_dim) + (tid & 7);
     dst[j] = r * 8 + ((tid & 7) ^ (r & 1));
@@ -114,7 +116,7 @@ EP_DEVICE void staged_sums(const __nv_bfloat16* a, const int* a_rows, const uint
     uint4* slot = ring + (i % STAGES) * STAGE;
 #pragma unroll
     for (int q = 0; q < PER; ++q) {
-      const int h = q / MT, j = q % MT, s = h * steps / KS + i;
+      const int h = q / J, j = q % J, s = h * steps / KS + i;
       cp_async_16(slot + h * ROWS * 8 + dst[j], src[j] + 8 * s, valid[j] && s < (h + 1) * steps / KS);
     }
   };
@@ -295,7 +297,7 @@ EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv
                            const int* offsets, int num_local, int groups, int k_dim, int n_dim,
                            const FinalizeArgs* fin = nullptr) {
   constexpr int GROUPS = EXP_WARPS / KS, TILE = 8 * GROUPS, UNIT = 16 * MAX_MT;
-  constexpr int RING = MAX_MT > 1 ? EXP_RING * KS * UNIT * 8 : 0, PART = KS * GROUPS * 2 * MAX_MT * 4 * 32 / 4;
+  constexpr int RING = MAX_MT > 1 ? EXP_RING : 0, PART = KS * GROUPS * 2 * MAX_MT * 4 * 32 / 4;
   __shared__ uint4 smem[RING > PART ? RING : PART];  // (uint4s: the ring of staged rows, or the table of sums)
   const int tiles = n_dim / TILE, tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, grp = warp % GROUPS, ks = warp / GROUPS;
@@ -362,88 +364,19 @@ constexpr int EXP_TILE = 8 * EXP_WARPS / EXP_KS;  // output columns per block (m
 EP_EXPERT_KERNELS(_bf16, 1)
 EP_EXPERT_KERNELS(_m64_bf16, 4)
 
-// The wide kernels, for experts of a hundred rows and more (the layer's steps of 32-64 tokens per
-// rank at 8 ranks; the JAX layer's up to 128): the 16-column blocks above read a pass's rows from L2 once per 16 output columns, which
-// at these sizes outweighs the weights several times over, and re-read an expert's weights every
-// 64 rows. Here a block of WIDE_WARPS warps covers WIDE_COLS (FC1: 64 activation columns, whose
-// gate and up rows it reads) or 2 WIDE_COLS (FC2) columns over the whole k range (no k split:
-// these sizes have rows enough to keep every SM busy), in passes of up to 128 rows. Each warp
-// holds two n8 tiles that share every A fragment (FC1: the gate's and the up's of 8 columns;
-// FC2: 16 columns), so shared-memory reads per mma halve too. The k order is the one warp's
-// step order (other bits than the k-split kernels', the same for every pass size).
+// The wide kernels, for experts of a hundred rows and more (the layer's steps of 32-64 tokens
+// per rank at 8 ranks; the JAX layer's up to 128): the 16-column blocks above read a pass's rows
+// from L2 once per 16 output columns, which at these sizes outweighs the weights several times
+// over, and re-read an expert's weights every 64 rows. Here a block of WIDE_WARPS warps covers
+// WIDE_COLS (FC1: 64 activation columns, whose gate and up rows it reads) or 2 WIDE_COLS (FC2)
+// columns over the whole k range (no k split: these sizes have rows enough to keep every SM
+// busy), in passes of up to 128 rows staged by staged_sums. Each warp holds two n8 tiles that
+// share every A fragment (FC1: the gate's and the up's of 8 columns; FC2: 16 columns), so
+// shared-memory reads per mma halve too. The k order is the one warp's step order (other bits
+// than the k-split kernels', the same for every pass size).
 constexpr int WIDE_WARPS = 8;
 constexpr int WIDE_THREADS = 32 * WIDE_WARPS;
 constexpr int WIDE_COLS = 8 * WIDE_WARPS;  // FC1's activation columns per block (FC2: twice)
-constexpr int WIDE_RING = 3 * 128 * 8;     // uint4s of staged rows: three steps of 128 rows, 48 KiB
-
-// Rows [m0, min(m0 + 16 MT, end)) times the warp's two n8 tiles (weight rows b0 and b1, this
-// lane's chunks), staged as staged_sums does (a ring of steps filled with asynchronous copies,
-// chunk c of row r at c ^ (r & 1)), with the whole block copying: a thread takes chunk tid % 8
-// of rows tid / 8 + 32 j. Ends with every copy landed and every warp past the ring.
-template <int MT>
-EP_DEVICE void wide_sums(const __nv_bfloat16* a, const int* a_rows, const uint4* b0, const uint4* b1, int k_dim,
-                         int m0, int end, uint4* ring, float (&c0)[MT][4], float (&c1)[MT][4]) {
-  constexpr int ROWS = 16 * MT, STAGE = ROWS * 8, PER = STAGE / WIDE_THREADS;
-  constexpr int STAGES = WIDE_RING / STAGE < 8 ? WIDE_RING / STAGE : 8, DB = MT == 8 ? 2 : 3;
-  static_assert(PER >= 1 && STAGE % WIDE_THREADS == 0 && STAGES >= 3, "MT is 2, 4 or 8");
-  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, steps = k_dim / EXP_K;
-  const uint4* src[PER];
-  bool valid[PER];
-  int dst[PER];
-#pragma unroll
-  for (int j = 0; j < PER; ++j) {
-    const int r = tid / 8 + 32 * j;
-    valid[j] = m0 + r < end;
-    src[j] = row_start(a, a_rows, valid[j] ? m0 + r : m0, k_dim) + (tid & 7);
-    dst[j] = r * 8 + ((tid & 7) ^ (r & 1));
-  }
-  auto stage = [&](int i) {  // step i into slot i % STAGES
-    if (i >= steps) return;
-    uint4* slot = ring + (i % STAGES) * STAGE;
-#pragma unroll
-    for (int j = 0; j < PER; ++j) cp_async_16(slot + dst[j], src[j] + 8 * i, valid[j]);
-  };
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) c0[mt][c] = c1[mt][c] = 0.f;
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    stage(i);
-    cp_async_commit();
-  }
-  uint4 w0[DB][2], w1[DB][2];  // the weights of steps i .. i + DB - 1, at [i % DB]
-#pragma unroll
-  for (int d = 0; d < DB; ++d) {
-    load2(w0[d], b0 + 8 * d, d < steps);
-    load2(w1[d], b1 + 8 * d, d < steps);
-  }
-  for (int i0 = 0; i0 < steps; i0 += DB) {
-#pragma unroll
-    for (int d = 0; d < DB; ++d) {
-      const int i = i0 + d;
-      if (i >= steps) break;          // (the block's: every warp leaves here)
-      cp_async_wait<STAGES - 2>();    // this thread's copies of step i landed
-      __syncthreads();                // everyone's, and every warp is past step i - 1's slot
-      stage(i + STAGES - 1);          // (into step i - 1's slot)
-      cp_async_commit();
-      const uint4* rows = ring + (i % STAGES) * STAGE;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        if (mt > 0 && m0 + 16 * mt >= end) break;  // (warp-uniform: an m-tile without rows adds nothing)
-        const int r = 16 * mt + g, x = r & 1;
-        const uint4 p[2] = {rows[r * 8 + ((2 * t) ^ x)], rows[r * 8 + ((2 * t + 1) ^ x)]};
-        const uint4 q[2] = {rows[(r + 8) * 8 + ((2 * t) ^ x)], rows[(r + 8) * 8 + ((2 * t + 1) ^ x)]};
-        mma_step(c0[mt], p, q, w0[d]);
-        mma_step(c1[mt], p, q, w1[d]);
-      }
-      load2(w0[d], b0 + 8 * (i + DB), i + DB < steps);
-      load2(w1[d], b1 + 8 * (i + DB), i + DB < steps);
-    }
-  }
-  cp_async_wait<0>();
-  __syncthreads();
-}
 
 // One pass: FC1 (GATED) stores silu(gate) * up of the warp's 8 columns at n0, FC2 the sums of
 // its 16 columns at n0 (the tiles' order: n0, n0 + 8).
@@ -451,7 +384,7 @@ template <bool GATED, int MT>
 EP_DEVICE void wide_pass(const __nv_bfloat16* a, const int* a_rows, const uint4* b0, const uint4* b1,
                          __nv_bfloat16* out, uint4* ring, int k_dim, int n_dim, int n0, int m0, int end) {
   float c0[MT][4], c1[MT][4];
-  wide_sums<MT>(a, a_rows, b0, b1, k_dim, m0, end, ring, c0, c1);
+  staged_sums<true, 1, MT, WIDE_THREADS>(a, a_rows, b0, b1, k_dim, m0, end, ring, c0, c1);  // (two rows, as gated)
   const int lane = threadIdx.x & 31, t2 = 2 * (lane & 3), g = lane >> 2;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -461,8 +394,8 @@ EP_DEVICE void wide_pass(const __nv_bfloat16* a, const int* a_rows, const uint4*
       if (r >= end) continue;
       __nv_bfloat16* y = out + static_cast<long long>(r) * n_dim + n0 + t2;
       if (GATED) {
-        *reinterpret_cast<__nv_bfloat162*>(y) = __halves2bfloat162(epilogue<true>(c0[mt][2 * h], c1[mt][2 * h]),
-                                                                    epilogue<true>(c0[mt][2 * h + 1], c1[mt][2 * h + 1]));
+        const __nv_bfloat16 lo = epilogue<true>(c0[mt][2 * h], c1[mt][2 * h]);
+        *reinterpret_cast<__nv_bfloat162*>(y) = __halves2bfloat162(lo, epilogue<true>(c0[mt][2 * h + 1], c1[mt][2 * h + 1]));
       } else {
         *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(c0[mt][2 * h], c0[mt][2 * h + 1]);
         *reinterpret_cast<__nv_bfloat162*>(y + 8) = __floats2bfloat162_rn(c1[mt][2 * h], c1[mt][2 * h + 1]);
@@ -477,7 +410,7 @@ EP_DEVICE void wide_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_b
                          const int* offsets, int num_local, int groups, int k_dim, int n_dim,
                          const FinalizeArgs* fin = nullptr) {
   constexpr int COLS = GATED ? WIDE_COLS : 2 * WIDE_COLS, UNIT = 128;
-  __shared__ uint4 ring[WIDE_RING];
+  __shared__ uint4 ring[EXP_RING];
   const int tiles = n_dim / COLS, tile = blockIdx.x % tiles, group = blockIdx.x / tiles;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t2 = 2 * (lane & 3);
   const int n0 = tile * COLS + warp * (COLS / WIDE_WARPS);
