@@ -285,6 +285,24 @@ EP_DEVICE void finalize_tile(const FinalizeArgs& f, const __nv_bfloat16* fc2, in
   if (threadIdx.x == 0) f.done[tile] = 0;
 }
 
+// f(e, m0, m_end) for each unit of block group `group`: an expert's rows cut into units of up to
+// UNIT rows (a pass each), numbered over the experts in order, units group, + groups, + 2 groups,
+// ... (u and e are the block's: every warp takes the same pass). An expert without rows has no
+// unit: its weights are not read.
+template <int UNIT, typename F>
+EP_DEVICE void for_each_unit(const int* offsets, int num_local, int groups, int group, const F& f) {
+  int first = 0;  // units of the experts before e
+  for (int e = 0; e < num_local; ++e) {
+    const int begin = offsets[e], end = offsets[e + 1], units = (end - begin + UNIT - 1) / UNIT;
+    int u = first + ((group - first) % groups + groups) % groups;  // this block's first unit >= first
+    first += units;
+    for (; u < first; u += groups) {
+      const int m0 = begin + (u - (first - units)) * UNIT;
+      f(e, m0, min(end, m0 + UNIT));
+    }
+  }
+}
+
 // out[p, n] for every row: an expert's rows split into units of up to 16 MAX_MT rows (a pass
 // each), numbered over the experts in order; block b covers column tile b % tiles of units
 // b / tiles, + groups, + 2 groups, ... (the host sizes `groups` to a few blocks per SM: a block
@@ -305,35 +323,23 @@ EP_DEVICE void expert_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv
   const int s_begin = ks * steps / KS, s_end = (ks + 1) * steps / KS;
   const long long per_expert = static_cast<long long>(GATED ? 2 : 1) * n_dim * k_dim;
   const __nv_bfloat16* w_tile = w + static_cast<long long>(n0 + g) * k_dim;
-  int first = 0;  // units of the experts before e
-  for (int e = 0; e < num_local; ++e) {
-    const int begin = offsets[e], end = offsets[e + 1], units = (end - begin + UNIT - 1) / UNIT;
-    int u = first + ((group - first) % groups + groups) % groups;  // this block's first unit >= first
-    first += units;
-    if (u >= first) continue;  // (an expert without rows has no unit: its weights are not read)
+  for_each_unit<UNIT>(offsets, num_local, groups, group, [&](int e, int m0, int m_end) {
     const __nv_bfloat16* w_gate = w_tile + e * per_expert;
     const uint4* wg = reinterpret_cast<const uint4*>(w_gate) + t2;
     const uint4* wu = reinterpret_cast<const uint4*>(w_gate + static_cast<long long>(n_dim) * k_dim) + t2;
-    for (; u < first; u += groups) {  // (u and e are the block's: every warp takes the same pass)
-      const int m0 = begin + (u - (first - units)) * UNIT, m_end = min(end, m0 + UNIT);
-      if constexpr (MAX_MT >= 4) {
-        if (m_end - m0 > 32) {
-          expert_pass<GATED, KS, GROUPS, MAX_MT, 4>(a, a_rows, wg, wu, out, smem, k_dim, n_dim, n0, m0, m_end,
-                                                    s_begin, s_end);
-          continue;
-        }
-      }
-      if constexpr (MAX_MT >= 2) {
-        if (m_end - m0 > 16) {
-          expert_pass<GATED, KS, GROUPS, MAX_MT, 2>(a, a_rows, wg, wu, out, smem, k_dim, n_dim, n0, m0, m_end,
-                                                    s_begin, s_end);
-          continue;
-        }
-      }
-      expert_pass<GATED, KS, GROUPS, MAX_MT, 1>(a, a_rows, wg, wu, out, smem, k_dim, n_dim, n0, m0, m_end,
-                                                s_begin, s_end);
+    if constexpr (MAX_MT >= 4) {
+      if (m_end - m0 > 32)
+        return expert_pass<GATED, KS, GROUPS, MAX_MT, 4>(a, a_rows, wg, wu, out, smem, k_dim, n_dim, n0, m0, m_end,
+                                                         s_begin, s_end);
     }
-  }
+    if constexpr (MAX_MT >= 2) {
+      if (m_end - m0 > 16)
+        return expert_pass<GATED, KS, GROUPS, MAX_MT, 2>(a, a_rows, wg, wu, out, smem, k_dim, n_dim, n0, m0, m_end,
+                                                         s_begin, s_end);
+    }
+    expert_pass<GATED, KS, GROUPS, MAX_MT, 1>(a, a_rows, wg, wu, out, smem, k_dim, n_dim, n0, m0, m_end, s_begin,
+                                              s_end);
+  });
   if (fin != nullptr && fin->out != nullptr)
     finalize_tile<TILE>(*fin, out, n_dim, tile, groups, *reinterpret_cast<int*>(smem));
 }
@@ -395,7 +401,8 @@ EP_DEVICE void wide_pass(const __nv_bfloat16* a, const int* a_rows, const uint4*
       __nv_bfloat16* y = out + static_cast<long long>(r) * n_dim + n0 + t2;
       if (GATED) {
         const __nv_bfloat16 lo = epilogue<true>(c0[mt][2 * h], c1[mt][2 * h]);
-        *reinterpret_cast<__nv_bfloat162*>(y) = __halves2bfloat162(lo, epilogue<true>(c0[mt][2 * h + 1], c1[mt][2 * h + 1]));
+        const __nv_bfloat16 hi = epilogue<true>(c0[mt][2 * h + 1], c1[mt][2 * h + 1]);
+        *reinterpret_cast<__nv_bfloat162*>(y) = __halves2bfloat162(lo, hi);
       } else {
         *reinterpret_cast<__nv_bfloat162*>(y) = __floats2bfloat162_rn(c0[mt][2 * h], c0[mt][2 * h + 1]);
         *reinterpret_cast<__nv_bfloat162*>(y + 8) = __floats2bfloat162_rn(c1[mt][2 * h], c1[mt][2 * h + 1]);
@@ -417,25 +424,18 @@ EP_DEVICE void wide_gemm(const __nv_bfloat16* a, const int* a_rows, const __nv_b
   const long long per_expert = static_cast<long long>(GATED ? 2 : 1) * n_dim * k_dim;
   // the warp's two weight rows: FC1 gate row n0 + g and up row n_dim + n0 + g; FC2 n0 + g, n0 + 8 + g
   const long long r0 = n0 + g, r1 = GATED ? n_dim + n0 + g : n0 + 8 + g;
-  int first = 0;  // units of the experts before e
-  for (int e = 0; e < num_local; ++e) {
-    const int begin = offsets[e], end = offsets[e + 1], units = (end - begin + UNIT - 1) / UNIT;
-    int u = first + ((group - first) % groups + groups) % groups;  // this block's first unit >= first
-    first += units;
-    if (u >= first) continue;  // (an expert without rows has no unit: its weights are not read)
+  for_each_unit<UNIT>(offsets, num_local, groups, group, [&](int e, int m0, int m_end) {
     const __nv_bfloat16* we = w + e * per_expert;
     const uint4* b0 = reinterpret_cast<const uint4*>(we + r0 * k_dim) + t2;
     const uint4* b1 = reinterpret_cast<const uint4*>(we + r1 * k_dim) + t2;
-    for (; u < first; u += groups) {  // (u and e are the block's: every warp takes the same pass)
-      const int m0 = begin + (u - (first - units)) * UNIT, m_end = min(end, m0 + UNIT), n = m_end - m0;
-      if (n > 64)
-        wide_pass<GATED, 8>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
-      else if (n > 32)
-        wide_pass<GATED, 4>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
-      else
-        wide_pass<GATED, 2>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
-    }
-  }
+    const int n = m_end - m0;
+    if (n > 64)
+      wide_pass<GATED, 8>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
+    else if (n > 32)
+      wide_pass<GATED, 4>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
+    else
+      wide_pass<GATED, 2>(a, a_rows, b0, b1, out, ring, k_dim, n_dim, n0, m0, m_end);
+  });
   if (fin != nullptr && fin->out != nullptr)
     finalize_tile<COLS>(*fin, out, n_dim, tile, groups, *reinterpret_cast<int*>(ring));
 }
