@@ -27,7 +27,8 @@ from .validate import cuda_tensor, require
 # WIDE_FC1_COLS (FC1) or WIDE_FC2_COLS (FC2) columns over the whole k range in passes of up to
 # 128 rows (other bits). A call takes the first pair while an expert may hold at most
 # EXPERT_PASS_ROWS rows (index.slots, ep_size * T^, the most an expert gets through a router),
-# the wide kernel of an FC past WIDE_FROM_ROWS where its columns divide into its tiles, else _m64.
+# the wide kernel of an FC past WIDE_FROM_ROWS where its columns divide into its tiles (and
+# hidden is at most FUSED_MAX_HIDDEN), else _m64.
 EXPERT_TILE = 16
 EXPERT_K = 64
 EXPERT_PASS_ROWS = 16
@@ -97,13 +98,16 @@ def _expert_grid(index: ExpertIndex, name: str, n_dim: int) -> tuple:
     return tiles * groups, groups, _EXPERT_THREADS
 
 
-def _expert_kernel(fc: str, index: ExpertIndex, n_dim: int) -> str:
+def _expert_kernel(fc: str, index: ExpertIndex, hidden: int, inter: int) -> str:
     """The kernel of a call: 16 rows per pass while no expert can hold more (the others reserve 48
-    KiB of shared memory and more registers per block, which those do not need), the wide kernel
-    past WIDE_FROM_ROWS where n_dim (FC1: I, FC2: hidden) fills its tiles, else up to 64 rows."""
+    KiB of shared memory and more registers per block, which those do not need); past
+    WIDE_FROM_ROWS the wide kernel where the FC's output columns (FC1: inter, FC2: hidden) fill
+    its tiles and hidden is at most FUSED_MAX_HIDDEN (where it was measured faster); else up to 64
+    rows per pass."""
     if index.slots <= EXPERT_PASS_ROWS:
         return f"moe_expert_{fc}_bf16"
-    if index.slots > WIDE_FROM_ROWS and n_dim % (WIDE_FC1_COLS if fc == "fc1" else WIDE_FC2_COLS) == 0:
+    n_dim, cols = (inter, WIDE_FC1_COLS) if fc == "fc1" else (hidden, WIDE_FC2_COLS)
+    if index.slots > WIDE_FROM_ROWS and hidden <= FUSED_MAX_HIDDEN and n_dim % cols == 0:
         return f"moe_expert_{fc}_wide_bf16"
     return f"moe_expert_{fc}_m64_bf16"
 
@@ -142,7 +146,7 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
     require((why := expert_gemms_unsupported(hidden, inter)) is None, "src, out", f"the expert kernels do not take {why}")
     w = _expert_weights(w_gate_up, "w_gate_up", index, 2 * inter, hidden, s, dev)
     _aligned16(("src", x), ("w_gate_up", w), ("out", y))
-    name = _expert_kernel("fc1", index, inter)
+    name = _expert_kernel("fc1", index, hidden, inter)
     grid, groups, threads = _expert_grid(index, name, inter)
     args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(index._base["rows"]), ctypes.c_uint64(index._base["offsets"]),
             ctypes.c_uint64(w.ptr), ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts),
@@ -176,7 +180,7 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=
     w = _expert_weights(w_down, "w_down", index, hidden, inter, s, dev)
     _aligned16(("act", a), ("w_down", w), ("out", y))
     target = 0 if finalize_into is None else _finalize_target(index, finalize_into, hidden, s, dev)
-    fin = index._fin[name := _expert_kernel("fc2", index, hidden)]
+    fin = index._fin[name := _expert_kernel("fc2", index, hidden, inter)]
     fin.out, fin.slots = target, index.slots
     grid, groups, threads = _expert_grid(index, name, hidden)
     args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),

@@ -300,16 +300,19 @@ def test_auto_takes_the_expert_kernels_up_to_512_rows_below_a_hidden_of_4096():
 def test_expert_calls_take_passes_of_16_64_or_128_rows_by_the_rows_an_expert_may_hold():
     """ep_size * T^ (index.slots) bounds the rows of an expert through a router: up to 16, the
     kernels of 16-row passes; up to WIDE_FROM_ROWS the _m64 pair; above it the wide kernel of an FC
-    whose columns (FC1: I, FC2: hidden) fill its tiles, else the _m64 one."""
+    whose columns (FC1: I, FC2: hidden) fill its tiles, at hidden sizes up to FUSED_MAX_HIDDEN,
+    else the _m64 one."""
     from types import SimpleNamespace
     cases = ((1, ""), (16, ""), (17, "_m64"), (128, "_m64"), (129, "_wide"), (1024, "_wide"))
     for slots, suffix in cases:
         for fc in ("fc1", "fc2"):
-            name = mx._expert_kernel(fc, SimpleNamespace(slots=slots), 1024)
+            name = mx._expert_kernel(fc, SimpleNamespace(slots=slots), 2048, 1024)
             assert name == f"moe_expert_{fc}{suffix}_bf16" and name in moe.EXPERT_KERNELS
     index = SimpleNamespace(slots=mx.WIDE_FROM_ROWS + 1)
-    assert mx._expert_kernel("fc1", index, 192) == "moe_expert_fc1_wide_bf16"  # (192 = 3 * 64)
-    assert mx._expert_kernel("fc2", index, 192) == "moe_expert_fc2_m64_bf16"   # (not a multiple of 128)
+    assert mx._expert_kernel("fc1", index, 192, 192) == "moe_expert_fc1_wide_bf16"  # (192 = 3 * 64)
+    assert mx._expert_kernel("fc2", index, 192, 192) == "moe_expert_fc2_m64_bf16"   # (not a multiple of 128)
+    for fc in ("fc1", "fc2"):  # (a hidden size past FUSED_MAX_HIDDEN: the _m64 kernels, as measured)
+        assert mx._expert_kernel(fc, index, 7168, 2048) == f"moe_expert_{fc}_m64_bf16"
 
 
 @pytest.mark.parametrize("num_local,n_dim,sms", [(8, 1024, 132), (8, 2048, 132), (32, 7168, 132), (1, 64, 8),
