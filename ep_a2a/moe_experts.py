@@ -17,7 +17,7 @@ import ctypes
 import math
 
 from .interop.tensor import Tensor
-from .moe import EXPERT_KERNELS, FINALIZE_TILES, ExpertIndex, call_stream, check_built, slot_rows
+from .moe import FINALIZE_TILES, ExpertIndex, call_stream, check_built, slot_rows
 from .validate import cuda_tensor, require
 
 # The kernels (kernels/moe_experts.cu), bf16 only, k in steps of EXPERT_K. The first two pairs:
@@ -51,7 +51,6 @@ def fc2_finalizes(hidden: int, fp8: bool) -> bool:
     """Whether expert_fc2 finalizes into the combine input itself (finalize_into=): a bf16 one (no
     FP8 combine) of at most FINALIZE_MAX_HIDDEN columns; else a finalize launch follows FC2."""
     return not fp8 and hidden <= FINALIZE_MAX_HIDDEN
-
 
 
 def expert_gemms_unsupported(hidden: int, inter: int, dtype: str = "bfloat16"):
@@ -129,8 +128,9 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
     src: bf16 [ep_size, T^, hidden] (or [ep_size * T^, hidden]), the dispatched hidden states;
     w_gate_up: bf16 [num_local_experts, 2 * I, hidden] (gate rows, then up rows), contiguous;
     out: bf16 [rows >= index.capacity, I]. hidden and I multiples of 64 (expert_gemms_unsupported),
-    pointers 16-byte aligned. Made for decode sizes (EXPERT_KERNELS' comment says how): an
-    expert's rows past a pass of 16 or 64 read its weights again.
+    pointers 16-byte aligned. Made for decode and small-batch sizes (the comment on this
+    module's constants says which kernel takes which): an expert's rows past a pass of 16, 64
+    or 128 rows read its weights again.
     stream: default, the stream of the index's build.
     """
     check_built(index, "expert_fc1")

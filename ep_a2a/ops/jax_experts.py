@@ -1,6 +1,6 @@
 """The experts' GEMMs of the MoE pair inside jax.jit: ep_a2a's expert kernels
-(moe_experts.expert_fc1 / expert_fc2, kernels/moe_experts.cu) as one XLA call between dispatch_to_experts and
-combine_from_experts.
+(moe_experts.expert_fc1 / expert_fc2, kernels/moe_experts.cu) as one XLA call between
+dispatch_to_experts and combine_from_experts.
 
     d = ops.dispatch_to_experts(ids, [x, w], T_hat)
     fc2 = ops.experts(d, w_gate_up, w_down)       # [ep_size * T^ * top_k, hidden] bf16 per rank
