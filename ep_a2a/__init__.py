@@ -22,7 +22,8 @@ _EXPORTS = {
     ".config": ["PayloadSpec", "Fp8Partial"],
     ".bootstrap": ["UnixSocketBootstrap", "TorchDistributedBootstrap", "MpiBootstrap"],
     ".interop.tensor": ["Tensor", "as_tensor"],
-    ".moe": ["ExpertIndex", "build_index", "gather_rows", "expert_fc1", "expert_fc2", "finalize"],
+    ".moe": ["ExpertIndex", "build_index", "gather_rows", "finalize"],
+    ".moe_experts": ["expert_fc1", "expert_fc2"],
 }
 if TYPE_CHECKING:  # (the names as type checkers and editors see them; at run time __getattr__ loads them)
     from .alltoall import MoeAlltoAll
@@ -34,7 +35,8 @@ if TYPE_CHECKING:  # (the names as type checkers and editors see them; at run ti
                          StateError, TopologyError, UnsupportedDeviceError)
     from .group import LocalGroup, ProcessGroup, Rank
     from .interop.tensor import Tensor, as_tensor
-    from .moe import ExpertIndex, build_index, expert_fc1, expert_fc2, finalize, gather_rows
+    from .moe import ExpertIndex, build_index, finalize, gather_rows
+    from .moe_experts import expert_fc1, expert_fc2
 
 _HOME = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = list(_HOME)

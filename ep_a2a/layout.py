@@ -229,7 +229,7 @@ class MoeIndexArgs(ctypes.Structure):
 
 class FinalizeArgs(ctypes.Structure):
     """The finalize that FC2 of the expert kernels runs after its rows (kernels/moe_experts.cu,
-    moe.expert_fc2(finalize_into=...)); out = 0: none."""
+    moe_experts.expert_fc2(finalize_into=...)); out = 0: none."""
     _fields_ = [
         ("out", ctypes.c_uint64),           # [slots, hidden] bf16: the combine input
         ("row_of", ctypes.c_uint64),        # [slots, top_k] of the index

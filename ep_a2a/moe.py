@@ -10,8 +10,8 @@ dispatch and combine (the router before dispatch is router.py; its names are re-
     activation(index, h, act)                 # act[p] = silu(h[p, :I]) * h[p, I:], rows < total
     ...  FC2 -> fc2_out[p] = expert(x_rows[p]) ...
     finalize(index, fc2_out, r.combine_input(T_hat))   # weighted sum per slot, into the workspace
-    # or, at decode sizes, gather + FC1 + activation, and FC2 + finalize, as ep_a2a's kernels:
-    expert_fc1(index, x, w_gate_up, act); expert_fc2(index, act, w_down, fc2_out, r.combine_input(T_hat))
+    # or, up to a few hundred rows per expert, gather + FC1 + activation, and FC2 + finalize, as
+    # ep_a2a's kernels (moe_experts.py): expert_fc1(index, x, w_gate_up, act); expert_fc2(...)
     y = r.combine(r.combine_input(T_hat), T_hat)
 
 Slots: slot s = source rank * T^ + i is the i-th token source rank sent here. Every selection
@@ -55,33 +55,10 @@ ACTIVATION_DTYPES = {"bfloat16": "bf16", "float16": "f16"}  # the gated activati
 _KERNELS = ("moe_index_fused", "moe_index_count", "moe_index_scan", "moe_index_scatter", "moe_gather_rows") + tuple(
     f"moe_finalize{q}_{i}_{o}" for q in ("", "_q8") for i in REDUCE_DTYPES.values() for o in REDUCE_DTYPES.values()
 ) + tuple(f"moe_swiglu_{d}" for d in ACTIVATION_DTYPES.values())
-# The experts' GEMMs at decode sizes (kernels/moe_experts.cu): a block of four warps covers
-# EXPERT_TILE output columns of an expert, two warps splitting each 8 columns' k range, which
-# runs in steps of EXPERT_K; bf16 only. The first pair takes EXPERT_PASS_ROWS rows of an expert
-# per pass, the _m64 pair (same bits) up to EXPERT_WIDE_ROWS: a call takes the second where an
-# expert may hold more than EXPERT_PASS_ROWS rows (index.slots, ep_size * T^, the most an
-# expert gets through a router).
-EXPERT_KERNELS = ("moe_expert_fc1_bf16", "moe_expert_fc2_bf16", "moe_expert_fc1_m64_bf16", "moe_expert_fc2_m64_bf16")
-EXPERT_TILE = 16
-EXPERT_K = 64
-EXPERT_PASS_ROWS = 16
-EXPERT_WIDE_ROWS = 64
-_EXPERT_THREADS = 128
-# Where gemm="auto" takes them (auto_expert_rows), as the graphed layer benchmark found against
-# torch's grouped GEMM (docs/layer.md): faster up to four passes of 64 rows per expert (past
-# that, skewed routing and 128 rows per expert favour its larger tiles); with the long k and
-# wide FC2 of a 7168 hidden size, faster in one 16-row pass only.
-FUSED_MAX_ROWS = 256
-FUSED_MAX_HIDDEN = 4096
-# expert_fc2(finalize_into=) counts its blocks per column tile (hidden / EXPERT_TILE) in these.
+# The experts' GEMMs (moe_experts.py, kernels/moe_experts.cu), fetched with the index's other
+# kernels; expert_fc2(finalize_into=) counts its blocks per column tile in FINALIZE_TILES words.
+EXPERT_KERNELS = tuple(f"moe_expert_fc{i}{pair}_bf16" for pair in ("", "_m64", "_wide") for i in (1, 2))
 FINALIZE_TILES = 1024
-FINALIZE_MAX_HIDDEN = FINALIZE_TILES * EXPERT_TILE
-
-
-def fc2_finalizes(hidden: int, fp8: bool) -> bool:
-    """Whether expert_fc2 finalizes into the combine input itself (finalize_into=): a bf16 one (no
-    FP8 combine) of at most FINALIZE_MAX_HIDDEN columns; else a finalize launch follows FC2."""
-    return not fp8 and hidden <= FINALIZE_MAX_HIDDEN
 
 
 def local_experts(num_experts: int, ep_size: int, rank: int) -> tuple:
@@ -255,7 +232,7 @@ class ExpertIndex(Owned):
 
 
 # -- checks ----------------------------------------------------------------------------------------
-def _slot_rows(t: Tensor, name: str, index: ExpertIndex) -> tuple:
+def slot_rows(t: Tensor, name: str, index: ExpertIndex) -> tuple:
     """The per-slot row shape of a [ep_size, T^, ...] (3+ dims) or [ep_size * T^, ...] tensor."""
     runtime_max = index.runtime_max_tokens_per_rank
     if t.ndim >= 3 and t.shape[:2] == (index.ep_size, runtime_max):
@@ -266,7 +243,7 @@ def _slot_rows(t: Tensor, name: str, index: ExpertIndex) -> tuple:
     return t.shape[1:]
 
 
-def _stream(stream, default) -> int:
+def call_stream(stream, default) -> int:
     return default if stream is None else stream_handle(stream)
 
 
@@ -291,7 +268,7 @@ def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: in
     """
     num_experts, ep_size, rank = _check_routing(num_experts, ep_size, rank)
     produced_on = expert_ids.stream if isinstance(expert_ids, Tensor) else None
-    s = _stream(stream, 0 if produced_on is None else produced_on)
+    s = call_stream(stream, 0 if produced_on is None else produced_on)
     ids = cuda_tensor(expert_ids, "expert_ids", s)
     if ids.dtype != int32:  # (hot path: each message is formatted only when its rule is broken)
         raise ValueError(f"expert_ids: dtype must be int32, got {ids.dtype.name}")
@@ -320,7 +297,7 @@ def build_index(expert_ids, weights, *, num_experts: int, ep_size: int, rank: in
     return out
 
 
-def _check_built(index, what: str) -> None:
+def check_built(index, what: str) -> None:
     require(isinstance(index, ExpertIndex) and not index.closed, "index", "must be an open ExpertIndex")
     if index.runtime_max_tokens_per_rank is None:
         raise ValueError(f"index: build it with build_index() before {what}")
@@ -333,11 +310,11 @@ def gather_rows(index: ExpertIndex, src, out, stream=None) -> None:
     [rows >= index.capacity, ...] of src's dtype and row shape. Copies in 16-byte vectors when
     the row size and both addresses allow. stream: default, the stream of the index's build.
     """
-    _check_built(index, "gather_rows")
-    s = _stream(stream, index.stream)
+    check_built(index, "gather_rows")
+    s = call_stream(stream, index.stream)
     dev = index.device.ordinal
     x = cuda_tensor(src, "src", s, dev)
-    inner = _slot_rows(x, "src", index)
+    inner = slot_rows(x, "src", index)
     y = cuda_tensor(out, "out", s, dev)
     if y.dtype != x.dtype:
         raise ValueError(f"out: dtype must be src's {x.dtype.name}, got {y.dtype.name}")
@@ -366,8 +343,8 @@ def activation(index: ExpertIndex, fc1_out, out, stream=None) -> None:
     and each value is bitwise what torch's eager F.silu(gate) * up gives (silu in fp32 rounded
     to the dtype, then the product in fp32 rounded). stream: default, the index's build's.
     """
-    _check_built(index, "activation")
-    s = _stream(stream, index.stream)
+    check_built(index, "activation")
+    s = call_stream(stream, index.stream)
     dev = index.device.ordinal
     x = cuda_tensor(fc1_out, "fc1_out", s, dev)
     y = cuda_tensor(out, "out", s, dev)
@@ -391,135 +368,6 @@ def activation(index: ExpertIndex, fc1_out, out, stream=None) -> None:
     index.last_issued = (index._launch(f"moe_swiglu_{code}", args, grid, _THREADS, 0, s),)
 
 
-def expert_gemms_unsupported(hidden: int, inter: int, dtype: str = "bfloat16"):
-    """Why expert_fc1 / expert_fc2 do not take these shapes (a string), or None."""
-    if dtype != "bfloat16":
-        return f"{dtype} (bfloat16 only)"
-    if hidden % EXPERT_K:
-        return f"hidden={hidden} (a multiple of {EXPERT_K} is needed)"
-    if inter % EXPERT_K:
-        return f"intermediate={inter} (a multiple of {EXPERT_K} is needed)"
-    return None
-
-
-def auto_expert_rows(hidden: int, inter: int, dtype: str = "bfloat16") -> int:
-    """The most rows an expert may get (ep_size * T^) for which gemm="auto" takes the expert
-    kernels with these shapes: FUSED_MAX_ROWS where they take the shapes and hidden is at most
-    FUSED_MAX_HIDDEN, one 16-row pass (EXPERT_PASS_ROWS) above it, 0 (never) where they do not."""
-    if expert_gemms_unsupported(hidden, inter, dtype) is not None:
-        return 0
-    return FUSED_MAX_ROWS if hidden <= FUSED_MAX_HIDDEN else EXPERT_PASS_ROWS
-
-
-def _expert_weights(w, name: str, index: ExpertIndex, rows: int, k: int, s: int, dev: int) -> Tensor:
-    t = cuda_tensor(w, name, s, dev, dtype="bfloat16")
-    want = (index.num_local_experts, rows, k)
-    if t.shape != want:
-        raise ValueError(f"{name}: shape must be [num_local_experts, {rows}, {k}] = {list(want)}, got {list(t.shape)}")
-    return t
-
-
-def _expert_grid(index: ExpertIndex, n_dim: int) -> tuple:
-    """(blocks, expert groups): N / EXPERT_TILE column tiles times the expert groups (a block walks
-    its group's experts) that make about four blocks per SM of this rank's share of the GPU (idle
-    groups' blocks take slots co-resident ranks' kernels want), one per expert at most."""
-    tiles = n_dim // EXPERT_TILE
-    share = 4 * index.device.sm_count / index.ranks_on_device
-    groups = max(1, min(index.num_local_experts, math.ceil(share / tiles)))
-    return tiles * groups, groups
-
-
-def _expert_kernel(fc: str, index: ExpertIndex) -> str:
-    """The kernel of a call: 16 rows per pass while no expert can hold more (the 64-row kernels
-    reserve 48 KiB of shared memory and more registers per block, which those do not need),
-    else up to 64."""
-    return f"moe_expert_{fc}_bf16" if index.slots <= EXPERT_PASS_ROWS else f"moe_expert_{fc}_m64_bf16"
-
-
-def _aligned16(*named) -> None:
-    for name, t in named:
-        if t.ptr % 16:
-            raise ValueError(f"{name}: data pointer 0x{t.ptr:x} must be 16-byte aligned (the expert kernels' loads)")
-
-
-def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
-    """FC1 of the local experts with the gated SiLU, reading each row where dispatch left it:
-    out[p, n] = silu(h[p, n]) * h[p, I + n] for every permuted row p < total (rows past it
-    untouched), h[p] = src[rows[p]] @ w_gate_up[e].T (e: p's local expert), fp32 accumulation
-    rounded to bf16 as a bf16 FC1 output would be, then the activation's roundings
-    (moe.activation's). So it replaces gather_rows, FC1 and activation; the sums' order is
-    this kernel's own (not a library GEMM's bits).
-
-    src: bf16 [ep_size, T^, hidden] (or [ep_size * T^, hidden]), the dispatched hidden states;
-    w_gate_up: bf16 [num_local_experts, 2 * I, hidden] (gate rows, then up rows), contiguous;
-    out: bf16 [rows >= index.capacity, I]. hidden and I multiples of 64 (expert_gemms_unsupported),
-    pointers 16-byte aligned. Made for decode sizes (EXPERT_KERNELS' comment says how): an
-    expert's rows past a pass of 16 or 64 read its weights again.
-    stream: default, the stream of the index's build.
-    """
-    _check_built(index, "expert_fc1")
-    s = _stream(stream, index.stream)
-    dev = index.device.ordinal
-    x = cuda_tensor(src, "src", s, dev, dtype="bfloat16")
-    inner = _slot_rows(x, "src", index)
-    y = cuda_tensor(out, "out", s, dev, dtype="bfloat16")
-    if not (len(inner) == 1 and y.ndim == 2 and y.shape[0] >= index.capacity):
-        raise ValueError(f"src, out: must be [slots, hidden] and [rows >= capacity={index.capacity}, I], got "
-                         f"{list(x.shape)} and {list(y.shape)}")
-    hidden, inter = inner[0], y.shape[1]
-    require((why := expert_gemms_unsupported(hidden, inter)) is None, "src, out", f"the expert kernels do not take {why}")
-    w = _expert_weights(w_gate_up, "w_gate_up", index, 2 * inter, hidden, s, dev)
-    _aligned16(("src", x), ("w_gate_up", w), ("out", y))
-    grid, groups = _expert_grid(index, inter)
-    args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(index._base["rows"]), ctypes.c_uint64(index._base["offsets"]),
-            ctypes.c_uint64(w.ptr), ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts),
-            ctypes.c_int32(groups), ctypes.c_int32(hidden), ctypes.c_int32(inter)]
-    index.last_issued = (index._launch(_expert_kernel("fc1", index), args, grid, _EXPERT_THREADS, 0, s, index._experts),)
-
-
-def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=None) -> None:
-    """FC2 of the local experts: out[p] = act[p] @ w_down[e].T for every permuted row p < total
-    (rows past it untouched), fp32 accumulation rounded to bf16.
-
-    act: bf16 [rows >= index.capacity, I] in the index's row order (expert_fc1's out);
-    w_down: bf16 [num_local_experts, hidden, I], contiguous; out: bf16 [rows >= capacity,
-    hidden] (finalize's fc2_out). Shapes and alignment as expert_fc1. stream: default, the
-    stream of the index's build.
-    finalize_into: bf16 [ep_size, T^, hidden] (or [ep_size * T^, hidden]), 16-byte aligned,
-    hidden <= FINALIZE_MAX_HIDDEN: also finalize(index, out, finalize_into) in the same
-    kernel, the same bits (each column tile's last block to finish sums it). Calls of one
-    index with it run one at a time (they share the index's counts).
-    """
-    _check_built(index, "expert_fc2")
-    s = _stream(stream, index.stream)
-    dev = index.device.ordinal
-    a = cuda_tensor(act, "act", s, dev, dtype="bfloat16")
-    y = cuda_tensor(out, "out", s, dev, dtype="bfloat16")
-    if not (a.ndim == 2 and y.ndim == 2 and a.shape[0] >= index.capacity and y.shape[0] >= index.capacity):
-        raise ValueError(f"act, out: must be [rows >= capacity={index.capacity}, I] and [rows, hidden], got "
-                         f"{list(a.shape)} and {list(y.shape)}")
-    inter, hidden = a.shape[1], y.shape[1]
-    require((why := expert_gemms_unsupported(hidden, inter)) is None, "act, out", f"the expert kernels do not take {why}")
-    w = _expert_weights(w_down, "w_down", index, hidden, inter, s, dev)
-    _aligned16(("act", a), ("w_down", w), ("out", y))
-    target = 0 if finalize_into is None else _finalize_target(index, finalize_into, hidden, s, dev)
-    fin = index._fin[name := _expert_kernel("fc2", index)]
-    fin.out, fin.slots = target, index.slots
-    grid, groups = _expert_grid(index, hidden)
-    args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),
-            ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(groups),
-            ctypes.c_int32(inter), ctypes.c_int32(hidden), fin]
-    index.last_issued = (index._launch(name, args, grid, _EXPERT_THREADS, 0, s, index._experts),)
-
-
-def _finalize_target(index: ExpertIndex, t, hidden: int, s: int, dev: int) -> int:
-    """The pointer of expert_fc2's finalize_into, checked."""
-    c = cuda_tensor(t, "finalize_into", s, dev, dtype="bfloat16")
-    require(_slot_rows(c, "finalize_into", index) == (hidden,) and hidden <= FINALIZE_MAX_HIDDEN, "finalize_into",
-            f"must be [ep_size, T^, hidden] or [slots, hidden], hidden={hidden} <= {FINALIZE_MAX_HIDDEN}; got {list(c.shape)}")
-    _aligned16(("finalize_into", c))
-    return c.ptr
-
 
 def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
     """out[s, :] = sum over k ascending, row = row_of[s, k] >= 0, of row_weight[row] * fc2_out[row, :].
@@ -534,8 +382,8 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
     per 128 values), so combine skips that pass and delivers the same bits.
     stream: default, the stream of the index's build.
     """
-    _check_built(index, "finalize")
-    s = _stream(stream, index.stream)
+    check_built(index, "finalize")
+    s = call_stream(stream, index.stream)
     dev = index.device.ordinal
     if isinstance(out, Fp8Partial):
         return _finalize_fp8(index, fc2_out, out, s, dev)
@@ -543,7 +391,7 @@ def finalize(index: ExpertIndex, fc2_out, out, stream=None) -> None:
     y = cuda_tensor(out, "out", s, dev)
     for t, name in ((x, "fc2_out"), (y, "out")):
         _check_finalize_dtype(t.dtype.name, name)
-    inner = _slot_rows(y, "out", index)
+    inner = slot_rows(y, "out", index)
     if not (len(inner) == 1 and inner[0] >= 1):
         raise ValueError(f"out: must have one hidden dimension, got shape {list(y.shape)}")
     hidden = inner[0]
@@ -580,12 +428,12 @@ def _finalize_fp8(index: ExpertIndex, fc2_out, out: Fp8Partial, s: int, dev: int
     if not (q.dtype.name == "float8_e4m3fn" and sc.dtype.name == "float32"):
         raise ValueError(f"out: an Fp8Partial holds float8_e4m3fn values and float32 scales, "
                          f"got {q.dtype.name} and {sc.dtype.name}")
-    inner = _slot_rows(q, "out", index)
+    inner = slot_rows(q, "out", index)
     if not (len(inner) == 1 and inner[0] % Q8_BLOCK == 0 and inner[0] > 0):
         raise ValueError(f"out: values must have one hidden dimension, a multiple of {Q8_BLOCK}, "
                          f"got shape {list(q.shape)}")
     hidden = inner[0]
-    if _slot_rows(sc, "out", index) != (hidden // Q8_BLOCK,):
+    if slot_rows(sc, "out", index) != (hidden // Q8_BLOCK,):
         raise ValueError(f"out: scales must be [..., hidden / {Q8_BLOCK} = {hidden // Q8_BLOCK}], got {list(sc.shape)}")
     _check_fc2_shape(x, hidden, index)
     if x.ptr % 16:

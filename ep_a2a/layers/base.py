@@ -19,7 +19,8 @@ spinning kernels then only wait for each other. (One rank per GPU needs no such 
 from __future__ import annotations
 
 from .. import PayloadSpec
-from ..moe import build_index, fc2_finalizes, finalize, gather_rows, local_experts
+from ..moe import build_index, finalize, gather_rows, local_experts
+from ..moe_experts import fc2_finalizes
 
 
 class LayerBase:
@@ -43,7 +44,7 @@ class LayerBase:
         self.s = a2a_rank.default_stream
         # FP8 combine: finalize quantizes into the workspace, so combine skips its own pass
         self._fp8 = a.combine_quant == "fp8"
-        # the expert kernels' FC2 finalizes into a bf16 combine input itself (moe.expert_fc2)
+        # the expert kernels' FC2 finalizes into a bf16 combine input itself (moe_experts.expert_fc2)
         self._fc2_finalizes = fc2_finalizes(self.hidden, self._fp8)
         self._step = None
         self._gate_event = None  # run_phases' cross-rank gate (created on first use)

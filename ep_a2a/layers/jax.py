@@ -27,7 +27,7 @@ The ways to run the experts (gemm=), none with a host sync but "loop":
   "loop": host counts (one sync per rank, in the compute phase), one jitted FFN per expert
     with rows (compiled once per distinct row count), outputs copied into a buffer of ours
     with cuMemcpyDtoDAsync.
-  "fused": ep_a2a's expert kernels (moe.expert_fc1 / expert_fc2, FC2's kernel finalizing into
+  "fused": ep_a2a's expert kernels (moe_experts.expert_fc1 / expert_fc2, FC2's kernel finalizing into
     the combine input): FC1 reads the dispatched rows in place, no gather; traced, the
     experts, finalize and combine are one XLA call (JaxAlltoAll.experts_combine). bf16, hidden
     and I multiples of 64.
@@ -50,7 +50,8 @@ from ..driver.memory import copy_dtod_async, copy_dtoh
 from ..driver.stream import synchronize_stream
 from ..interop.arrays import empty
 from ..interop.tensor import as_tensor
-from ..moe import ExpertIndex, auto_expert_rows, expert_fc1, expert_fc2, expert_gemms_unsupported
+from ..moe import ExpertIndex
+from ..moe_experts import auto_expert_rows, expert_fc1, expert_fc2, expert_gemms_unsupported
 from ..router import route as moe_route, route_unsupported
 from .base import LayerBase, payload_specs, run_phases  # noqa: F401  (payload_specs: for the callers)
 
@@ -140,8 +141,8 @@ def expert_gemm(gemm: str, runtime_max: int, fused_max_rows: int = 0, ep_size: i
 
 def auto_fused_rows(hidden: int, inter: int) -> int:
     """The most rows an expert may get (ep_size * T^) for which gemm="auto" takes the expert
-    kernels: FUSED_MAX_ROWS_XLA (or torch's moe.auto_expert_rows where that is more), 0 where the
-    kernels do not take the shapes."""
+    kernels: FUSED_MAX_ROWS_XLA (or torch's moe_experts.auto_expert_rows where that is more), 0
+    where the kernels do not take the shapes."""
     rows = auto_expert_rows(hidden, inter)
     return max(rows, FUSED_MAX_ROWS_XLA) if rows else 0
 

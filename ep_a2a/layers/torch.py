@@ -124,7 +124,7 @@ class TorchMoeLayer(LayerBase):
       payload_specs(hidden, top_k), combine_hidden_size=hidden, combine_dtype="bfloat16".
     w_gate_up: bf16 [E_local, 2*I, hidden]; w_down: bf16 [E_local, hidden, I], on the rank's GPU.
     gemm: "auto" (ep_a2a's expert kernels while an expert may get at most
-      moe.auto_expert_rows rows, else torch's grouped GEMM where it works, else the loop),
+      moe_experts.auto_expert_rows rows, else torch's grouped GEMM where it works, else the loop),
       "fused" (the expert kernels at every size), "grouped" or "loop".
     compute_graphs: the compute phase (index to finalize: no peer, no host wait) replayed from a
       CUDA graph of this rank's stream, one per T^, captured at the second eager step with that
@@ -156,8 +156,8 @@ class TorchMoeLayer(LayerBase):
 
         # the expert kernels of ep_a2a (gather, FC1 and activation in one, then FC2) where each
         # expert holds few rows (every step with gemm="fused"; with "auto" while ep_size * T^,
-        # the most rows an expert gets through the router, is at most moe.auto_expert_rows)
-        from ..moe import auto_expert_rows, expert_gemms_unsupported
+        # the most rows an expert gets through the router, is at most moe_experts.auto_expert_rows)
+        from ..moe_experts import auto_expert_rows, expert_gemms_unsupported
         self.fused_reason = expert_gemms_unsupported(H, self.inter)
         if gemm == "fused" and self.fused_reason is not None:
             raise ValueError(f"gemm='fused': the expert kernels do not take {self.fused_reason}")

@@ -1,6 +1,6 @@
-"""The experts' GEMMs of the MoE pair inside jax.jit: ep_a2a's expert kernels (moe.expert_fc1 /
-expert_fc2, kernels/moe_experts.cu) as one XLA call between dispatch_to_experts and
-combine_from_experts.
+"""The experts' GEMMs of the MoE pair inside jax.jit: ep_a2a's expert kernels
+(moe_experts.expert_fc1 / expert_fc2, kernels/moe_experts.cu) as one XLA call between
+dispatch_to_experts and combine_from_experts.
 
     d = ops.dispatch_to_experts(ids, [x, w], T_hat)
     fc2 = ops.experts(d, w_gate_up, w_down)       # [ep_size * T^ * top_k, hidden] bf16 per rank
@@ -10,7 +10,7 @@ FC1 reads each row where dispatch left it in the workspace (the index's rows), w
 * up fused, so d.rows is not read; FC2's input (the activations) is a second result of the
 call that XLA allocates and nobody needs after it. The weights are TorchMoeLayer's: bf16
 w_gate_up [E_local, 2 I, hidden], w_down [E_local, hidden, I]; hidden and I multiples of 64
-(moe.expert_gemms_unsupported), checked while tracing. Rows past the device total of each
+(moe_experts.expert_gemms_unsupported), checked while tracing. Rows past the device total of each
 rank are not written. On the native path (jax_ffi.py) both launches of every rank are planned
 while tracing, as moe.* would make them for this T^ (jax_plan.recorded); otherwise a Python
 callback launches them through moe.* at run time.
@@ -24,7 +24,8 @@ import jax
 import numpy as np
 
 from ..interop.tensor import CUDA, Tensor
-from ..moe import build_index, expert_fc1, expert_fc2, expert_gemms_unsupported, fc2_finalizes, finalize
+from ..moe import build_index, finalize
+from ..moe_experts import expert_fc1, expert_fc2, expert_gemms_unsupported, fc2_finalizes
 from ..schedule import COMBINE
 from ..validate import require
 from .jax_plan import fake, recorded, renumbered
@@ -151,7 +152,7 @@ class JaxExperts:
     def _experts(self, idx, r, x, w1, w2, act, y, s, combine_tmax) -> None:
         """FC1 and FC2 of rank r's experts on stream s; combine_tmax (a T^, or None): FC2's rows
         finalized into the rank's combine input of that T^ too, by FC2's kernel where it writes
-        that input (moe.fc2_finalizes), else by a finalize launch."""
+        that input (moe_experts.fc2_finalizes), else by a finalize launch."""
         expert_fc1(idx, x, w1, act, stream=s)
         fp8 = self.calls.options.combine_quant == "fp8"
         target = None if combine_tmax is None else r.combine_input(combine_tmax, fp8=fp8)

@@ -65,8 +65,8 @@ from ..driver.stream import is_capturing, stream_handle
 from ..errors import StateError
 from ..interop.torch_tensor import TensorSlot
 from ..moe import ExpertIndex, activation as moe_activation, build_index as moe_build_index, \
-    expert_fc1 as moe_expert_fc1, expert_fc2 as moe_expert_fc2, finalize as moe_finalize, \
-    gather_rows as moe_gather_rows
+    finalize as moe_finalize, gather_rows as moe_gather_rows
+from ..moe_experts import expert_fc1 as moe_expert_fc1, expert_fc2 as moe_expert_fc2
 from ..router import Router, router_for
 from ..validate import check_expert_ids_on_host
 from .torch_views import INDEX_SLOTS, INDEXES, RANKS, Replays, StreamUse, TorchIndex, TorchRank, bind, \
@@ -461,7 +461,7 @@ def activation(index: TorchIndex, fc1_out, out, stream=None) -> None:
 
 
 def expert_fc1(index: TorchIndex, src, w_gate_up, out, stream=None) -> None:
-    """moe.expert_fc1: out[p] = silu(gate) * up of FC1 on src[rows[p]] for the rows of the last
+    """moe_experts.expert_fc1: out[p] = silu(gate) * up of FC1 on src[rows[p]] for the rows of the last
     build (gather, FC1 and the activation in one kernel, for decode sizes)."""
     op = expert_fc1_impl if plain_eager() and type(src) is _Tensor and type(w_gate_up) is _Tensor \
         and type(out) is _Tensor else OPS["expert_fc1"]
@@ -469,7 +469,7 @@ def expert_fc1(index: TorchIndex, src, w_gate_up, out, stream=None) -> None:
 
 
 def expert_fc2(index: TorchIndex, act, w_down, out, stream=None, finalize_into=None) -> None:
-    """moe.expert_fc2: out[p] = act[p] @ w_down[e].T for the rows of the last build; with
+    """moe_experts.expert_fc2: out[p] = act[p] @ w_down[e].T for the rows of the last build; with
     finalize_into (a bf16 combine_input(T^)), finalize(index, out, finalize_into) in the same kernel."""
     direct = plain_eager() and type(act) is _Tensor and type(w_down) is _Tensor and type(out) is _Tensor
     if finalize_into is None:

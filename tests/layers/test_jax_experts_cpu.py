@@ -77,7 +77,7 @@ def test_auto_takes_the_expert_kernels_while_an_expert_gets_few_rows():
 
 
 def test_auto_takes_the_kernels_to_more_rows_than_torch_at_every_hidden_size():
-    from ep_a2a.moe import FUSED_MAX_HIDDEN, auto_expert_rows
+    from ep_a2a.moe_experts import FUSED_MAX_HIDDEN, auto_expert_rows
     assert auto_fused_rows(2048, 1024) == FUSED_MAX_ROWS_XLA
     assert auto_fused_rows(7168, 2048) == FUSED_MAX_ROWS_XLA > auto_expert_rows(7168, 2048)  # (DeepSeek-V3-like)
     assert auto_fused_rows(FUSED_MAX_HIDDEN + 64, 2048) == FUSED_MAX_ROWS_XLA

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from common import ROOT, fresh_rng, kernel_ptx, kernels_build
 
-from ep_a2a import moe
+from ep_a2a import moe, moe_experts as mx
 from ep_a2a.testing import moe_reference as mref, reference as ref
 
 
@@ -164,10 +164,10 @@ def test_index_plan_covers_every_entry_within_budgets(n, num_local):
 def test_fc2_finalizes_where_its_counters_reach_and_not_into_fp8():
     """The rule both layers and the JAX experts call follows: FC2's kernel finalizes a bf16
     combine input up to FINALIZE_TILES column tiles of EXPERT_TILE; an FP8 one never."""
-    limit = moe.FINALIZE_TILES * moe.EXPERT_TILE
-    assert moe.fc2_finalizes(limit, False) and moe.fc2_finalizes(moe.EXPERT_K, False)
-    assert not moe.fc2_finalizes(limit + moe.EXPERT_K, False)
-    assert not any(moe.fc2_finalizes(h, True) for h in (moe.EXPERT_K, 7168, limit))
+    limit = moe.FINALIZE_TILES * mx.EXPERT_TILE
+    assert mx.fc2_finalizes(limit, False) and mx.fc2_finalizes(mx.EXPERT_K, False)
+    assert not mx.fc2_finalizes(limit + mx.EXPERT_K, False)
+    assert not any(mx.fc2_finalizes(h, True) for h in (mx.EXPERT_K, 7168, limit))
 
 
 def test_kernel_argument_struct_generated_from_layout():
@@ -279,31 +279,40 @@ def test_cubins_have_the_expert_kernels():
 
 
 def test_expert_kernels_take_bf16_multiples_of_their_k_step_only():
-    assert moe.expert_gemms_unsupported(2048, 1024) is None
-    assert moe.expert_gemms_unsupported(7168, 2048) is None
-    assert "hidden=96" in moe.expert_gemms_unsupported(96, 64)
-    assert "intermediate=80" in moe.expert_gemms_unsupported(128, 80)
-    assert "bfloat16 only" in moe.expert_gemms_unsupported(128, 64, "float16")
-    assert moe.EXPERT_TILE == 16 and moe.EXPERT_K == 64 and moe.EXPERT_WIDE_ROWS == 64
+    assert mx.expert_gemms_unsupported(2048, 1024) is None
+    assert mx.expert_gemms_unsupported(7168, 2048) is None
+    assert "hidden=96" in mx.expert_gemms_unsupported(96, 64)
+    assert "intermediate=80" in mx.expert_gemms_unsupported(128, 80)
+    assert "bfloat16 only" in mx.expert_gemms_unsupported(128, 64, "float16")
+    assert mx.EXPERT_TILE == 16 and mx.EXPERT_K == 64 and mx.EXPERT_WIDE_ROWS == 64
+    assert (mx.WIDE_FC1_COLS, mx.WIDE_FC2_COLS) == (64, 128)  # (kernels/moe_experts.cu: WIDE_COLS, twice it)
 
 
-def test_auto_takes_the_expert_kernels_up_to_four_passes_of_64_rows_below_a_hidden_of_4096():
-    assert moe.FUSED_MAX_ROWS == 4 * moe.EXPERT_WIDE_ROWS and moe.FUSED_MAX_HIDDEN == 4096
-    assert moe.auto_expert_rows(2048, 1024) == moe.FUSED_MAX_ROWS
-    assert moe.auto_expert_rows(4096, 64) == moe.FUSED_MAX_ROWS
-    assert moe.auto_expert_rows(7168, 2048) == moe.EXPERT_PASS_ROWS == 16  # (DeepSeek-V3-like: one pass)
-    assert moe.auto_expert_rows(96, 64) == 0       # (shapes the kernels do not take)
-    assert moe.auto_expert_rows(2048, 1024, "float16") == 0
+def test_auto_takes_the_expert_kernels_up_to_512_rows_below_a_hidden_of_4096():
+    assert mx.FUSED_MAX_ROWS == 512 and mx.FUSED_MAX_HIDDEN == 4096
+    assert mx.auto_expert_rows(2048, 1024) == mx.FUSED_MAX_ROWS
+    assert mx.auto_expert_rows(4096, 64) == mx.FUSED_MAX_ROWS
+    assert mx.auto_expert_rows(7168, 2048) == mx.EXPERT_PASS_ROWS == 16  # (DeepSeek-V3-like: one pass)
+    assert mx.auto_expert_rows(96, 64) == 0       # (shapes the kernels do not take)
+    assert mx.auto_expert_rows(2048, 1024, "float16") == 0
 
 
-def test_expert_calls_take_passes_of_64_rows_where_an_expert_may_hold_more_than_16():
+def test_expert_calls_take_passes_of_16_64_or_128_rows_by_the_rows_an_expert_may_hold():
     """ep_size * T^ (index.slots) bounds the rows of an expert through a router: up to 16, the
-    kernels of 16-row passes; above, the _m64 pair."""
+    kernels of 16-row passes; up to WIDE_FROM_ROWS the _m64 pair; above it the wide kernel of an FC
+    whose columns (FC1: I, FC2: hidden) fill its tiles, at hidden sizes up to FUSED_MAX_HIDDEN,
+    else the _m64 one."""
     from types import SimpleNamespace
-    for slots, suffix in ((1, ""), (16, ""), (17, "_m64"), (64, "_m64"), (1024, "_m64")):
+    cases = ((1, ""), (16, ""), (17, "_m64"), (128, "_m64"), (129, "_wide"), (1024, "_wide"))
+    for slots, suffix in cases:
         for fc in ("fc1", "fc2"):
-            name = moe._expert_kernel(fc, SimpleNamespace(slots=slots))
+            name = mx._expert_kernel(fc, SimpleNamespace(slots=slots), 2048, 1024)
             assert name == f"moe_expert_{fc}{suffix}_bf16" and name in moe.EXPERT_KERNELS
+    index = SimpleNamespace(slots=mx.WIDE_FROM_ROWS + 1)
+    assert mx._expert_kernel("fc1", index, 192, 192) == "moe_expert_fc1_wide_bf16"  # (192 = 3 * 64)
+    assert mx._expert_kernel("fc2", index, 192, 192) == "moe_expert_fc2_m64_bf16"   # (not a multiple of 128)
+    for fc in ("fc1", "fc2"):  # (a hidden size past FUSED_MAX_HIDDEN: the _m64 kernels, as measured)
+        assert mx._expert_kernel(fc, index, 7168, 2048) == f"moe_expert_{fc}_m64_bf16"
 
 
 @pytest.mark.parametrize("num_local,n_dim,sms", [(8, 1024, 132), (8, 2048, 132), (32, 7168, 132), (1, 64, 8),
@@ -315,12 +324,31 @@ def test_expert_grid_covers_every_expert_and_tile(num_local, n_dim, sms, ranks_o
     (not fewer, not many more), at most a group per expert."""
     from types import SimpleNamespace
     index = SimpleNamespace(num_local_experts=num_local, device=SimpleNamespace(sm_count=sms),
-                            ranks_on_device=ranks_on_device)
-    blocks, groups = moe._expert_grid(index, n_dim)
-    tiles = n_dim // moe.EXPERT_TILE
-    assert blocks == tiles * groups and 1 <= groups <= num_local
+                            ranks_on_device=ranks_on_device, slots=64)
+    blocks, groups, threads = mx._expert_grid(index, "moe_expert_fc2_m64_bf16", n_dim)
+    tiles = n_dim // mx.EXPERT_TILE
+    assert blocks == tiles * groups and 1 <= groups <= num_local and threads == 128
     seen = sorted((e, b % tiles) for b in range(blocks) for e in range(b // tiles, num_local, groups))
     assert seen == [(e, t) for e in range(num_local) for t in range(tiles)]
     share = 4 * sms / ranks_on_device
     assert groups == num_local or blocks >= share
     assert groups == 1 or blocks < share + tiles
+
+
+@pytest.mark.parametrize("num_local,slots,sms", [(8, 512, 132), (8, 1024, 132), (1, 65, 8), (32, 128, 132)])
+@pytest.mark.parametrize("fc,n_dim", [("fc1", 1024), ("fc2", 2048), ("fc1", 64)])
+@pytest.mark.parametrize("ranks_on_device", [1, 8])
+def test_wide_grid_covers_every_pass_and_tile(num_local, slots, sms, fc, n_dim, ranks_on_device):
+    """The wide kernels walk units (128-row passes, up to slots / 128 per expert) the same way:
+    every (unit, tile) exactly once, no more groups than units, 256 threads a block."""
+    from types import SimpleNamespace
+    index = SimpleNamespace(num_local_experts=num_local, device=SimpleNamespace(sm_count=sms),
+                            ranks_on_device=ranks_on_device, slots=slots)
+    blocks, groups, threads = mx._expert_grid(index, f"moe_expert_{fc}_wide_bf16", n_dim)
+    tiles = n_dim // (mx.WIDE_FC1_COLS if fc == "fc1" else mx.WIDE_FC2_COLS)
+    units = num_local * -(-slots // 128)
+    assert blocks == tiles * groups and 1 <= groups <= units and threads == 256
+    seen = sorted((u, b % tiles) for b in range(blocks) for u in range(b // tiles, units, groups))
+    assert seen == [(u, t) for u in range(units) for t in range(tiles)]
+    share = 4 * sms / ranks_on_device
+    assert groups == units or blocks >= share

@@ -1,4 +1,4 @@
-"""moe.expert_fc1 / expert_fc2, the experts' GEMMs at decode sizes, through their torch ops:
+"""moe_experts.expert_fc1 / expert_fc2, the experts' GEMMs at decode and small-batch sizes, through their torch ops:
 FC1 reads each row where dispatch left it (the index's rows) and applies the gated SiLU; both
 against a float64 oracle at every rows-per-expert count (one pass of 16 rows and several),
 rows past the device total left as poisoned; graph replays with another routing each time
@@ -65,13 +65,17 @@ def _close(got, want, what, msg):
 @pytest.mark.parametrize("H,I", [(64, 64), (256, 128), (2048, 1024)])
 @pytest.mark.parametrize("ep,top_k,tmax,local_share", [(1, 1, 1, 1.0), (8, 8, 1, 0.2), (8, 8, 2, 1.0),
                                                        (3, 4, 5, 0.5), (4, 8, 16, 0.7), (2, 2, 3, 0.0),
-                                                       (8, 8, 4, 1.0), (8, 4, 8, 0.6)])
-def test_expert_gemms_match_float64(H, I, ep, top_k, tmax, local_share):
+                                                       (8, 8, 4, 1.0), (8, 4, 8, 0.6), (8, 8, 32, 0.9)])
+@pytest.mark.parametrize("wide", [False, True])  # the kernels each size takes, or the wide ones forced
+def test_expert_gemms_match_float64(H, I, ep, top_k, tmax, local_share, wide, monkeypatch):
+    from ep_a2a import moe_experts
     from ep_a2a.ops import torch as ep_ops
     dev = torch_cuda(torch)
     rng, seed = fresh_rng()
     E = 4 * ep
-    msg = f"{seed} H={H} I={I} ep={ep} top_k={top_k} T^={tmax} local={local_share}"
+    msg = f"{seed} H={H} I={I} ep={ep} top_k={top_k} T^={tmax} local={local_share} wide={wide}"
+    if wide:
+        monkeypatch.setattr(moe_experts, "WIDE_FROM_ROWS", moe_experts.EXPERT_PASS_ROWS)
     ix = _index(dev, ep, top_k, tmax, E)
     try:
         ids, w = _routing(rng, ep, tmax, top_k, E, local_share, dev)
@@ -79,6 +83,9 @@ def test_expert_gemms_match_float64(H, I, ep, top_k, tmax, local_share):
         src, w1, w2, act, y = _tensors(rng, dev, ep * tmax, E // ep, H, I, ix.index.capacity)
         ep_ops.expert_fc1(ix, src, w1, act)
         ep_ops.expert_fc2(ix, act, w2, y)
+        if wide and ep * tmax > moe_experts.EXPERT_PASS_ROWS and H % moe_experts.WIDE_FC2_COLS == 0:
+            ran = ix.index.last_issued[0].function
+            assert ran is ix.index._experts.function("moe_expert_fc2_wide_bf16"), f"{msg}: not the wide kernel"
         torch.cuda.synchronize()
         total, act_ref, y_ref = _oracle(ix, src, w1, w2, act)
         for t, name in ((act, "act"), (y, "y")):
@@ -97,19 +104,24 @@ def _poisoned_slots(dev, ep, tmax, H):
 
 @pytest.mark.parametrize("H,I", [(64, 64), (2048, 1024)])
 @pytest.mark.parametrize("ep,top_k,tmax,local_share", [(1, 1, 1, 1.0), (8, 8, 1, 0.3), (8, 8, 2, 1.0),
-                                                       (3, 4, 5, 0.5), (8, 8, 6, 0.8), (2, 2, 3, 0.0)])
-def test_fc2_with_finalize_gives_the_bits_of_fc2_then_finalize(H, I, ep, top_k, tmax, local_share):
+                                                       (3, 4, 5, 0.5), (8, 8, 6, 0.8), (2, 2, 3, 0.0), (8, 8, 24, 0.9)])
+@pytest.mark.parametrize("wide", [False, True])  # the kernels each size takes, or the wide ones forced
+def test_fc2_with_finalize_gives_the_bits_of_fc2_then_finalize(H, I, ep, top_k, tmax, local_share, wide,
+                                                               monkeypatch):
     """expert_fc2(finalize_into=...) (each column tile's last block sums the tile) against
     expert_fc2 then finalize, both from poisoned outputs: the same bits in FC2's rows and in
     every slot; three calls with new routing each (the tiles' counts start at zero each time)."""
+    from ep_a2a import moe_experts
     from ep_a2a.ops import torch as ep_ops
+    if wide:
+        monkeypatch.setattr(moe_experts, "WIDE_FROM_ROWS", moe_experts.EXPERT_PASS_ROWS)
     dev = torch_cuda(torch)
     rng, seed = fresh_rng()
     E = 4 * ep
     ix = _index(dev, ep, top_k, tmax, E)
     try:
         for call in range(3):
-            msg = f"{seed} H={H} I={I} ep={ep} top_k={top_k} T^={tmax} local={local_share} call {call}"
+            msg = f"{seed} H={H} I={I} ep={ep} top_k={top_k} T^={tmax} local={local_share} wide={wide} call {call}"
             ids, w = _routing(rng, ep, tmax, top_k, E, local_share, dev)
             ep_ops.build_index(ix, ids, w)
             src, w1, w2, act, y = _tensors(rng, dev, ep * tmax, E // ep, H, I, ix.index.capacity)
@@ -158,7 +170,7 @@ def test_fc2_relaunched_by_the_op_finalizes_after_other_calls_of_the_other_kerne
 
 
 @pytest.mark.parametrize("fin", [False, True])  # FC2 alone, or with the finalize
-@pytest.mark.parametrize("tmax", [2, 8])  # the kernels of 16-row passes, of up to 64
+@pytest.mark.parametrize("tmax", [2, 8, 24])  # the kernels of 16-row passes, of up to 64, the wide ones
 def test_graph_replays_equal_eager_calls(tmax, fin):
     """build_index + expert_fc1 + expert_fc2 (+ its finalize) captured once, replayed with new
     routing and inputs each time (another total per replay): bitwise what eager calls give."""
@@ -207,7 +219,7 @@ def test_passes_of_64_rows_give_the_bits_of_passes_of_16(H, I, monkeypatch):
     """The _m64 kernels (what a call takes where an expert may hold more than 16 rows) and the
     16-row kernels, forced on the same build: the same bits in every row (a row's sums do not
     depend on the pass that held it), rows past the total untouched by both."""
-    from ep_a2a import moe
+    from ep_a2a import moe_experts
     from ep_a2a.ops import torch as ep_ops
     dev = torch_cuda(torch)
     rng, seed = fresh_rng()
@@ -219,7 +231,7 @@ def test_passes_of_64_rows_give_the_bits_of_passes_of_16(H, I, monkeypatch):
         src, w1, w2, act, y = _tensors(rng, dev, ep * tmax, E // ep, H, I, ix.index.capacity)
         got = {}
         for kernel, pass_rows in (("_m64", 0), ("", 1 << 30)):
-            monkeypatch.setattr(moe, "EXPERT_PASS_ROWS", pass_rows)
+            monkeypatch.setattr(moe_experts, "EXPERT_PASS_ROWS", pass_rows)
             a, o = act.clone(), y.clone()  # (other tensors: full calls, not the ops' replays)
             ep_ops.expert_fc1(ix, src, w1, a)
             ep_ops.expert_fc2(ix, a, w2, o)
@@ -239,7 +251,7 @@ def test_passes_of_64_rows_give_the_bits_of_passes_of_16(H, I, monkeypatch):
 
 
 def test_bad_arguments_are_refused_before_any_launch():
-    from ep_a2a import moe
+    from ep_a2a import moe, moe_experts
     dev = torch_cuda(torch)
     rng, seed = fresh_rng()
     ep, top_k, tmax, H, I, E = 2, 2, 4, 128, 64, 8
@@ -251,24 +263,24 @@ def test_bad_arguments_are_refused_before_any_launch():
         src, w1, w2, act, y = _tensors(rng, dev, ep * tmax, E // ep, H, I, ix.index.capacity)
         i = ix.index
         with pytest.raises(TypeError, match="src"):
-            moe.expert_fc1(i, src.half(), w1, act)
+            moe_experts.expert_fc1(i, src.half(), w1, act)
         with pytest.raises(ValueError, match="w_gate_up"):
-            moe.expert_fc1(i, src, w1[:, :I], act)
+            moe_experts.expert_fc1(i, src, w1[:, :I], act)
         with pytest.raises(ValueError, match="out"):
-            moe.expert_fc1(i, src, w1, act[:3])
+            moe_experts.expert_fc1(i, src, w1, act[:3])
         with pytest.raises(ValueError, match="hidden=96"):
-            moe.expert_fc1(i, src[:, :96].contiguous(), w1[:, :, :96].contiguous(), act)
+            moe_experts.expert_fc1(i, src[:, :96].contiguous(), w1[:, :, :96].contiguous(), act)
         with pytest.raises(ValueError, match="w_down"):
-            moe.expert_fc2(i, act, w2.transpose(1, 2).contiguous(), y)
+            moe_experts.expert_fc2(i, act, w2.transpose(1, 2).contiguous(), y)
         cap = i.capacity
         shifted = torch.zeros((cap + 1) * H, dtype=torch.bfloat16, device=dev)[4:4 + cap * H].view(cap, H)
         with pytest.raises(ValueError, match="16-byte"):
-            moe.expert_fc2(i, act, w2, shifted)
+            moe_experts.expert_fc2(i, act, w2, shifted)
         slots = _poisoned_slots(dev, ep, tmax, H)
         with pytest.raises(ValueError, match="finalize_into"):
-            moe.expert_fc2(i, act, w2, y, finalize_into=slots[:, :, :64])
+            moe_experts.expert_fc2(i, act, w2, y, finalize_into=slots[:, :, :64])
         with pytest.raises(TypeError, match="finalize_into"):
-            moe.expert_fc2(i, act, w2, y, finalize_into=slots.float())
+            moe_experts.expert_fc2(i, act, w2, y, finalize_into=slots.float())
         torch.cuda.synchronize()
         for t, name in ((act, "act"), (y, "y"), (slots, "finalize_into")):
             assert bool((t.view(torch.int16) == POISON).all()), f"{seed}: {name} written by a refused call"

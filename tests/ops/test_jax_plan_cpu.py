@@ -205,10 +205,10 @@ def test_traced_moe_pair_plans_index_gather_and_finalize(monkeypatch, quant):
 def test_traced_experts_call_plans_the_expert_kernels(monkeypatch):
     """JaxAlltoAll.experts between the MoE pair, traced and lowered on the CPU with the native
     path: one call of its own whose plan is FC1 then FC2 on the rank's stream, the kernel pair
-    that moe.expert_fc1 / expert_fc2 take for this T^ (16-row passes while ep_size * T^ <= 16),
+    that moe_experts.expert_fc1 / expert_fc2 take for this T^ (16-row passes while ep_size * T^ <= 16),
     FC1 reading the dispatched hidden states in the workspace and operand 0 (w_gate_up) into
     result 4 (the activations), FC2 reading those and operand 1 (w_down) into result 3."""
-    import ep_a2a.moe as moe
+    import ep_a2a.moe_experts as moe_experts
     jax = pytest.importorskip("jax")
     jnp = pytest.importorskip("jax.numpy")
     ops, made, a2a, r = native_moe_ops(monkeypatch)
@@ -229,9 +229,15 @@ def test_traced_experts_call_plans_the_expert_kernels(monkeypatch):
     (_,), (experts,), (_,) = made
     fc1, fc2 = experts.ops
     idx = ops._rank_indexes()[0]
-    pair = "" if a2a.ep_size * tmax <= moe.EXPERT_PASS_ROWS else "_m64"
-    assert fc1.function == idx._experts.function(f"moe_expert_fc1{pair}_bf16")
-    assert fc2.function == idx._experts.function(f"moe_expert_fc2{pair}_bf16")
+    slots, mx = a2a.ep_size * tmax, moe_experts
+
+    def pair(n_dim, cols):
+        if slots <= mx.EXPERT_PASS_ROWS:
+            return ""
+        wide = slots > mx.WIDE_FROM_ROWS and trace.H <= mx.FUSED_MAX_HIDDEN and n_dim % cols == 0
+        return "_wide" if wide else "_m64"
+    assert fc1.function == idx._experts.function(f"moe_expert_fc1{pair(inter, mx.WIDE_FC1_COLS)}_bf16")
+    assert fc2.function == idx._experts.function(f"moe_expert_fc2{pair(trace.H, mx.WIDE_FC2_COLS)}_bf16")
     words1 = jax_plan._arg_words(fc1.args)[1]
     assert int(words1[0]) == r.dispatch_views(tmax)[1][0].ptr  # (the dispatched hidden states, in place)
     assert [b for _, b, _ in jax_plan.patches(words1)] == [0, 4]
