@@ -1,9 +1,10 @@
-"""moe_experts.expert_fc1 / expert_fc2, the experts' GEMMs at decode and small-batch sizes, through their torch ops:
-FC1 reads each row where dispatch left it (the index's rows) and applies the gated SiLU; both
-against a float64 oracle at every rows-per-expert count (one pass of 16 rows and several),
-rows past the device total left as poisoned; graph replays with another routing each time
-bitwise equal to eager calls; bad arguments refused before any launch. Fresh random inputs
-every run; the seed is in every message."""
+"""moe_experts.expert_fc1 / expert_fc2, the experts' GEMMs at decode and small-batch sizes,
+through their torch ops: FC1 reads each row where dispatch left it (the index's rows) and
+applies the gated SiLU; both against a float64 oracle at every rows-per-expert count (one pass
+of 16 rows and several), with the kernels each size takes and with the wide ones forced, rows
+past the device total left as poisoned; graph replays with another routing each time bitwise
+equal to eager calls; bad arguments refused before any launch. Fresh random inputs every run;
+the seed is in every message."""
 import numpy as np
 import pytest
 from common import POISON, fresh_rng, torch_cuda
@@ -216,8 +217,8 @@ def test_graph_replays_equal_eager_calls(tmax, fin):
 
 @pytest.mark.parametrize("H,I", [(256, 128), (2048, 1024)])
 def test_passes_of_64_rows_give_the_bits_of_passes_of_16(H, I, monkeypatch):
-    """The _m64 kernels (what a call takes where an expert may hold more than 16 rows) and the
-    16-row kernels, forced on the same build: the same bits in every row (a row's sums do not
+    """The _m64 kernels (what a call takes where an expert may hold 17 to WIDE_FROM_ROWS rows) and
+    the 16-row kernels, forced on the same build: the same bits in every row (a row's sums do not
     depend on the pass that held it), rows past the total untouched by both."""
     from ep_a2a import moe_experts
     from ep_a2a.ops import torch as ep_ops
