@@ -188,6 +188,24 @@ class ExpertIndex(Owned):
                                      self._tensor("row_of", (self.ep_size * runtime_max, self.top_k), int32))
         return v
 
+    # -- what moe_experts.py launches through ----------------------------------------------------
+    def address(self, name: str) -> int:
+        """The device address of one of the index's arrays: "rows", "offsets", "row_of", ..."""
+        return self._base[name]
+
+    def finalize_args(self, kernel: str) -> FinalizeArgs:
+        """The finalize arguments of FC2 kernel `kernel`, one set per kernel (a relaunch keeps its
+        last call's)."""
+        return self._fin[kernel]
+
+    def expert_function(self, name: str):
+        """Expert kernel `name` (kernels/moe_experts.cu), loaded with the index."""
+        return self._experts.function(name)
+
+    def launch_expert(self, name: str, args, grid: int, block: int, stream: int) -> None:
+        """Launch expert kernel `name` as the index's own pieces launch (last_issued names it)."""
+        self.last_issued = (self._launch(name, args, grid, block, 0, stream, self._experts),)
+
     def _launch(self, name: str, args, grid: int, block: int, shared: int, stream: int, module=None) -> None:
         """Launch kernel `name` (of moe_compute, or of `module`) and return its Launch, which
         keeps the first call's argument objects (the packed pointer array points at them); later

@@ -148,10 +148,10 @@ def expert_fc1(index: ExpertIndex, src, w_gate_up, out, stream=None) -> None:
     _aligned16(("src", x), ("w_gate_up", w), ("out", y))
     name = _expert_kernel("fc1", index, hidden, inter)
     grid, groups, threads = _expert_grid(index, name, inter)
-    args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(index._base["rows"]), ctypes.c_uint64(index._base["offsets"]),
+    args = [ctypes.c_uint64(x.ptr), ctypes.c_uint64(index.address("rows")), ctypes.c_uint64(index.address("offsets")),
             ctypes.c_uint64(w.ptr), ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts),
             ctypes.c_int32(groups), ctypes.c_int32(hidden), ctypes.c_int32(inter)]
-    index.last_issued = (index._launch(name, args, grid, threads, 0, s, index._experts),)
+    index.launch_expert(name, args, grid, threads, s)
 
 
 def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=None) -> None:
@@ -180,13 +180,13 @@ def expert_fc2(index: ExpertIndex, act, w_down, out, stream=None, finalize_into=
     w = _expert_weights(w_down, "w_down", index, hidden, inter, s, dev)
     _aligned16(("act", a), ("w_down", w), ("out", y))
     target = 0 if finalize_into is None else _finalize_target(index, finalize_into, hidden, s, dev)
-    fin = index._fin[name := _expert_kernel("fc2", index, hidden, inter)]
+    fin = index.finalize_args(name := _expert_kernel("fc2", index, hidden, inter))
     fin.out, fin.slots = target, index.slots
     grid, groups, threads = _expert_grid(index, name, hidden)
-    args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index._base["offsets"]), ctypes.c_uint64(w.ptr),
+    args = [ctypes.c_uint64(a.ptr), ctypes.c_uint64(index.address("offsets")), ctypes.c_uint64(w.ptr),
             ctypes.c_uint64(y.ptr), ctypes.c_int32(index.num_local_experts), ctypes.c_int32(groups),
             ctypes.c_int32(inter), ctypes.c_int32(hidden), fin]
-    index.last_issued = (index._launch(name, args, grid, threads, 0, s, index._experts),)
+    index.launch_expert(name, args, grid, threads, s)
 
 
 def _finalize_target(index: ExpertIndex, t, hidden: int, s: int, dev: int) -> int:

@@ -86,7 +86,7 @@ def test_expert_gemms_match_float64(H, I, ep, top_k, tmax, local_share, wide, mo
         ep_ops.expert_fc2(ix, act, w2, y)
         if wide and ep * tmax > moe_experts.EXPERT_PASS_ROWS and H % moe_experts.WIDE_FC2_COLS == 0:
             ran = ix.index.last_issued[0].function
-            assert ran is ix.index._experts.function("moe_expert_fc2_wide_bf16"), f"{msg}: not the wide kernel"
+            assert ran is ix.index.expert_function("moe_expert_fc2_wide_bf16"), f"{msg}: not the wide kernel"
         torch.cuda.synchronize()
         total, act_ref, y_ref = _oracle(ix, src, w1, w2, act)
         for t, name in ((act, "act"), (y, "y")):
@@ -237,7 +237,7 @@ def test_passes_of_64_rows_give_the_bits_of_passes_of_16(H, I, monkeypatch):
             ep_ops.expert_fc1(ix, src, w1, a)
             ep_ops.expert_fc2(ix, a, w2, o)
             ran = ix.index.last_issued[0].function
-            assert ran is ix.index._experts.function(f"moe_expert_fc2{kernel}_bf16"), f"{seed}: not the {kernel} kernel"
+            assert ran is ix.index.expert_function(f"moe_expert_fc2{kernel}_bf16"), f"{seed}: not the {kernel} kernel"
             got[kernel] = (a, o)
         torch.cuda.synchronize()
         total = int(torch.from_dlpack(ix.index.offsets)[-1])

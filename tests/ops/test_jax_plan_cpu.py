@@ -236,8 +236,8 @@ def test_traced_experts_call_plans_the_expert_kernels(monkeypatch):
             return ""
         wide = slots > mx.WIDE_FROM_ROWS and trace.H <= mx.FUSED_MAX_HIDDEN and n_dim % cols == 0
         return "_wide" if wide else "_m64"
-    assert fc1.function == idx._experts.function(f"moe_expert_fc1{pair(inter, mx.WIDE_FC1_COLS)}_bf16")
-    assert fc2.function == idx._experts.function(f"moe_expert_fc2{pair(trace.H, mx.WIDE_FC2_COLS)}_bf16")
+    assert fc1.function == idx.expert_function(f"moe_expert_fc1{pair(inter, mx.WIDE_FC1_COLS)}_bf16")
+    assert fc2.function == idx.expert_function(f"moe_expert_fc2{pair(trace.H, mx.WIDE_FC2_COLS)}_bf16")
     words1 = jax_plan._arg_words(fc1.args)[1]
     assert int(words1[0]) == r.dispatch_views(tmax)[1][0].ptr  # (the dispatched hidden states, in place)
     assert [b for _, b, _ in jax_plan.patches(words1)] == [0, 4]
