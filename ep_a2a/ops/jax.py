@@ -55,6 +55,7 @@ import numpy as np
 from jax.experimental.buffer_callback import buffer_callback
 
 from ..driver.memory import copy_dtod_async
+from ..driver.module import load
 from ..driver.stream import is_capturing
 from ..interop.dlpack import DLDeviceType
 from ..interop.tensor import CUDA, Tensor, as_dtype
@@ -66,7 +67,7 @@ from .jax_calls import RanksByDevice, buffer_ptr
 from .jax_dispatched import Dispatched
 from .jax_experts import ExpertsCalls, JaxExperts
 from .jax_halves import HalvesCalls, JaxHalves, SendTicket, TraceOrder
-from .jax_plan import CopyOp, Group, encode, fake, pair_params, recorded, steady_pair, step_launch
+from .jax_plan import CopyOp, Group, copy_launch, encode, fake, pair_params, recorded, steady_pair, step_launch
 from .jax_route import RouteCalls, route
 
 jnp_dtype = jax.numpy.dtype
@@ -490,7 +491,10 @@ class JaxAlltoAll:
             ranks = dev.ranks
             fork, joins = dev.native_events()  # (the handler records and waits on them)
             members = [(r.rank, r.default_stream, j, r.record_page.host_ptr) for r, j in zip(ranks, joins)]
-            groups.append(Group(dev.device.ordinal, fork, members, ops_for(dev, len(flat_in))))
+            copy = load("util", dev.device).function("ep_copy_bytes")  # (copies run as kernels: copy_launch)
+            ops = [copy_launch(op, copy, dev.device.sm_count) if isinstance(op, CopyOp) else op
+                   for op in ops_for(dev, len(flat_in))]
+            groups.append(Group(dev.device.ordinal, fork, members, ops))
         first_steps = self.a2a.ranks[0].plan.first_steps
         plan = jax_ffi.Plan(encode(groups, len(flat_in) + len(flat_out), first_steps))
         self._plans.append(plan)

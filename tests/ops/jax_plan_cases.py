@@ -3,6 +3,7 @@ tests/protocol/launch_trace.py's rank with the driver replaced, the configuratio
 random step's arguments, the eager launches of a body, and the plans a traced call encodes."""
 import importlib.util
 import pathlib
+import struct
 
 import pytest
 
@@ -26,6 +27,14 @@ def block(data: bytes, **fields) -> bytes:
     for k, v in fields.items():
         setattr(p, k, v)
     return bytes(p)
+
+
+def copied(op) -> tuple:
+    """(dst, src, nbytes) of a planned copy: a launch of util.cu's ep_copy_bytes (jax_plan.copy_launch;
+    the replaced driver's functions are their names)."""
+    assert isinstance(op, jax_plan.LaunchOp) and op.function == "ep_copy_bytes", op
+    assert op.block == 256 and op.grid >= 1 and not op.pdl
+    return struct.unpack("<QQQ", b"".join(op.args))
 
 
 def launched(body) -> list:
