@@ -26,6 +26,7 @@ the dispatch send after the previous step's combine receive, which never trigger
 from __future__ import annotations
 
 import dataclasses
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -197,7 +198,6 @@ def copy_launch(op: CopyOp, function, sm_count: int) -> LaunchOp:
     """op as a launch of util.cu's ep_copy_bytes (`function` on op's GPU): the handler issues a
     kernel launch in less host time than cuMemcpyDtoDAsync (under XLA's command buffers, which
     replay the call, both cost the same)."""
-    import struct
     grid = max(1, min(-(-op.nbytes // (256 * 16)), 4 * sm_count))
     return LaunchOp(op.rank, function, grid, 256, 0, 1, False,
                     [struct.pack("<Q", op.dst), struct.pack("<Q", op.src), struct.pack("<Q", op.nbytes)])
