@@ -42,13 +42,15 @@ def test_cubin_launch_and_graph_replay():
 
 
 def test_copy_bytes_kernel_matches_numpy():
-    """util.cu's ep_copy_bytes (the JAX plan's copies): random sizes and byte offsets of both ends
-    (the 16-byte path and the byte path), the bytes around the target left as poisoned."""
+    """util.cu's ep_copy_bytes as the JAX plan launches it (jax_plan.copy_launch: its grid and
+    argument bytes): random sizes and byte offsets of both ends (the 16-byte path and the byte
+    path), the bytes around the target left as poisoned."""
     from ep_a2a.driver import get_device
     from ep_a2a.driver.launch import launch_once
     from ep_a2a.driver.module import load
     from ep_a2a.driver.stream import Stream
     from ep_a2a.interop.arrays import from_numpy, to_numpy
+    from ep_a2a.ops.jax_plan import CopyOp, copy_launch
     dev = get_device(0)
     s = Stream(dev)
     fn = load("util", dev).function("ep_copy_bytes")
@@ -58,9 +60,9 @@ def test_copy_bytes_kernel_matches_numpy():
         so, do = (0, 0) if rng.random() < 0.5 else (int(rng.integers(0, 32)), int(rng.integers(0, 32)))
         src_h = rng.integers(0, 256, n + 64, dtype=np.uint8)
         src, dst = from_numpy(src_h, dev), from_numpy(np.full(n + 64, 0xA5, np.uint8), dev)
-        grid = max(1, min(-(-n // (256 * 16)), 4 * dev.sm_count))
-        launch_once(dev, fn, [ctypes.c_uint64(dst.ptr + do), ctypes.c_uint64(src.ptr + so), ctypes.c_uint64(n)],
-                    grid, 256, s.handle)
+        op = copy_launch(CopyOp(0, dst.ptr + do, src.ptr + so, n), fn, dev.sm_count)
+        launch_once(dev, op.function, [ctypes.c_uint64.from_buffer_copy(a) for a in op.args], op.grid, op.block,
+                    s.handle)
         s.synchronize()
         out = to_numpy(dst)
         assert (out[do:do + n] == src_h[so:so + n]).all(), (n, so, do)
