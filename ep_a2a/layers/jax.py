@@ -474,7 +474,7 @@ def moe_forward_traced(layers, xs, routers, runtime_max_tokens_per_rank: int = N
         routes = [r if r is not None else (i, w) for r, i, w in zip(routes, ids, ws)]
     routes = [(jax.numpy.asarray(i, jax.numpy.int32), jax.numpy.asarray(w, jax.numpy.float32)) for i, w in routes]
     d = ops.dispatch_to_experts([i for i, _ in routes], [[x, w] for x, (_, w) in zip(xs, routes)], runtime_max,
-                                rows=not fused)
+                                rows=not fused, counts=not fused)
     if fused:  # (FC1 reads the dispatched rows in place; FC2 finalizes into the combine input)
         return ops.experts_combine(d, [p["w1"] for p in params], [p["w2"] for p in params])
     ours = not any(isinstance(router, (tuple, list)) for router in routers)

@@ -112,7 +112,7 @@ class JaxAlltoAll:
         # the native path (jax_ffi.py): launch plans made while tracing, run by an FFI handler
         self.native = jax_ffi.native_or_warn()
         self._plans, self._combines = [], {}  # registered plans; dispatch site -> its combine's planned steps
-        self._roles = {}  # dispatch_to_experts site -> its (gather, weights) payloads and whether it gathers
+        self._roles = {}  # dispatch_to_experts site -> its (gather, weights) payloads, whether it gathers, counts
         self._order = TraceOrder()  # the trace's order of calls, whole and halves
         self._halves, self._experts = JaxHalves(self._halves_calls()), JaxExperts(self._experts_calls())
         a2a.on_close(self._release_plans)  # (a plan holds the ranks' streams and records: never past them)
@@ -297,7 +297,7 @@ class JaxAlltoAll:
             ids_o, pays_o, ticket = self._call(body, outs, ids_l, pays_l)
         self._order.done(DISPATCH)
         return Dispatched(ids_o[0] if single else ids_o, pays_o[0] if single else pays_o, ticket,
-                          ops=self, kind="dispatch", tmax=tmax, num_tokens=tokens, site=site)
+                          ops=self, kind="dispatch", tmax=tmax, num_tokens=tokens, site=site, single=single)
 
     def _launch_dispatch(self, dev, site, tmax, tokens, ids_l, pays_l, streams) -> list:
         a, args = self.o, []
@@ -372,7 +372,7 @@ class JaxAlltoAll:
                             f"got {type(dispatched).__name__}")
         if dispatched.kind != kind:
             raise ValueError(f"dispatched: came from {dispatched.kind}(); this call pairs with {kind}()")
-        return dispatched.tmax, not isinstance(dispatched.expert_ids, list)
+        return dispatched.tmax, dispatched.single
 
     def _combine_body(self, site, tmax, tokens, part_shapes, ctx, out, parts, ticket) -> None:
         dev = self._device(ticket)
@@ -387,14 +387,16 @@ class JaxAlltoAll:
 
     # -- the MoE pair -------------------------------------------------------------------------------
     def dispatch_to_experts(self, token_selected_experts, payloads, runtime_max_tokens_per_rank: int, *,
-                            gather: int = 0, weights: int = 1, rows: bool = True) -> Dispatched:
+                            gather: int = 0, weights: int = 1, rows: bool = True, counts: bool = True) -> Dispatched:
         """dispatch, then moe.build_index over the dispatched ids and router weights (payload
         `weights`: fp32 [top_k]) and moe.gather_rows of payload `gather`, in one call. Returns a
         Dispatched whose .rows per rank are [ep_size * T^ * top_k, *shape] expert-major (rows
         past the total are not written) and .counts int32 [local experts]: the grouped GEMM's
         input and group sizes (jax.lax.ragged_dot). Pair it with combine_from_experts.
         rows=False: no gather (.rows is None), for expert kernels that read payload `gather` where
-        dispatch left it (experts, experts_combine)."""
+        dispatch left it (experts, experts_combine). counts=False: no counts (.counts is None), which
+        those kernels read from the index itself: one copy fewer per rank, each a kernel that XLA
+        launches on every step."""
         a = self.o
         specs = a.payloads
         require(isinstance(gather, int) and 0 <= gather < len(specs), "gather",
@@ -406,10 +408,10 @@ class JaxAlltoAll:
                                                                    runtime_max_tokens_per_rank)
         if self.a2a is not None:
             self._rank_indexes()  # (allocated now, while tracing: never inside a call)
-        g, n, roles = specs[gather], len(ids_l), (gather, weights, bool(rows))
+        g, n, roles = specs[gather], len(ids_l), (gather, weights, bool(rows), bool(counts))
         gathered = jax.ShapeDtypeStruct((a.ep_size * tmax * a.top_k,) + tuple(g.shape), jnp_dtype(g.dtype))
-        counts = [jax.ShapeDtypeStruct((self._num_local(r),), np.int32) for r in self.rank_numbers]
-        outs = (counts, [gathered] * n if rows else None, jax.ShapeDtypeStruct((1,), np.uint32))
+        sizes = [jax.ShapeDtypeStruct((self._num_local(r),), np.int32) for r in self.rank_numbers]
+        outs = (sizes if counts else None, [gathered] * n if rows else None, jax.ShapeDtypeStruct((1,), np.uint32))
         site = self._site()
         self._roles[site] = roles
         self._order.check("dispatch_to_experts", DISPATCH)
@@ -419,23 +421,26 @@ class JaxAlltoAll:
             body = functools.partial(self._dispatch_body, site, tmax, tokens, roles)
             counts_o, rows_o, ticket = self._call(body, outs, ids_l, pays_l)
         self._order.done(DISPATCH)
-        return Dispatched(counts_o[0] if single else counts_o, rows_o[0] if single and rows else rows_o, ticket,
-                          ops=self, kind="dispatch_to_experts", tmax=tmax, num_tokens=tokens, site=site)
+        counts_o = counts_o[0] if single and counts else counts_o
+        rows_o = rows_o[0] if single and rows else rows_o
+        return Dispatched(counts_o, rows_o, ticket, ops=self, kind="dispatch_to_experts", tmax=tmax, num_tokens=tokens,
+                          site=site, single=single)
 
     def _index_and_gather(self, dev, site, roles, i, ids_v, pays_v, out, s) -> None:
-        gather, weights, into_rows = roles
+        gather, weights, into_rows, with_counts = roles
         r, a = dev.ranks[i], self.o
         idx = self._indexes[r.rank]
-        counts = out[0][i]
-        if counts.shape != (idx.num_local_experts,):  # (before the index overwrites anything)
+        expected = self._num_local(self.rank_numbers[i])
+        if expected != idx.num_local_experts:  # (before the index overwrites anything)
             raise RuntimeError(f"rank {r.rank} owns {idx.num_local_experts} local experts, but the traced call "
-                               f"expected {counts.shape[0]}: under shard_map every GPU's ranks must own as many")
+                               f"expected {expected}: under shard_map every GPU's ranks must own as many")
         build_index(ids_v, pays_v[weights], num_experts=a.num_experts, ep_size=a.ep_size, rank=r.rank, stream=s, out=idx)
         if into_rows:
             g = a.payloads[gather]
             rows = dev.slot((site, i, "rows"), (idx.capacity,) + tuple(g.shape), g.dtype, i).at(out[1][i])
             gather_rows(idx, pays_v[gather], rows, stream=s)
-        copy_dtod_async(buffer_ptr(counts), idx.counts.ptr, idx.counts.nbytes, s)
+        if with_counts:
+            copy_dtod_async(buffer_ptr(out[0][i]), idx.counts.ptr, idx.counts.nbytes, s)
 
     def combine_from_experts(self, fc2_out, dispatched: Dispatched):
         """moe.finalize of the experts' output (in the rows' order) into the combine input, then
@@ -527,14 +532,16 @@ class JaxAlltoAll:
                     ops.append(CopyOp(i, fake(n_in + i), ids_v.ptr, ids_v.nbytes))
                     ops += [CopyOp(i, fake(n_in + n + i * P + q), v.ptr, v.nbytes) for q, v in enumerate(pays_v)]
                 else:
-                    ops += self._index_ops(dev, i, roles, tmax, ids_v, pays_v, fake(n_in + i), fake(n_in + n + i))
+                    counted = roles[3]  # (results: counts [n] if any, then rows [n] if any, then the ticket)
+                    ops += self._index_ops(dev, i, roles, tmax, ids_v, pays_v, fake(n_in + i) if counted else None,
+                                           fake(n_in + n * counted + i))
             per_device[dev.device.ordinal] = combines
             return ops
         return ops_for
 
     def _index_ops(self, dev, i, roles, tmax, ids_v, pays_v, counts_at, rows_at) -> list:
         """The MoE index and gather of rank i, as moe.build_index and moe.gather_rows launch them."""
-        gather, weights, into_rows = roles
+        gather, weights, into_rows, _ = roles
         r, a = dev.ranks[i], self.o
         idx = self._rank_indexes()[self.a2a.ranks.index(r)]
         counts = self._num_local(self.rank_numbers[i])
@@ -549,7 +556,7 @@ class JaxAlltoAll:
                         stream=r.default_stream, out=idx)
             if into_rows:
                 gather_rows(idx, pays_v[gather], rows, stream=r.default_stream)
-        return recorded(i, run) + [CopyOp(i, counts_at, idx.counts.ptr, idx.counts.nbytes)]
+        return recorded(i, run) + ([CopyOp(i, counts_at, idx.counts.ptr, idx.counts.nbytes)] if counts_at else [])
 
     def _combine_ops(self, dispatched, fc2_geo):
         """ops_for of a combine (fc2_geo None: stage the partial results into the workspace) or of

@@ -46,7 +46,7 @@ class ExpertsCalls(NamedTuple):
     rank_indexes: Callable        # () -> the ExpertIndex of every rank of the all-to-all (trace time)
     index_of: Callable            # rank number -> its ExpertIndex (run time)
     device_of: Callable           # ticket buffer -> the jax_calls.DeviceRanks that holds it
-    roles_of: Callable            # dispatch site -> (gather payload, weights payload, whether it gathers)
+    roles_of: Callable            # dispatch site -> (gather payload, weights payload, whether it gathers, counts)
     planned_combine: Callable     # (dispatched, dev, rank position) -> the combine launch its dispatch planned
     rank_numbers: tuple           # the ranks of one call, by position
 

@@ -229,7 +229,7 @@ class JaxHalves:
         ids_o, pays_o, tk = c.call(self._half_ops(t.site, 1, copies), outs, t.ticket)
         c.order.done(DISPATCH_RECEIVE, t.site)
         return c.dispatched(ids_o[0] if t.single else ids_o, pays_o[0] if t.single else pays_o, tk, ops=c.owner,
-                            kind="dispatch_recv", tmax=tmax, num_tokens=t.num_tokens, site=t.site)
+                            kind="dispatch_recv", tmax=tmax, num_tokens=t.num_tokens, site=t.site, single=t.single)
 
     # -- combine ----------------------------------------------------------------------------------
     def combine_send(self, partial, dispatched) -> SendTicket:

@@ -205,7 +205,7 @@ def test_experts_call_shapes_and_its_trace_time_errors():
 
 def test_experts_combine_shapes_and_its_trace_time_errors():
     """JaxAlltoAll.experts_combine after dispatch_to_experts(rows=False): the combine's output
-    [T_r, hidden] per rank and no rows; refused while tracing after dispatch() and with a
+    [T_r, hidden] per rank and no rows (nor counts with counts=False); refused while tracing after dispatch() and with a
     combine that does not take the experts' bf16 rows."""
     ops, ids, pays, w1, w2, L, inter = _experts_setup()
 
@@ -215,6 +215,12 @@ def test_experts_combine_shapes_and_its_trace_time_errors():
         return ops.experts_combine(d, w1, w2)
     y = jax.eval_shape(step, ids, pays, w1, w2)
     assert [(o.shape, o.dtype) for o in y] == [((t, H), jnp.bfloat16) for t in (8, 3, 0, 5)]
+
+    def uncounted(ids, pays, w1, w2):
+        d = ops.dispatch_to_experts(ids, pays, 8, rows=False, counts=False)
+        assert d.rows is None and d.counts is None
+        return ops.experts_combine(d, w1, w2)
+    assert [(o.shape, o.dtype) for o in jax.eval_shape(uncounted, ids, pays, w1, w2)] == [(o.shape, o.dtype) for o in y]
     _raises(ValueError, "dispatched: came from dispatch(); this call pairs with dispatch_to_experts()",
             lambda i, p: ops.experts_combine(ops.dispatch(i, p, 8), w1, w2), ids, pays)
     fp32 = JaxAlltoAll.traced_only(_options(combine_dtype="float32"), rank_numbers=(0, 1, 2, 3))

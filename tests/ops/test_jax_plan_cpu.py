@@ -261,11 +261,12 @@ def test_a_released_plan_id_is_never_reused():
         q.release()
 
 
+@pytest.mark.parametrize("counts", [True, False])
 @pytest.mark.parametrize("quant", [None, "fp8"])
-def test_traced_experts_combine_finalizes_in_fc2_and_combines_into_its_result(monkeypatch, quant):
+def test_traced_experts_combine_finalizes_in_fc2_and_combines_into_its_result(monkeypatch, quant, counts):
     """dispatch_to_experts(rows=False) then experts_combine, traced and lowered on the CPU with the
     native path: the dispatch plans no gather (no launch of it names an XLA buffer but the
-    counts' copy); the one call of experts_combine (operands w_gate_up, w_down, ticket; results
+    counts' copy, and with counts=False there is none); the one call of experts_combine (operands w_gate_up, w_down, ticket; results
     out, fc2 rows, activations) runs FC1, FC2 finalizing into the combine input (bf16), or FC2
     then a finalize writing the FP8 input (combine_quant="fp8"), then the combine its dispatch
     planned with its output moved to result 0 (buffer 3)."""
@@ -279,21 +280,23 @@ def test_traced_experts_combine_finalizes_in_fc2_and_combines_into_its_result(mo
     specs, L, inter = a2a.payload_specs, ops._num_local(r.rank), 64
 
     def step(ids, pays, w1, w2):
-        d = ops.dispatch_to_experts(ids, pays, tmax, gather=0, weights=2, rows=False)
-        assert d.rows is None
-        return d.counts, ops.experts_combine(d, w1, w2)
+        d = ops.dispatch_to_experts(ids, pays, tmax, gather=0, weights=2, rows=False, counts=counts)
+        assert d.rows is None and (d.counts is None) == (not counts)
+        return (d.counts if counts else None), ops.experts_combine(d, w1, w2)
     args = (jax.ShapeDtypeStruct((T, trace.TOP_K), jnp.int32),
             [jax.ShapeDtypeStruct((T,) + tuple(s.shape), jnp.dtype(s.dtype)) for s in specs],
             jax.ShapeDtypeStruct((L, 2 * inter, trace.H), jnp.bfloat16),
             jax.ShapeDtypeStruct((L, trace.H, inter), jnp.bfloat16))
     lowered = jax.jit(step).lower(*args)
     assert lowered.as_text().count("custom_call @ep_a2a_run") == 2
-    counts, y = lowered.out_info
-    assert (y.shape, y.dtype) == ((T, trace.H), jnp.bfloat16) and counts.shape == (L,)
+    sizes, y = lowered.out_info
+    assert (y.shape, y.dtype) == ((T, trace.H), jnp.bfloat16) and (sizes.shape == (L,) if counts else sizes is None)
     (dispatch,), (call,) = made
     P = len(specs)
-    assert copied(dispatch.ops[-1])[0] == jax_plan.fake(P + 1)
-    assert not [op for op in dispatch.ops[1:-1] if jax_plan.patches(jax_plan._arg_words(op.args)[1])]
+    if counts:
+        assert copied(dispatch.ops[-1])[0] == jax_plan.fake(P + 1)
+    rest = dispatch.ops[1:-1] if counts else dispatch.ops[1:]
+    assert not [op for op in rest if op.function == "ep_copy_bytes" or jax_plan.patches(jax_plan._arg_words(op.args)[1])]
     fc1, fc2, *fin, c_launch = call.ops
     assert len(fin) == (quant == "fp8")
     assert [b for _, b, _ in jax_plan.patches(jax_plan._arg_words(fc1.args)[1])] == [0, 5]
