@@ -182,10 +182,11 @@ class JaxAlltoAll:
         what combine() returns."""
         return self._halves.combine_recv(ticket)
 
-    def native_calls(self, ordinal: int = 0) -> int:
+    def native_calls(self, ordinal: int = 0, graphed: bool = False) -> int:
         """How many times the FFI handler has run this object's launch plans on cuda:`ordinal`
-        (0 on the Python path). Under XLA's command buffers it runs only when XLA records."""
-        return sum(plan.calls(ordinal) for plan in self._plans)
+        (0 on the Python path). Under XLA's command buffers it runs only when XLA records;
+        `graphed`: the runs that replayed the handler's own graph (calls XLA did not capture)."""
+        return sum(plan.calls(ordinal, graphed) for plan in self._plans)
 
     def _release_plans(self) -> None:
         """Release the launch plans (a jitted call of one after this gets a clean FFI error)."""

@@ -8,6 +8,8 @@ callbacks (jax_calls.py) and the first JaxAlltoAll says so in one warning.
 
   EP_A2A_JAX_NATIVE=0             the Python callbacks even where the library is present
   EP_A2A_JAX_COMMAND_BUFFERS=0    the handler that XLA never captures in its command buffers
+  EP_A2A_JAX_OWN_GRAPHS=0         a call XLA does not capture launches kernel by kernel instead of
+                                  replaying the handler's own CUDA graph (read when a plan registers)
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ CUBINS = Path(__file__).resolve().parent.parent / "cubins"
 LIBRARY = CUBINS / "libep_a2a_jax.so"
 TARGETS = {True: ("ep_a2a_run", "ep_a2a_ffi_run"), False: ("ep_a2a_run_uncaptured", "ep_a2a_ffi_run_uncaptured")}
 SYMBOLS = ("ep_a2a_ffi_run", "ep_a2a_ffi_run_uncaptured", "ep_a2a_ffi_register", "ep_a2a_ffi_release",
-           "ep_a2a_ffi_calls", "ep_a2a_ffi_plan_version", "ep_a2a_ffi_api_version")
+           "ep_a2a_ffi_calls", "ep_a2a_ffi_graph_launches", "ep_a2a_ffi_plan_version", "ep_a2a_ffi_api_version")
 
 _lib, _why, _registered, _warned = None, None, set(), False
 
@@ -57,6 +59,8 @@ def library(path: Path = LIBRARY):
     lib.ep_a2a_ffi_release.argtypes = [ctypes.c_int64]
     lib.ep_a2a_ffi_calls.restype = ctypes.c_uint64
     lib.ep_a2a_ffi_calls.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.ep_a2a_ffi_graph_launches.restype = ctypes.c_uint64
+    lib.ep_a2a_ffi_graph_launches.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.ep_a2a_ffi_plan_version.restype = ctypes.c_uint64
     lib.ep_a2a_ffi_api_version.restype = ctypes.c_int
     from .jax_plan import VERSION
@@ -133,9 +137,13 @@ class Plan:
         if self.id < 0:
             raise RuntimeError(f"ep_a2a: the native library refused a launch plan: {msg.value.decode()}")
 
-    def calls(self, ordinal: int) -> int:
-        """Calls this plan served on cuda:`ordinal` (tests: the native path ran)."""
-        return int(library().ep_a2a_ffi_calls(self.id, ordinal)) if self.id >= 0 else 0
+    def calls(self, ordinal: int, graphed: bool = False) -> int:
+        """Calls this plan served on cuda:`ordinal` (tests: the native path ran); `graphed`: those
+        its own CUDA graph served (calls XLA did not capture)."""
+        if self.id < 0:
+            return 0
+        count = library().ep_a2a_ffi_graph_launches if graphed else library().ep_a2a_ffi_calls
+        return int(count(self.id, ordinal))
 
     def release(self) -> None:
         if self.id >= 0:

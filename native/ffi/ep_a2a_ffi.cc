@@ -10,12 +10,16 @@
 //
 // The kernels keep their per-step state (epochs, flags) on the device, so a replay of a
 // captured call is a valid next step: the handler is declared command-buffer compatible.
+// A call XLA does not capture replays a CUDA graph of its own instead of launching kernel by
+// kernel (one cuGraphLaunch for every rank's ops; later calls re-set only the kernels whose
+// argument bytes changed): EP_A2A_JAX_OWN_GRAPHS=0 at registration turns that off.
 #include <cuda.h>
 #include <dlfcn.h>
 
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <shared_mutex>
@@ -51,9 +55,12 @@ struct Launch {
   std::vector<void*> params;
   CUlaunchAttribute attrs[2];
   unsigned num_attrs;
+  // in the group's own graph: its node and the argument bytes that node holds
+  CUgraphNode node = nullptr;
+  std::vector<uint64_t> live;
 };
 
-struct Copy { uint64_t dst_buffer, dst, src_buffer, src, bytes; };
+struct Copy { uint64_t dst_buffer, dst, src_buffer, src, bytes; uint64_t live_dst = 0, live_src = 0; };
 
 struct Op { uint64_t kind; uint32_t rank; Launch launch; Copy copy; };
 
@@ -67,12 +74,26 @@ struct Group {                 // the ranks of one GPU
   std::vector<Op> ops;
   std::mutex lock;              // one call at a time per GPU (the scratch is per plan)
   uint64_t calls = 0;
+  // The own graph (calls XLA does not capture): captured from private streams, so nothing
+  // else queued on the ranks' streams can fall into it.
+  struct Own {
+    bool off = false;           // not used (turned off, or its graph APIs failed once)
+    CUstream origin = nullptr;
+    std::vector<CUstream> branches;
+    CUevent fork = nullptr;
+    std::vector<CUevent> joins;
+    CUgraph graph = nullptr;
+    CUgraphExec exec = nullptr;
+    uint64_t launches = 0;      // calls it served (tests: this path really ran)
+  } own;
+  ~Group();
 };
 
 struct Plan {
   int64_t id = -1;              // never reused: a stale program naming a released plan finds none
   uint64_t buffers;             // operands then results
   uint64_t first_steps;
+  bool own_graphs = true;       // calls XLA does not capture replay the group's own graph
   std::vector<Group*> groups;
   ~Plan() { for (auto* g : groups) delete g; }
 };
@@ -98,7 +119,24 @@ struct Driver {
   CUresult (*get_ctx)(CUcontext*) = nullptr;
   CUresult (*set_ctx)(CUcontext) = nullptr;
   CUresult (*stream_ctx)(CUstream, CUcontext*) = nullptr;
+  // the own graph's (absent ones leave it off)
+  CUresult (*is_capturing)(CUstream, CUstreamCaptureStatus*) = nullptr;
+  CUresult (*begin_capture)(CUstream, CUstreamCaptureMode) = nullptr;
+  CUresult (*end_capture)(CUstream, CUgraph*) = nullptr;
+  CUresult (*capture_info)(CUstream, CUstreamCaptureStatus*, cuuint64_t*, CUgraph*, const CUgraphNode**, size_t*) = nullptr;
+  CUresult (*capture_info3)(CUstream, CUstreamCaptureStatus*, cuuint64_t*, CUgraph*, const CUgraphNode**,
+                            const CUgraphEdgeData**, size_t*) = nullptr;
+  CUresult (*instantiate)(CUgraphExec*, CUgraph, unsigned long long) = nullptr;
+  CUresult (*graph_launch)(CUgraphExec, CUstream) = nullptr;
+  CUresult (*set_kernel)(CUgraphExec, CUgraphNode, const CUDA_KERNEL_NODE_PARAMS*) = nullptr;
+  CUresult (*graph_destroy)(CUgraph) = nullptr;
+  CUresult (*exec_destroy)(CUgraphExec) = nullptr;
+  CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
+  CUresult (*stream_destroy)(CUstream) = nullptr;
+  CUresult (*event_create)(CUevent*, unsigned) = nullptr;
+  CUresult (*event_destroy)(CUevent) = nullptr;
   bool ok = false;
+  bool graphs = false;
 };
 
 const Driver& driver() {
@@ -115,6 +153,24 @@ const Driver& driver() {
     x.set_ctx = reinterpret_cast<decltype(x.set_ctx)>(dlsym(lib, "cuCtxSetCurrent"));
     x.stream_ctx = reinterpret_cast<decltype(x.stream_ctx)>(dlsym(lib, "cuStreamGetCtx"));
     x.ok = x.launch && x.copy && x.record && x.wait && x.error_name && x.get_ctx && x.set_ctx && x.stream_ctx;
+    // (the versioned names: the plain ones are the oldest ABI of each call)
+    x.is_capturing = reinterpret_cast<decltype(x.is_capturing)>(dlsym(lib, "cuStreamIsCapturing"));
+    x.begin_capture = reinterpret_cast<decltype(x.begin_capture)>(dlsym(lib, "cuStreamBeginCapture_v2"));
+    x.end_capture = reinterpret_cast<decltype(x.end_capture)>(dlsym(lib, "cuStreamEndCapture"));
+    x.capture_info = reinterpret_cast<decltype(x.capture_info)>(dlsym(lib, "cuStreamGetCaptureInfo_v2"));
+    x.capture_info3 = reinterpret_cast<decltype(x.capture_info3)>(dlsym(lib, "cuStreamGetCaptureInfo_v3"));
+    x.instantiate = reinterpret_cast<decltype(x.instantiate)>(dlsym(lib, "cuGraphInstantiateWithFlags"));
+    x.graph_launch = reinterpret_cast<decltype(x.graph_launch)>(dlsym(lib, "cuGraphLaunch"));
+    x.set_kernel = reinterpret_cast<decltype(x.set_kernel)>(dlsym(lib, "cuGraphExecKernelNodeSetParams_v2"));
+    x.graph_destroy = reinterpret_cast<decltype(x.graph_destroy)>(dlsym(lib, "cuGraphDestroy"));
+    x.exec_destroy = reinterpret_cast<decltype(x.exec_destroy)>(dlsym(lib, "cuGraphExecDestroy"));
+    x.stream_create = reinterpret_cast<decltype(x.stream_create)>(dlsym(lib, "cuStreamCreate"));
+    x.stream_destroy = reinterpret_cast<decltype(x.stream_destroy)>(dlsym(lib, "cuStreamDestroy_v2"));
+    x.event_create = reinterpret_cast<decltype(x.event_create)>(dlsym(lib, "cuEventCreate"));
+    x.event_destroy = reinterpret_cast<decltype(x.event_destroy)>(dlsym(lib, "cuEventDestroy_v2"));
+    x.graphs = x.is_capturing && x.begin_capture && x.end_capture && (x.capture_info || x.capture_info3) && x.instantiate &&
+               x.graph_launch && x.set_kernel && x.graph_destroy && x.exec_destroy && x.stream_create &&
+               x.stream_destroy && x.event_create && x.event_destroy;
     return x;
   }();
   return d;
@@ -224,6 +280,145 @@ ffi::Error cuda_error(CUresult err, const char* what, int64_t rank) {
   return ffi::Error(ffi::ErrorCode::kInternal, msg);
 }
 
+Group::~Group() {
+  const Driver& d = driver();
+  if (own.exec) d.exec_destroy(own.exec);
+  if (own.graph) d.graph_destroy(own.graph);
+  for (CUevent e : own.joins) d.event_destroy(e);
+  if (own.fork) d.event_destroy(own.fork);
+  for (CUstream s : own.branches) d.stream_destroy(s);
+  if (own.origin) d.stream_destroy(own.origin);
+}
+
+void patch(Launch& l, const uint64_t* addr, bool first) {
+  for (const Patch& p : l.patches) l.scratch[p.offset / 8] = addr[p.buffer] + p.add;
+  if (l.timeout_offset >= 0) l.scratch[l.timeout_offset / 8] = first ? l.first_timeout : l.timeout;
+}
+
+uint64_t copy_end(uint64_t buffer, uint64_t offset, const uint64_t* addr) {
+  return (buffer == kAbsolute ? 0 : addr[buffer]) + offset;
+}
+
+// Issues the group's ops, each on its rank's stream (patched already); while `capture`, notes
+// each op's graph node (the one node its stream then depends on).
+ffi::Error issue(Group& g, const CUstream* streams, const uint64_t* addr, bool capture) {
+  const Driver& d = driver();
+  for (Op& op : g.ops) {
+    CUstream s = streams[op.rank];
+    int64_t who = g.rank_numbers[op.rank];
+    if (op.kind == kLaunch) {
+      Launch& l = op.launch;
+      CUlaunchConfig cfg;
+      memset(&cfg, 0, sizeof cfg);
+      cfg.gridDimX = l.grid; cfg.gridDimY = cfg.gridDimZ = 1;
+      cfg.blockDimX = l.block; cfg.blockDimY = cfg.blockDimZ = 1;
+      cfg.sharedMemBytes = l.shared;
+      cfg.hStream = s;
+      cfg.attrs = l.num_attrs ? l.attrs : nullptr;
+      cfg.numAttrs = l.num_attrs;
+      if (CUresult e = d.launch(&cfg, l.function, l.params.data(), nullptr)) return cuda_error(e, "cuLaunchKernelEx", who);
+    } else {
+      Copy& c = op.copy;
+      c.live_dst = copy_end(c.dst_buffer, c.dst, addr);
+      c.live_src = copy_end(c.src_buffer, c.src, addr);
+      if (c.bytes)
+        if (CUresult e = d.copy(c.live_dst, c.live_src, c.bytes, s)) return cuda_error(e, "cuMemcpyDtoDAsync", who);
+    }
+    if (capture && op.kind == kLaunch) {
+      CUstreamCaptureStatus status;
+      cuuint64_t id;
+      CUgraph graph;
+      const CUgraphNode* deps = nullptr;
+      size_t n = 0;
+      const CUgraphEdgeData* edges = nullptr;  // (v3 where the driver has it: PDL edges carry data)
+      CUresult e = d.capture_info3 ? d.capture_info3(s, &status, &id, &graph, &deps, &edges, &n)
+                                   : d.capture_info(s, &status, &id, &graph, &deps, &n);
+      if (e) return cuda_error(e, "cuStreamGetCaptureInfo", who);
+      if (n != 1) return ffi::Error(ffi::ErrorCode::kInternal, "ep_a2a: a captured launch left its stream on no single node");
+      op.launch.node = deps[0];
+      op.launch.live = op.launch.scratch;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+void drop_graph(Group::Own& o) {
+  const Driver& d = driver();
+  if (o.exec) d.exec_destroy(o.exec);
+  if (o.graph) d.graph_destroy(o.graph);
+  o.exec = nullptr;
+  o.graph = nullptr;
+}
+
+// Captures the group's ops (patched) into its own graph: a private origin stream forks to one
+// private stream per rank and joins them, as the direct path does on the ranks' streams.
+ffi::Error capture(Group& g, const uint64_t* addr) {
+  const Driver& d = driver();
+  Group::Own& o = g.own;
+  drop_graph(o);
+  int64_t who = g.rank_numbers[0];
+  if (!o.origin) {
+    if (CUresult e = d.stream_create(&o.origin, CU_STREAM_NON_BLOCKING)) return cuda_error(e, "cuStreamCreate", who);
+    if (CUresult e = d.event_create(&o.fork, CU_EVENT_DISABLE_TIMING)) return cuda_error(e, "cuEventCreate", who);
+    for (size_t k = 0; k < g.streams.size(); ++k) {
+      CUstream s;
+      CUevent j;
+      if (CUresult e = d.stream_create(&s, CU_STREAM_NON_BLOCKING)) return cuda_error(e, "cuStreamCreate", who);
+      o.branches.push_back(s);
+      if (CUresult e = d.event_create(&j, CU_EVENT_DISABLE_TIMING)) return cuda_error(e, "cuEventCreate", who);
+      o.joins.push_back(j);
+    }
+  }
+  if (CUresult e = d.begin_capture(o.origin, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)) return cuda_error(e, "cuStreamBeginCapture", who);
+  ffi::Error failed = ffi::Error::Success();
+  CUresult e = d.record(o.fork, o.origin);
+  for (size_t k = 0; k < o.branches.size() && !e; ++k) e = d.wait(o.branches[k], o.fork, 0);
+  if (e) failed = cuda_error(e, "cuStreamWaitEvent (capture fork)", who);
+  if (failed.success()) failed = issue(g, o.branches.data(), addr, true);
+  // (every branch joins, also after a failure: the capture ends only with all of them joined)
+  for (size_t k = 0; k < o.branches.size(); ++k)
+    if (!d.record(o.joins[k], o.branches[k])) d.wait(o.origin, o.joins[k], 0);
+  CUgraph graph = nullptr;
+  e = d.end_capture(o.origin, &graph);
+  if (failed.success() && e) failed = cuda_error(e, "cuStreamEndCapture", who);
+  o.graph = graph;
+  if (failed.success())
+    if (CUresult e2 = d.instantiate(&o.exec, o.graph, 0)) failed = cuda_error(e2, "cuGraphInstantiate", who);
+  if (!failed.success()) drop_graph(o);
+  return failed;
+}
+
+// One call through the own graph: re-set the kernels whose bytes changed (a changed copy
+// end re-captures), then launch it on XLA's stream.
+ffi::Error replay(Group& g, CUstream xla, const uint64_t* addr) {
+  const Driver& d = driver();
+  bool recapture = !g.own.exec;
+  for (const Op& op : g.ops)
+    if (op.kind == kCopy && (copy_end(op.copy.dst_buffer, op.copy.dst, addr) != op.copy.live_dst ||
+                             copy_end(op.copy.src_buffer, op.copy.src, addr) != op.copy.live_src))
+      recapture = true;
+  if (recapture) {
+    if (ffi::Error e = capture(g, addr); !e.success()) return e;
+  } else {
+    for (Op& op : g.ops) {
+      Launch& l = op.launch;
+      if (op.kind != kLaunch || l.scratch == l.live) continue;
+      CUDA_KERNEL_NODE_PARAMS p;
+      memset(&p, 0, sizeof p);
+      p.func = l.function;
+      p.gridDimX = l.grid; p.gridDimY = p.gridDimZ = 1;
+      p.blockDimX = l.block; p.blockDimY = p.blockDimZ = 1;
+      p.sharedMemBytes = l.shared;
+      p.kernelParams = l.params.data();
+      if (CUresult e = d.set_kernel(g.own.exec, l.node, &p)) return cuda_error(e, "cuGraphExecKernelNodeSetParams", g.rank_numbers[op.rank]);
+      l.live = l.scratch;
+    }
+  }
+  if (CUresult e = d.graph_launch(g.own.exec, xla)) return cuda_error(e, "cuGraphLaunch", g.rank_numbers[0]);
+  ++g.own.launches;
+  return ffi::Error::Success();
+}
+
 ffi::Error run_group(Plan& plan, Group& g, CUstream xla, uint64_t* addr) {
   const Driver& d = driver();
   // A failure a kernel recorded in an earlier step (a peer timed out, a step aborted): the
@@ -252,6 +447,18 @@ ffi::Error run_group(Plan& plan, Group& g, CUstream xla, uint64_t* addr) {
   std::lock_guard<std::mutex> hold(g.lock);
   bool first = g.calls < plan.first_steps;
   ++g.calls;
+  for (Op& op : g.ops)
+    if (op.kind == kLaunch) patch(op.launch, addr, first);
+  // Outside a capture of XLA's, the own graph; inside one, XLA records the launches below.
+  CUstreamCaptureStatus status = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (plan.own_graphs && d.graphs && !g.own.off && !d.is_capturing(xla, &status) &&
+      status == CU_STREAM_CAPTURE_STATUS_NONE) {
+    ffi::Error e = replay(g, xla, addr);
+    if (e.success() || g.own.launches) return e;
+    // the graph APIs refused from the start: launch directly from now on
+    g.own.off = true;
+    drop_graph(g.own);
+  }
   const bool fork = g.streams.size() > 1;
   if (fork) {
     // every rank's stream first waits for what XLA queued, so no spinning kernel of ours
@@ -260,31 +467,8 @@ ffi::Error run_group(Plan& plan, Group& g, CUstream xla, uint64_t* addr) {
     for (size_t k = 0; k < g.streams.size(); ++k)
       if (CUresult e = d.wait(g.streams[k], g.fork, 0)) return cuda_error(e, "cuStreamWaitEvent (fork)", g.rank_numbers[k]);
   }
-  ffi::Error failed = ffi::Error::Success();
-  for (Op& op : g.ops) {
-    CUstream s = fork ? g.streams[op.rank] : xla;
-    int64_t who = g.rank_numbers[op.rank];
-    if (op.kind == kLaunch) {
-      Launch& l = op.launch;
-      for (const Patch& p : l.patches) l.scratch[p.offset / 8] = addr[p.buffer] + p.add;
-      if (l.timeout_offset >= 0) l.scratch[l.timeout_offset / 8] = first ? l.first_timeout : l.timeout;
-      CUlaunchConfig cfg;
-      memset(&cfg, 0, sizeof cfg);
-      cfg.gridDimX = l.grid; cfg.gridDimY = cfg.gridDimZ = 1;
-      cfg.blockDimX = l.block; cfg.blockDimY = cfg.blockDimZ = 1;
-      cfg.sharedMemBytes = l.shared;
-      cfg.hStream = s;
-      cfg.attrs = l.num_attrs ? l.attrs : nullptr;
-      cfg.numAttrs = l.num_attrs;
-      if (CUresult e = d.launch(&cfg, l.function, l.params.data(), nullptr)) { failed = cuda_error(e, "cuLaunchKernelEx", who); break; }
-    } else {
-      const Copy& c = op.copy;
-      uint64_t dst = (c.dst_buffer == kAbsolute ? 0 : addr[c.dst_buffer]) + c.dst;
-      uint64_t src = (c.src_buffer == kAbsolute ? 0 : addr[c.src_buffer]) + c.src;
-      if (c.bytes)
-        if (CUresult e = d.copy(dst, src, c.bytes, s)) { failed = cuda_error(e, "cuMemcpyDtoDAsync", who); break; }
-    }
-  }
+  CUstream alone[1] = {xla};  // (a group of one rank runs on XLA's stream)
+  ffi::Error failed = issue(g, fork ? g.streams.data() : alone, addr, false);
   if (fork)  // (every rank, also after a failure: XLA frees its buffers after whatever was launched)
     for (size_t k = 0; k < g.streams.size(); ++k) {
       if (CUresult e = d.record(g.joins[k], g.streams[k])) {
@@ -359,6 +543,8 @@ int ep_a2a_ffi_api_version() { return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MIN
 int64_t ep_a2a_ffi_register(const uint64_t* words, uint64_t n, char* why, uint64_t why_len) {
   Plan* plan = parse(words, n, why, why_len);
   if (!plan) return -1;
+  const char* own = getenv("EP_A2A_JAX_OWN_GRAPHS");
+  plan->own_graphs = !(own && strcmp(own, "0") == 0);
   std::lock_guard<std::mutex> hold(registry);
   for (int64_t tries = 0; tries < kMaxPlans; ++tries) {
     int64_t id = next_id++;
@@ -386,6 +572,16 @@ uint64_t ep_a2a_ffi_calls(int64_t id, int64_t ordinal) {
   if (!p) return 0;
   for (Group* g : p->groups)
     if (g->ordinal == ordinal || (p->groups.size() == 1 && g->ordinal < 0)) return g->calls;
+  return 0;
+}
+
+// Calls a plan's own graph has served on one GPU (tests: that path really ran).
+uint64_t ep_a2a_ffi_graph_launches(int64_t id, int64_t ordinal) {
+  std::shared_lock<std::shared_mutex> using_plans(in_use);
+  Plan* p = find(id);
+  if (!p) return 0;
+  for (Group* g : p->groups)
+    if (g->ordinal == ordinal || (p->groups.size() == 1 && g->ordinal < 0)) return g->own.launches;
   return 0;
 }
 

@@ -244,19 +244,22 @@ with ep_a2a.LocalGroup([0] * 4) as group, ep_a2a.MoeAlltoAll(group, max_tokens_p
         tokens = [8, 5, 0, 8] if step % 2 == 0 else [int(x) for x in rng.integers(0, 9, 4)]
         t.check_step(ops, a2a, rng, tokens, 8, dev, f, f"{{seed}} XLA_FLAGS={{os.environ.get('XLA_FLAGS')}} step {{step}}")
     path = t._path(ops)
-print("CHILD OK", path, os.environ.get("XLA_FLAGS"))
+    graphed, calls = (ops.native_calls(0, graphed=True), ops.native_calls(0)) if ops.native else (0, 0)
+print("CHILD OK", path, f"graphed={{graphed}}/{{calls}}", os.environ.get("XLA_FLAGS"))
 """
 
 CAPTURE = "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
 
 @pytest.mark.parametrize("flags,native", [(None, None), ("--xla_gpu_enable_command_buffer=", None), (CAPTURE, None),
-                                          (CAPTURE, "uncaptured"), (None, "python")])
+                                          (CAPTURE, "uncaptured"), ("--xla_gpu_enable_command_buffer=", "direct"),
+                                          (None, "python")])
 def test_command_buffers_on_and_off(flags, native):
     """XLA's command buffers (CUDA graphs) enabled, disabled and by default, results unchanged:
     the native handler is declared command-buffer compatible (captured and replayed, CAPTURE);
-    EP_A2A_JAX_COMMAND_BUFFERS=0 picks the handler XLA never captures; EP_A2A_JAX_NATIVE=0 the
-    Python callbacks (never captured either)."""
+    EP_A2A_JAX_COMMAND_BUFFERS=0 picks the handler XLA never captures, whose every call then
+    replays the handler's own graph; EP_A2A_JAX_OWN_GRAPHS=0 launches kernel by kernel instead;
+    EP_A2A_JAX_NATIVE=0 the Python callbacks (never captured either)."""
     _gpu()
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ)
@@ -267,6 +270,9 @@ def test_command_buffers_on_and_off(flags, native):
         env["EP_A2A_JAX_COMMAND_BUFFERS"] = "0"
     if native == "python":
         env["EP_A2A_JAX_NATIVE"] = "0"
+    env.pop("EP_A2A_JAX_OWN_GRAPHS", None)
+    if native == "direct":
+        env["EP_A2A_JAX_OWN_GRAPHS"] = "0"
     code = CHILD.format(root=os.path.dirname(os.path.dirname(here)), tests=os.path.dirname(here))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                        cwd=here)
@@ -277,6 +283,11 @@ def test_command_buffers_on_and_off(flags, native):
         assert "CHILD OK python" in p.stdout
     elif jax_ffi.LIBRARY.is_file():
         assert "CHILD OK native" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+        graphed, calls = map(int, p.stdout.split("graphed=")[1].split()[0].split("/"))
+        if native == "uncaptured":
+            assert 0 < graphed == calls, p.stdout[-2000:]
+        if native == "direct":
+            assert graphed == 0 < calls, p.stdout[-2000:]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
