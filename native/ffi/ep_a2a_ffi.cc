@@ -84,6 +84,7 @@ struct Group {                 // the ranks of one GPU
     std::vector<CUevent> joins;
     CUgraph graph = nullptr;
     CUgraphExec exec = nullptr;
+    CUcontext ctx = nullptr;    // the context its streams and events were created in
     uint64_t launches = 0;      // calls it served (tests: this path really ran)
   } own;
   ~Group();
@@ -282,12 +283,18 @@ ffi::Error cuda_error(CUresult err, const char* what, int64_t rank) {
 
 Group::~Group() {
   const Driver& d = driver();
+  CUcontext before = nullptr;
+  if (own.ctx) {  // (the streams and events are the context's: it is current while they go)
+    d.get_ctx(&before);
+    if (before != own.ctx) d.set_ctx(own.ctx);
+  }
   if (own.exec) d.exec_destroy(own.exec);
   if (own.graph) d.graph_destroy(own.graph);
   for (CUevent e : own.joins) d.event_destroy(e);
   if (own.fork) d.event_destroy(own.fork);
   for (CUstream s : own.branches) d.stream_destroy(s);
   if (own.origin) d.stream_destroy(own.origin);
+  if (own.ctx && before != own.ctx) d.set_ctx(before);
 }
 
 void patch(Launch& l, const uint64_t* addr, bool first) {
@@ -319,10 +326,10 @@ ffi::Error issue(Group& g, const CUstream* streams, const uint64_t* addr, bool c
       if (CUresult e = d.launch(&cfg, l.function, l.params.data(), nullptr)) return cuda_error(e, "cuLaunchKernelEx", who);
     } else {
       Copy& c = op.copy;
-      c.live_dst = copy_end(c.dst_buffer, c.dst, addr);
-      c.live_src = copy_end(c.src_buffer, c.src, addr);
+      uint64_t dst = copy_end(c.dst_buffer, c.dst, addr), src = copy_end(c.src_buffer, c.src, addr);
+      if (capture) c.live_dst = dst, c.live_src = src;  // (what the own graph's copy node holds)
       if (c.bytes)
-        if (CUresult e = d.copy(c.live_dst, c.live_src, c.bytes, s)) return cuda_error(e, "cuMemcpyDtoDAsync", who);
+        if (CUresult e = d.copy(dst, src, c.bytes, s)) return cuda_error(e, "cuMemcpyDtoDAsync", who);
     }
     if (capture && op.kind == kLaunch) {
       CUstreamCaptureStatus status;
@@ -358,6 +365,7 @@ ffi::Error capture(Group& g, const uint64_t* addr) {
   drop_graph(o);
   int64_t who = g.rank_numbers[0];
   if (!o.origin) {
+    d.get_ctx(&o.ctx);
     if (CUresult e = d.stream_create(&o.origin, CU_STREAM_NON_BLOCKING)) return cuda_error(e, "cuStreamCreate", who);
     if (CUresult e = d.event_create(&o.fork, CU_EVENT_DISABLE_TIMING)) return cuda_error(e, "cuEventCreate", who);
     for (size_t k = 0; k < g.streams.size(); ++k) {
