@@ -170,11 +170,12 @@ def main(argv=None) -> int:
                 print(json.dumps(rows[-1]), flush=True)
         name = group.ranks[0].device.name
     from ..tools.bench_report import commit as measured_commit
+    from .jax_ffi import handler_settings
     commit = measured_commit()  # ($EP_A2A_COMMIT on a machine whose tree copy has no .git)
     import jax
     result = {"device": name, "date": time.strftime("%Y-%m-%d"), "commit": commit, "jax": jax.__version__,
               "ranks": args.ranks, "hidden": args.hidden, "top_k": args.top_k, "experts": args.experts,
-              "command_buffers": os.environ.get("XLA_FLAGS", ""), "rows": rows}
+              "command_buffers": os.environ.get("XLA_FLAGS", ""), "handler": handler_settings(), "rows": rows}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

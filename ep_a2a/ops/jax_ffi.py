@@ -8,8 +8,8 @@ callbacks (jax_calls.py) and the first JaxAlltoAll says so in one warning.
 
   EP_A2A_JAX_NATIVE=0             the Python callbacks even where the library is present
   EP_A2A_JAX_COMMAND_BUFFERS=0    the handler that XLA never captures in its command buffers
-  EP_A2A_JAX_OWN_GRAPHS=1         a call XLA does not capture replays the handler's own CUDA graph
-                                  instead of launching kernel by kernel (read when a plan registers)
+  EP_A2A_JAX_OWN_GRAPHS=0         a call XLA does not capture launches kernel by kernel instead of
+                                  replaying the handler's own CUDA graph (read when a plan registers)
 """
 from __future__ import annotations
 
@@ -82,6 +82,11 @@ def why() -> str | None:
 
 def command_buffers() -> bool:
     return os.environ.get("EP_A2A_JAX_COMMAND_BUFFERS", "1") != "0"
+
+
+def handler_settings() -> dict:
+    """This process's handler settings, as benchmarks record them."""
+    return {"captured_by_xla": command_buffers(), "own_graphs": os.environ.get("EP_A2A_JAX_OWN_GRAPHS", "1") != "0"}
 
 
 def target() -> str:

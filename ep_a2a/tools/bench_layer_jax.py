@@ -96,7 +96,11 @@ def calls_path() -> str:
     """How the jitted step's dispatch and combine run: the native FFI library or Python callbacks."""
     from ..ops import jax_ffi
     reason = jax_ffi.why()
-    return "native" if reason is None else f"python callbacks ({reason})"
+    if reason is not None:
+        return f"python callbacks ({reason})"
+    h = jax_ffi.handler_settings()
+    return (f"native ({'the handler XLA may capture' if h['captured_by_xla'] else 'the handler XLA never captures'}, "
+            f"{'its own graph' if h['own_graphs'] else 'kernel by kernel'} where uncaptured)")
 
 
 def chained_steps(layers, runtime_max: int, steps: int):

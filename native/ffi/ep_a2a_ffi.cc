@@ -12,7 +12,7 @@
 // captured call is a valid next step: the handler is declared command-buffer compatible.
 // A call XLA does not capture replays a CUDA graph of its own instead of launching kernel by
 // kernel (one cuGraphLaunch for every rank's ops; later calls re-set only the kernels whose
-// argument bytes changed) where EP_A2A_JAX_OWN_GRAPHS=1 at registration.
+// argument bytes changed); EP_A2A_JAX_OWN_GRAPHS=0 at registration launches kernel by kernel.
 #include <cuda.h>
 #include <dlfcn.h>
 
@@ -94,7 +94,7 @@ struct Plan {
   int64_t id = -1;              // never reused: a stale program naming a released plan finds none
   uint64_t buffers;             // operands then results
   uint64_t first_steps;
-  bool own_graphs = false;      // calls XLA does not capture replay the group's own graph
+  bool own_graphs = true;       // calls XLA does not capture replay the group's own graph
   std::vector<Group*> groups;
   ~Plan() { for (auto* g : groups) delete g; }
 };
@@ -552,7 +552,7 @@ int64_t ep_a2a_ffi_register(const uint64_t* words, uint64_t n, char* why, uint64
   Plan* plan = parse(words, n, why, why_len);
   if (!plan) return -1;
   const char* own = getenv("EP_A2A_JAX_OWN_GRAPHS");
-  plan->own_graphs = own && strcmp(own, "1") == 0;
+  plan->own_graphs = !(own && strcmp(own, "0") == 0);
   std::lock_guard<std::mutex> hold(registry);
   for (int64_t tries = 0; tries < kMaxPlans; ++tries) {
     int64_t id = next_id++;

@@ -258,7 +258,7 @@ def test_command_buffers_on_and_off(flags, native):
     """XLA's command buffers (CUDA graphs) enabled, disabled and by default, results unchanged:
     the native handler is declared command-buffer compatible (captured and replayed, CAPTURE);
     EP_A2A_JAX_COMMAND_BUFFERS=0 picks the handler XLA never captures, whose every call then
-    replays the handler's own graph (EP_A2A_JAX_OWN_GRAPHS=1; =0 launches kernel by kernel);
+    replays the handler's own graph; EP_A2A_JAX_OWN_GRAPHS=0 launches kernel by kernel instead;
     EP_A2A_JAX_NATIVE=0 the Python callbacks (never captured either)."""
     _gpu()
     here = os.path.dirname(os.path.abspath(__file__))
@@ -270,7 +270,9 @@ def test_command_buffers_on_and_off(flags, native):
         env["EP_A2A_JAX_COMMAND_BUFFERS"] = "0"
     if native == "python":
         env["EP_A2A_JAX_NATIVE"] = "0"
-    env["EP_A2A_JAX_OWN_GRAPHS"] = "0" if native == "direct" else "1"
+    env.pop("EP_A2A_JAX_OWN_GRAPHS", None)
+    if native == "direct":
+        env["EP_A2A_JAX_OWN_GRAPHS"] = "0"
     code = CHILD.format(root=os.path.dirname(os.path.dirname(here)), tests=os.path.dirname(here))
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
                        cwd=here)
