@@ -86,7 +86,7 @@ def command_buffers() -> bool:
 
 def handler_settings() -> dict:
     """This process's handler settings, as benchmarks record them."""
-    return {"captured_by_xla": command_buffers(), "own_graphs": os.environ.get("EP_A2A_JAX_OWN_GRAPHS", "1") != "0"}
+    return {"xla_may_capture": command_buffers(), "own_graphs": os.environ.get("EP_A2A_JAX_OWN_GRAPHS", "1") != "0"}
 
 
 def target() -> str:

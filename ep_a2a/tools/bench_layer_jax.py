@@ -99,7 +99,7 @@ def calls_path() -> str:
     if reason is not None:
         return f"python callbacks ({reason})"
     h = jax_ffi.handler_settings()
-    return (f"native ({'the handler XLA may capture' if h['captured_by_xla'] else 'the handler XLA never captures'}, "
+    return (f"native ({'the handler XLA may capture' if h['xla_may_capture'] else 'the handler XLA never captures'}, "
             f"{'its own graph' if h['own_graphs'] else 'kernel by kernel'} where uncaptured)")
 
 
