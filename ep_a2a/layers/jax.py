@@ -388,12 +388,13 @@ class JaxMoeLayer(LayerBase):
 
     __call__ = forward
 
-    def native_calls(self) -> int:
+    def native_calls(self, updates: bool = False) -> int:
         """How often the FFI handler has run the launch plans of this layer's traced steps on its
         GPU (0 before any traced step or on the Python path): once per call without XLA's
-        command buffers; with them, only when XLA records the step."""
+        command buffers; with them, only when XLA records the step. `updates`: the kernel nodes
+        of the handler's own graphs that those runs re-set (ops.native_calls)."""
         ops = self._jit_ops
-        return 0 if ops is None else ops.native_calls(self.a2a_rank.device.ordinal)
+        return 0 if ops is None else ops.native_calls(self.a2a_rank.device.ordinal, updates=updates)
 
     def close(self) -> None:
         """Release what the layer made (its expert index and buffers); the all-to-all is the caller's."""

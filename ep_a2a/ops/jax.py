@@ -182,11 +182,12 @@ class JaxAlltoAll:
         what combine() returns."""
         return self._halves.combine_recv(ticket)
 
-    def native_calls(self, ordinal: int = 0, graphed: bool = False) -> int:
+    def native_calls(self, ordinal: int = 0, graphed: bool = False, updates: bool = False) -> int:
         """How many times the FFI handler has run this object's launch plans on cuda:`ordinal`
         (0 on the Python path). Under XLA's command buffers it runs only when XLA records;
-        `graphed`: the runs that replayed the handler's own graph (calls XLA did not capture)."""
-        return sum(plan.calls(ordinal, graphed) for plan in self._plans)
+        `graphed`: the runs that replayed the handler's own graph (calls XLA did not capture);
+        `updates`: the kernel nodes of those graphs that calls re-set (XLA's buffers moved)."""
+        return sum(plan.node_updates(ordinal) if updates else plan.calls(ordinal, graphed) for plan in self._plans)
 
     def _release_plans(self) -> None:
         """Release the launch plans (a jitted call of one after this gets a clean FFI error)."""

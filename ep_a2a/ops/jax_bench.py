@@ -99,9 +99,9 @@ def measure(a2a, path: str, T: int, hidden: int, iters: int, chain: int, rng) ->
         for f in (one, many):
             for _ in range(3):
                 jax.block_until_ready(f(ids, xs, ws))
-        runs = ops.native_calls()
+        runs, updates = ops.native_calls(), ops.native_calls(updates=True)
         wall = _median_us(lambda: jax.block_until_ready(one(ids, xs, ws)), iters)
-        runs = (ops.native_calls() - runs) / iters
+        runs, updates = (ops.native_calls() - runs) / iters, (ops.native_calls(updates=True) - updates) / iters
         issue = issue_us(lambda: one(ids, xs, ws), iters)
         wall_many = _median_us(lambda: jax.block_until_ready(many(ids, xs, ws)), iters)
         t0 = time.perf_counter()
@@ -119,7 +119,7 @@ def measure(a2a, path: str, T: int, hidden: int, iters: int, chain: int, rng) ->
             "device_us": device, "host_us": wall - device, "host_us_per_rank": (wall - device) / n,
             "jax_us": jax_us, "host_beyond_jax_us_per_rank": (wall - device - jax_us) / n,
             "issue_us": issue, "jax_issue_us": jax_issue, "issue_beyond_jax_us_per_rank": (issue - jax_issue) / n,
-            "handler_runs_per_call": runs}
+            "handler_runs_per_call": runs, "node_updates_per_call": updates}
 
 
 def parse_args(argv=None):
@@ -139,7 +139,7 @@ def parse_args(argv=None):
 def table(rows) -> list:
     """The summary table's lines, a row per token count and path."""
     lines = [f"{'T':>5} {'path':>7} {'wall':>9} {'pipelined':>10} {'device':>9} {'host':>9} {'host/rank':>10} "
-             f"{'jax':>7} {'beyond jax/rank':>16} {'issue':>7} {'jax issue':>10} {'runs/call':>10}"]
+             f"{'jax':>7} {'beyond jax/rank':>16} {'issue':>7} {'jax issue':>10} {'runs/call':>10} {'updates/call':>13}"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['tokens']:>5} {r['path']:>7}  skipped: {r['skipped']}")
@@ -147,7 +147,7 @@ def table(rows) -> list:
         lines.append(f"{r['tokens']:>5} {r['path']:>7} {r['wall_us']:>9.1f} {r['pipelined_us']:>10.1f} "
                      f"{r['device_us']:>9.1f} {r['host_us']:>9.1f} {r['host_us_per_rank']:>10.2f} {r['jax_us']:>7.1f} "
                      f"{r['host_beyond_jax_us_per_rank']:>16.2f} {r['issue_us']:>7.1f} {r['jax_issue_us']:>10.1f} "
-                     f"{r['handler_runs_per_call']:>10.2f}")
+                     f"{r['handler_runs_per_call']:>10.2f} {r.get('node_updates_per_call', 0):>13.2f}")
     return lines
 
 

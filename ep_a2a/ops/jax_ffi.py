@@ -60,7 +60,7 @@ def library(path: Path = LIBRARY):
     lib.ep_a2a_ffi_calls.restype = ctypes.c_uint64
     lib.ep_a2a_ffi_calls.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.ep_a2a_ffi_graph_launches.restype = ctypes.c_uint64
-    lib.ep_a2a_ffi_graph_launches.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.ep_a2a_ffi_graph_launches.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.ep_a2a_ffi_plan_version.restype = ctypes.c_uint64
     lib.ep_a2a_ffi_api_version.restype = ctypes.c_int
     from .jax_plan import VERSION
@@ -147,8 +147,13 @@ class Plan:
         its own CUDA graph served (calls XLA did not capture)."""
         if self.id < 0:
             return 0
-        count = library().ep_a2a_ffi_graph_launches if graphed else library().ep_a2a_ffi_calls
-        return int(count(self.id, ordinal))
+        lib = library()
+        return int(lib.ep_a2a_ffi_graph_launches(self.id, ordinal, 0) if graphed else lib.ep_a2a_ffi_calls(self.id, ordinal))
+
+    def node_updates(self, ordinal: int) -> int:
+        """Kernel nodes of its own graph that this plan's calls on cuda:`ordinal` re-set because
+        XLA's buffers (or the first-steps timeout) changed."""
+        return int(library().ep_a2a_ffi_graph_launches(self.id, ordinal, 1)) if self.id >= 0 else 0
 
     def release(self) -> None:
         if self.id >= 0:

@@ -23,7 +23,9 @@ elementwise op per rank (JAX's own dispatch and synchronization, which jit inclu
 handler of ours can remove). issue / jax_issue: the time until the jitted call (resp. that
 elementwise call) returns, before any wait: the host thread's own cost of a step, the rest of
 jit being the GPU's and the wait's. handler_runs_per_call: how often our FFI handler ran per
-timed jitted call (each call, or only when XLA's command buffer records it). The step's routing (random logits, the same every step of a size) selects
+timed jitted call (each call, or only when XLA's command buffer records it); node_updates_per_call:
+the kernel nodes of the handler's own graphs it re-set per call (where XLA's buffers moved).
+The step's routing (random logits, the same every step of a size) selects
 experts whose bf16 weights it must read (load_stats: experts_touched, weight_bytes_read), in at
 least weight_read_floor_us at the copy rate of a jitted elementwise pass over 1 GiB in the
 same run (bytes read + written per second), the experts' floor at small sizes.
@@ -234,12 +236,13 @@ def run(args, profiles: dict, commit) -> dict:
                 same = all(np.array_equal(a.view(np.uint16), b.view(np.uint16)) for a, b in zip(ours, eager))
                 load = load_stats([np.asarray(layer.routing[0]) for layer in layers], ep, T, top_k, E, H, I)
                 diff = max(max_relative_error(a.astype(np.float32), b.astype(np.float32)) for a, b in zip(ours, theirs))
-                runs = layers[0].native_calls()
+                runs, updates = layers[0].native_calls(), layers[0].native_calls(updates=True)
                 row = dict(tokens_per_rank=T, gemm=layers[0].expert_gemm(T), jit_equals_eager_bitwise=same,
                            max_rel_diff_vs_baseline=diff, **load,
                            weight_read_floor_us=load["weight_bytes_read"] / (rate * 1e12) * 1e6,
                            jit_us=_median_us(lambda: jitted(xs, logits), args.iters, args.warmup),
                            handler_runs_per_call=(layers[0].native_calls() - runs) / (args.iters + args.warmup),
+                           node_updates_per_call=(layers[0].native_calls(updates=True) - updates) / (args.iters + args.warmup),
                            eager_us=_median_us(lambda: moe_forward_all_ranks(layers, xs, logits, T), args.iters, args.warmup),
                            baseline_us=_median_us(lambda: base(xs, logits), args.iters, args.warmup))
                 row["device_us"] = (_median_us(lambda: many(xs, logits), args.iters, args.warmup) - row["jit_us"]) / CHAIN

@@ -86,6 +86,7 @@ struct Group {                 // the ranks of one GPU
     CUgraphExec exec = nullptr;
     CUcontext ctx = nullptr;    // the context its streams and events were created in
     uint64_t launches = 0;      // calls it served (tests: this path really ran)
+    uint64_t updates = 0;       // kernel nodes re-set (benchmarks: how often XLA's buffers move)
   } own;
   ~Group();
 };
@@ -420,6 +421,7 @@ ffi::Error replay(Group& g, CUstream xla, const uint64_t* addr) {
       p.kernelParams = l.params.data();
       if (CUresult e = d.set_kernel(g.own.exec, l.node, &p)) return cuda_error(e, "cuGraphExecKernelNodeSetParams", g.rank_numbers[op.rank]);
       l.live = l.scratch;
+      ++g.own.updates;
     }
   }
   if (CUresult e = d.graph_launch(g.own.exec, xla)) return cuda_error(e, "cuGraphLaunch", g.rank_numbers[0]);
@@ -583,13 +585,14 @@ uint64_t ep_a2a_ffi_calls(int64_t id, int64_t ordinal) {
   return 0;
 }
 
-// Calls a plan's own graph has served on one GPU (tests: that path really ran).
-uint64_t ep_a2a_ffi_graph_launches(int64_t id, int64_t ordinal) {
+// Calls a plan's own graph has served on one GPU (tests: that path really ran), or with
+// `updates` the kernel nodes those calls re-set.
+uint64_t ep_a2a_ffi_graph_launches(int64_t id, int64_t ordinal, int updates) {
   std::shared_lock<std::shared_mutex> using_plans(in_use);
   Plan* p = find(id);
   if (!p) return 0;
   for (Group* g : p->groups)
-    if (g->ordinal == ordinal || (p->groups.size() == 1 && g->ordinal < 0)) return g->own.launches;
+    if (g->ordinal == ordinal || (p->groups.size() == 1 && g->ordinal < 0)) return updates ? g->own.updates : g->own.launches;
   return 0;
 }
 
