@@ -25,7 +25,7 @@ CUBINS = Path(__file__).resolve().parent.parent / "cubins"
 LIBRARY = CUBINS / "libep_a2a_jax.so"
 TARGETS = {True: ("ep_a2a_run", "ep_a2a_ffi_run"), False: ("ep_a2a_run_uncaptured", "ep_a2a_ffi_run_uncaptured")}
 SYMBOLS = ("ep_a2a_ffi_run", "ep_a2a_ffi_run_uncaptured", "ep_a2a_ffi_register", "ep_a2a_ffi_release",
-           "ep_a2a_ffi_calls", "ep_a2a_ffi_graph_launches", "ep_a2a_ffi_plan_version", "ep_a2a_ffi_api_version")
+           "ep_a2a_ffi_calls", "ep_a2a_ffi_own_graph", "ep_a2a_ffi_plan_version", "ep_a2a_ffi_api_version")
 
 _lib, _why, _registered, _warned = None, None, set(), False
 
@@ -59,8 +59,8 @@ def library(path: Path = LIBRARY):
     lib.ep_a2a_ffi_release.argtypes = [ctypes.c_int64]
     lib.ep_a2a_ffi_calls.restype = ctypes.c_uint64
     lib.ep_a2a_ffi_calls.argtypes = [ctypes.c_int64, ctypes.c_int64]
-    lib.ep_a2a_ffi_graph_launches.restype = ctypes.c_uint64
-    lib.ep_a2a_ffi_graph_launches.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
+    lib.ep_a2a_ffi_own_graph.restype = ctypes.c_uint64
+    lib.ep_a2a_ffi_own_graph.argtypes = [ctypes.c_int64, ctypes.c_int64, ctypes.c_int]
     lib.ep_a2a_ffi_plan_version.restype = ctypes.c_uint64
     lib.ep_a2a_ffi_api_version.restype = ctypes.c_int
     from .jax_plan import VERSION
@@ -148,12 +148,12 @@ class Plan:
         if self.id < 0:
             return 0
         lib = library()
-        return int(lib.ep_a2a_ffi_graph_launches(self.id, ordinal, 0) if graphed else lib.ep_a2a_ffi_calls(self.id, ordinal))
+        return int(lib.ep_a2a_ffi_own_graph(self.id, ordinal, 0) if graphed else lib.ep_a2a_ffi_calls(self.id, ordinal))
 
     def node_updates(self, ordinal: int) -> int:
         """Kernel nodes of its own graph that this plan's calls on cuda:`ordinal` re-set because
         XLA's buffers (or the first-steps timeout) changed."""
-        return int(library().ep_a2a_ffi_graph_launches(self.id, ordinal, 1)) if self.id >= 0 else 0
+        return int(library().ep_a2a_ffi_own_graph(self.id, ordinal, 1)) if self.id >= 0 else 0
 
     def release(self) -> None:
         if self.id >= 0:

@@ -490,6 +490,13 @@ ffi::Error run_group(Plan& plan, Group& g, CUstream xla, uint64_t* addr) {
   return failed;
 }
 
+// The plan's group on GPU `ordinal` (a plan of one group whose GPU is not known serves any).
+Group* group_on(const Plan& plan, int64_t ordinal) {
+  for (Group* g : plan.groups)
+    if (g->ordinal == ordinal) return g;
+  return plan.groups.size() == 1 && plan.groups[0]->ordinal < 0 ? plan.groups[0] : nullptr;
+}
+
 ffi::Error Run(CUstream stream, int32_t ordinal, int64_t plan_id, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   if (!driver().ok) return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "ep_a2a: libcuda.so.1 could not be opened");
   std::shared_lock<std::shared_mutex> using_plans(in_use);
@@ -508,10 +515,7 @@ ffi::Error Run(CUstream stream, int32_t ordinal, int64_t plan_id, ffi::Remaining
     if (!b.has_value()) return b.error();
     addr[n_args + i] = reinterpret_cast<uint64_t>((*b)->untyped_data());
   }
-  Group* g = nullptr;
-  for (Group* c : plan->groups)
-    if (c->ordinal == ordinal) { g = c; break; }
-  if (!g && plan->groups.size() == 1 && plan->groups[0]->ordinal < 0) g = plan->groups[0];
+  Group* g = group_on(*plan, ordinal);
   if (!g) {
     char msg[160];
     snprintf(msg, sizeof msg, "ep_a2a: this call runs on device %d, where the all-to-all has no rank", ordinal);
@@ -579,21 +583,17 @@ void ep_a2a_ffi_release(int64_t id) {
 uint64_t ep_a2a_ffi_calls(int64_t id, int64_t ordinal) {
   std::shared_lock<std::shared_mutex> using_plans(in_use);
   Plan* p = find(id);
-  if (!p) return 0;
-  for (Group* g : p->groups)
-    if (g->ordinal == ordinal || (p->groups.size() == 1 && g->ordinal < 0)) return g->calls;
-  return 0;
+  Group* g = p ? group_on(*p, ordinal) : nullptr;
+  return g ? g->calls : 0;
 }
 
 // Calls a plan's own graph has served on one GPU (tests: that path really ran), or with
 // `updates` the kernel nodes those calls re-set.
-uint64_t ep_a2a_ffi_graph_launches(int64_t id, int64_t ordinal, int updates) {
+uint64_t ep_a2a_ffi_own_graph(int64_t id, int64_t ordinal, int updates) {
   std::shared_lock<std::shared_mutex> using_plans(in_use);
   Plan* p = find(id);
-  if (!p) return 0;
-  for (Group* g : p->groups)
-    if (g->ordinal == ordinal || (p->groups.size() == 1 && g->ordinal < 0)) return updates ? g->own.updates : g->own.launches;
-  return 0;
+  Group* g = p ? group_on(*p, ordinal) : nullptr;
+  return !g ? 0 : updates ? g->own.updates : g->own.launches;
 }
 
 }  // extern "C"
